@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - the allreduce demo under mpiexec -n 4
+#   make test   - the test suite
+# Both create .venv on first use. TORCH_SPEC picks the torch to put in first:
+# the CPU build by default; GPU users pass e.g. TORCH_SPEC=torch (or leave
+# their CUDA torch in place with TORCH_SPEC=).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+NP ?= 4
+
+.PHONY: install demo test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install -e ".[test,plot]"
+	touch $@
+
+demo: install
+	$(VENV)/bin/mpiexec -n $(NP) $(PY) -m ringcomm.demo
+
+# pytest exits 5 when it collected no test: that is a failure here.
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,98 @@
+"""ringcomm: a torch.distributed backend whose collectives are written in Python.
+
+``import ringcomm`` registers the ``"ringcomm"`` backend; under ``mpiexec`` it
+also fills in the rendezvous variables, so ``dist.init_process_group("ringcomm")``
+works unchanged under ``mpiexec`` and ``torchrun``.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import weakref
+from typing import Iterator
+
+import torch.distributed as dist
+
+from . import bootstrap
+from .algorithms import REGISTRY, register_algorithm
+from .process_group import Options, ProcessGroupRingcomm
+
+__version__ = "0.1.0"
+__all__ = ["Options", "ProcessGroupRingcomm", "register_algorithm", "set_algorithm",
+           "algorithm", "get_group", "REGISTRY", "__version__"]
+
+log = logging.getLogger("ringcomm")
+_level = os.environ.get("RINGCOMM_DEBUG", "").upper()
+if _level in ("INFO", "DETAIL"):
+    log.setLevel(logging.DEBUG if _level == "DETAIL" else logging.INFO)
+    if not log.handlers:
+        _h = logging.StreamHandler()
+        _h.setFormatter(logging.Formatter("[%(name)s %(levelname)s] %(message)s"))
+        log.addHandler(_h)
+
+_groups: "weakref.WeakSet[ProcessGroupRingcomm]" = weakref.WeakSet()
+
+
+def _create(dist_opts, pg_options) -> ProcessGroupRingcomm:
+    """Backend creator torch calls (extended API) for each ringcomm group."""
+    if pg_options is not None and not isinstance(pg_options, Options):
+        raise TypeError(f"ringcomm: pg_options must be ringcomm.Options, got "
+                        f"{type(pg_options).__name__}")
+    from .transport.mpi import MPITransport
+
+    comm = bootstrap.group_comm(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+                                list(dist_opts.global_ranks_in_group), dist_opts.timeout)
+    pg = ProcessGroupRingcomm(dist_opts.group_rank, dist_opts.group_size, MPITransport(comm),
+                              dist_opts.timeout, pg_options, str(dist_opts.group_id))
+    _groups.add(pg)
+    return pg
+
+
+def _shutdown_all() -> None:
+    # Before mpi4py finalizes MPI: no progress thread may be inside MPI then.
+    for pg in list(_groups):
+        pg._engine.shutdown(wait_s=1.0)
+
+
+def get_group(group=None) -> ProcessGroupRingcomm:
+    """The ringcomm ProcessGroup behind ``group`` (default: the world group).
+
+    Raises:
+        ValueError: the group is not a ringcomm group.
+    """
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupRingcomm):
+        raise ValueError(f"ringcomm: {pg!r} is not a ringcomm process group")
+    return pg
+
+
+def set_algorithm(collective: str, name: str, group=None) -> None:
+    """Run ``collective`` with algorithm ``name`` (``"auto"`` restores the automatic choice).
+
+    Every rank of the group must make the same call before its next collective.
+
+    Raises:
+        ValueError: unknown collective or algorithm, or not a ringcomm group.
+    """
+    get_group(group).set_algorithm(collective, name)
+
+
+@contextlib.contextmanager
+def algorithm(name: str, collective: str = "allreduce", group=None) -> Iterator[None]:
+    """Context manager: ``with ringcomm.algorithm("ring"): dist.all_reduce(t)``."""
+    pg = get_group(group)
+    old = pg.get_algorithm(collective)
+    pg.set_algorithm(collective, name)
+    try:
+        yield
+    finally:
+        pg.set_algorithm(collective, old)
+
+
+if bootstrap.launched_by_mpi():
+    bootstrap.setup_env_from_mpi()
+
+dist.Backend.register_backend("ringcomm", _create, extended_api=True, devices=["cpu", "cuda"])
+atexit.register(_shutdown_all)

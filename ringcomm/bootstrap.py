@@ -1,0 +1,154 @@
+"""Launcher detection and the MPI communicators behind each process group.
+
+Two ways to start a job, one script:
+
+* ``mpiexec -n N python script.py``: MPI already connects the processes. On
+  ``import ringcomm`` we fill in RANK / WORLD_SIZE / LOCAL_RANK and a
+  MASTER_ADDR / MASTER_PORT agreed over MPI, so ``init_process_group("ringcomm")``
+  needs no arguments and torch ranks equal MPI ranks.
+* ``torchrun`` (or any env:// launch without mpiexec): each process is an MPI
+  singleton. Rank 0 opens an MPI port and publishes its name in the c10d store;
+  ranks 1..N-1 connect one at a time, in rank order, and each new
+  intercommunicator is merged, giving one intracommunicator whose ranks equal
+  torch's.
+
+Subgroups are carved from the world communicator with ``Comm.Create_group``,
+which only the group's members call (as torch only calls the backend creator
+on members).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from datetime import timedelta
+
+log = logging.getLogger("ringcomm")
+
+# Variables set by MPI launchers (MPICH/Hydra, Open MPI, PMIx, MVAPICH).
+_MPI_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
+                      "MV2_COMM_WORLD_SIZE")
+
+_lock = threading.Lock()
+_world = None  # the world intracommunicator once known (MPI.Intracomm)
+
+
+def launched_by_mpi() -> bool:
+    """True under mpiexec/mpirun (and not under torchrun run inside one)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return False
+    return any(v in os.environ for v in _MPI_LAUNCHER_VARS)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def setup_env_from_mpi() -> None:
+    """Under an MPI launcher, export the variables torch's env:// rendezvous reads.
+
+    RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE come from MPI; MASTER_ADDR
+    and MASTER_PORT are kept if the user set them, else rank 0 picks a free port
+    and every rank learns it over MPI.
+    """
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    mine = (socket.gethostname(), _free_port() if rank == 0 else 0)
+    host0, port0 = world.bcast(mine if rank == 0 else None, root=0)
+    single_node = world.allreduce(1 if local_size == size else 0, op=MPI.MIN) == 1
+    for key, value in (("RANK", rank), ("WORLD_SIZE", size)):
+        old = os.environ.get(key)
+        if old is not None and old != str(value):
+            log.warning("ringcomm: replacing %s=%s with the MPI value %s", key, old, value)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank),
+                      LOCAL_WORLD_SIZE=str(local_size))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if single_node else host0)
+    os.environ.setdefault("MASTER_PORT", str(port0))
+
+
+def _store_wait(store, key: str, timeout: timedelta) -> bytes:
+    store.wait([key], timeout)
+    return store.get(key)
+
+
+def _connect_world(store, rank: int, size: int, timeout: timedelta):
+    """Join ``size`` MPI singletons into one intracommunicator ranked like torch."""
+    from mpi4py import MPI
+
+    if size == 1:
+        return MPI.COMM_SELF.Dup()
+    port = None
+    if rank == 0:
+        port = MPI.Open_port()
+        store.set("ringcomm/port", port)
+        comm = MPI.COMM_SELF.Dup()
+    else:
+        # Wait for our turn: members accept one newcomer at a time, and a connection
+        # arriving early would be accepted in another rank's place.
+        _store_wait(store, f"ringcomm/turn/{rank}", timeout)
+        port = _store_wait(store, "ringcomm/port", timeout).decode()
+        inter = MPI.COMM_SELF.Connect(port, root=0)
+        comm = inter.Merge(high=True)
+        inter.Free()
+    for newcomer in range(rank + 1, size):
+        if rank == 0:
+            store.set(f"ringcomm/turn/{newcomer}", b"1")
+        inter = comm.Accept(port if rank == 0 else None, root=0)
+        merged = inter.Merge(high=False)  # members first: ranks 0..newcomer
+        inter.Free()
+        comm.Free()
+        comm = merged
+    if rank == 0:
+        MPI.Close_port(port)
+    if comm.Get_rank() != rank or comm.Get_size() != size:
+        raise RuntimeError(f"ringcomm bootstrap: built a communicator with rank "
+                           f"{comm.Get_rank()}/{comm.Get_size()}, expected {rank}/{size}")
+    return comm
+
+
+def group_comm(store, rank: int, size: int, global_ranks: list[int], timeout: timedelta):
+    """A new intracommunicator for a torch group (the caller owns it).
+
+    Args:
+        store: the group's c10d store (used only to connect singletons).
+        rank, size: this process's rank in the group and the group size.
+        global_ranks: the group's members as world ranks, in group-rank order;
+            empty for the default (world) group.
+        timeout: bound on waiting for peers during set-up.
+    Raises:
+        RuntimeError: MPI's world does not match torch's.
+    """
+    from mpi4py import MPI
+
+    global _world
+    with _lock:
+        if launched_by_mpi() and _world is None:
+            _world = MPI.COMM_WORLD
+        if not global_ranks:  # the world group
+            if _world is None:
+                _world = _connect_world(store, rank, size, timeout)
+            if _world.Get_size() != size or _world.Get_rank() != rank:
+                raise RuntimeError(
+                    f"ringcomm: torch says rank {rank} of {size} but MPI says rank "
+                    f"{_world.Get_rank()} of {_world.Get_size()}; launch with mpiexec or "
+                    "torchrun and let ringcomm fill in RANK/WORLD_SIZE")
+            return _world.Dup()
+        if _world is None:
+            # The world group is not a ringcomm group: connect this group's members.
+            return _connect_world(store, rank, size, timeout)
+        world = _world
+    members = world.Get_group().Incl(list(global_ranks))
+    comm = world.Create_group(members)
+    members.Free()
+    if comm.Get_rank() != rank:
+        raise RuntimeError(f"ringcomm: group rank {comm.Get_rank()} != torch's {rank} for "
+                           f"ranks {global_ranks}")
+    return comm

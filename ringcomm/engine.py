@@ -1,0 +1,142 @@
+"""Per-group execution: one collective at a time, in issue order, each with a deadline.
+
+Every rank issues collectives in the same order, so executing them in issue
+order on one thread keeps the ranks matched. A synchronous call that finds
+nothing queued or running runs inline on the caller's thread (no thread
+hand-off, lower latency) — still one at a time and still in order.
+
+A collective that fails (timeout, transport error) leaves its peers in an
+unknown state, so the group is marked broken: queued and later collectives
+fail at once with the original error instead of mismatching or hanging.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from .transport import Transport, TransportTimeout
+from .work import Work
+
+log = logging.getLogger("ringcomm")
+
+
+class Engine:
+    """Runs the collectives of one group on its transport.
+
+    Args:
+        tp: the group's collective transport.
+        describe: returns a short description of the group for error messages.
+    """
+
+    def __init__(self, tp: Transport, describe: Callable[[], str]):
+        self.tp = tp
+        self._describe = describe
+        self._cv = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._busy = False
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def alive(self) -> bool:
+        """False once shut down with work left undone."""
+        return not self._stopped or (self._thread is not None and self._thread.is_alive())
+
+    def submit(self, op: str, fn: Callable[[], Any], *, async_op: bool, timeout_s: float) -> Work:
+        """Queue ``fn`` (the whole collective) and return its Work.
+
+        Args:
+            op: collective name for messages.
+            fn: runs the collective on ``self.tp`` and returns the Work's value.
+            async_op: False lets the call run inline when the group is idle.
+            timeout_s: deadline for the collective, counted from when it starts.
+        """
+        work = Work(op, self)
+        with self._cv:
+            if self._stopped:
+                work._finish(exc=dist.DistBackendError(
+                    f"ringcomm {op}: {self._describe()} has been shut down"))
+                return work
+            inline = not async_op and not self._busy and not self._queue
+            if inline:
+                self._busy = True
+            else:
+                self._queue.append((work, op, fn, timeout_s))
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._loop, name=f"ringcomm-{self._describe()}", daemon=True)
+                    self._thread.start()
+                self._cv.notify_all()
+        if inline:
+            try:
+                self._run(work, op, fn, timeout_s)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+        return work
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and (self._busy or not self._queue):
+                    self._cv.wait()
+                if self._stopped:
+                    pending, self._queue = list(self._queue), collections.deque()
+                    break
+                work, op, fn, timeout_s = self._queue.popleft()
+                self._busy = True
+            try:
+                self._run(work, op, fn, timeout_s)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+        for work, op, _, _ in pending:
+            work._finish(exc=dist.DistBackendError(
+                f"ringcomm {op}: {self._describe()} was shut down before this collective ran"))
+
+    def _run(self, work: Work, op: str, fn: Callable[[], Any], timeout_s: float) -> None:
+        if self._error is not None:
+            work._finish(exc=dist.DistBackendError(
+                f"ringcomm {op}: {self._describe()} is unusable after an earlier failure: "
+                f"{self._error}"))
+            return
+        tp = self.tp
+        tp.begin(op, timeout_s)
+        try:
+            value = fn()
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the Work
+            tp.abandon()
+            err = self._wrap(op, e, timeout_s)
+            self._error = err
+            log.error("%s", err)
+            work._finish(exc=err)
+        else:
+            tp.end()
+            work._finish(value)
+
+    def _wrap(self, op: str, e: BaseException, timeout_s: float) -> BaseException:
+        where = f"{self._describe()}, rank {self.tp.rank} of {self.tp.size}"
+        if isinstance(e, TransportTimeout):
+            msg = (f"ringcomm: {e} after {timeout_s:g}s ({where}). Every rank must call the "
+                   "same collectives in the same order with matching sizes; the group is "
+                   "unusable now.")
+        else:
+            msg = f"ringcomm {op} failed ({where}): {type(e).__name__}: {e}"
+        err = dist.DistBackendError(msg)
+        err.__cause__ = e
+        return err
+
+    def shutdown(self, wait_s: float = 5.0) -> None:
+        """Stop the progress thread; queued collectives fail. Idempotent."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(wait_s)

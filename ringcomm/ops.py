@@ -1,0 +1,101 @@
+"""Reduce ops, dtype rules and local (single-process) reductions.
+
+Local reductions use torch ops on tensor views, so every dtype torch has
+(bfloat16 and float16 included) is covered without copies through numpy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+RedOpType = dist.ReduceOp.RedOpType
+
+SUM = RedOpType.SUM
+AVG = RedOpType.AVG
+PRODUCT = RedOpType.PRODUCT
+MIN = RedOpType.MIN
+MAX = RedOpType.MAX
+BAND = RedOpType.BAND
+BOR = RedOpType.BOR
+BXOR = RedOpType.BXOR
+
+#: dtypes every reducing collective accepts (non-reducing ones move bytes and take any dtype).
+REDUCE_DTYPES = frozenset({
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+})
+_BITWISE = frozenset({BAND, BOR, BXOR})
+
+
+def op_name(op: RedOpType) -> str:
+    return str(op).rsplit(".", 1)[-1]
+
+
+def resolve(reduce_op, dtype: torch.dtype, collective: str) -> RedOpType:
+    """Turn the op from torch's options into a RedOpType and check it suits ``dtype``.
+
+    Args:
+        reduce_op: ``opts.reduceOp`` (a ``dist.ReduceOp``) or a ``RedOpType``.
+        dtype: dtype of the tensors being reduced.
+        collective: name of the calling collective, for error messages.
+    Raises:
+        ValueError: the op is unknown, not supported (PREMUL_SUM), or not defined
+            for ``dtype`` (bitwise ops on floating types, AVG on bool).
+    """
+    op = getattr(reduce_op, "op", reduce_op)
+    if not isinstance(op, RedOpType):
+        raise ValueError(f"ringcomm {collective}: unknown reduce op {reduce_op!r}")
+    if op == RedOpType.PREMUL_SUM:
+        raise ValueError(f"ringcomm {collective}: ReduceOp.PREMUL_SUM is not supported "
+                         "(scale the tensor, then use SUM)")
+    if dtype not in REDUCE_DTYPES:
+        raise ValueError(f"ringcomm {collective}: dtype {dtype} cannot be reduced; "
+                         f"supported: {sorted(str(d) for d in REDUCE_DTYPES)}")
+    if op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"ringcomm {collective}: ReduceOp.{op_name(op)} needs an integer "
+                         f"or bool tensor, got {dtype}")
+    if op == AVG and dtype == torch.bool:
+        raise ValueError(f"ringcomm {collective}: ReduceOp.AVG is not defined for bool tensors")
+    return op
+
+
+def reduce_(dst: torch.Tensor, src: torch.Tensor, op: RedOpType) -> None:
+    """dst = dst (op) src, elementwise and in place. AVG reduces as SUM (see finalize_)."""
+    if op == SUM or op == AVG:
+        dst.add_(src)
+    elif op == PRODUCT:
+        dst.mul_(src)
+    elif op == MIN:
+        torch.minimum(dst, src, out=dst)
+    elif op == MAX:
+        torch.maximum(dst, src, out=dst)
+    elif op == BAND:
+        dst.bitwise_and_(src)
+    elif op == BOR:
+        dst.bitwise_or_(src)
+    elif op == BXOR:
+        dst.bitwise_xor_(src)
+    else:  # resolve() keeps other ops out
+        raise ValueError(f"ringcomm: no local reduction for {op!r}")
+
+
+def finalize_(buf: torch.Tensor, op: RedOpType, world_size: int) -> None:
+    """Post-processing after a reduction over ``world_size`` contributions.
+
+    AVG divides the sum; integer tensors truncate toward zero, as NCCL's ncclAvg does.
+    """
+    if op != AVG or world_size == 1:
+        return
+    if buf.dtype.is_floating_point or buf.dtype.is_complex:
+        buf.div_(world_size)
+    else:
+        buf.copy_(torch.div(buf, world_size, rounding_mode="trunc"))
+
+
+def reference(tensors: list[torch.Tensor], op: RedOpType) -> torch.Tensor:
+    """Single-process reduction of ``tensors`` in list order: an oracle for tests."""
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        reduce_(out, t, op)
+    finalize_(out, op, len(tensors))
+    return out

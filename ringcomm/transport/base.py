@@ -1,0 +1,128 @@
+"""The point-to-point interface every collective algorithm is written against.
+
+A transport moves contiguous tensors between the ranks of one group and knows
+nothing of collectives. One collective runs on a transport at a time (the
+engine guarantees it); :meth:`Transport.begin` sets the deadline every wait of
+that collective honours.
+"""
+from __future__ import annotations
+
+import abc
+import time
+from typing import Any, Sequence
+
+import torch
+
+from .. import ops
+
+
+class TransportTimeout(TimeoutError):
+    """A wait passed the deadline of the running collective."""
+
+
+class Handle:
+    """An outstanding send or receive. ``buf`` keeps the memory alive until it completes."""
+
+    __slots__ = ("req", "buf", "peer", "kind")
+
+    def __init__(self, req: Any, buf: torch.Tensor, peer: int, kind: str):
+        self.req = req
+        self.buf = buf
+        self.peer = peer
+        self.kind = kind
+
+
+class Transport(abc.ABC):
+    """Point-to-point messaging among ``size`` ranks; this process is ``rank``.
+
+    Subclasses implement :meth:`isend`, :meth:`irecv`, :meth:`wait_all` and
+    :meth:`abandon`; helpers (send, recv, sendrecv, scratch, reduce_) build on those.
+    """
+
+    rank: int
+    size: int
+    device: torch.device
+
+    def __init__(self, rank: int, size: int, device: torch.device):
+        self.rank = rank
+        self.size = size
+        self.device = device
+        self._deadline = float("inf")
+        self._what = ""
+        self._scratch: dict[int, torch.Tensor] = {}
+
+    # -- per-collective state ------------------------------------------------
+    def begin(self, what: str, timeout_s: float) -> None:
+        """Start a collective named ``what``; every wait in it ends by ``timeout_s`` from now."""
+        self._what = what
+        self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
+
+    def end(self) -> None:
+        """The collective finished normally."""
+        self._deadline = float("inf")
+
+    @abc.abstractmethod
+    def abandon(self) -> None:
+        """The collective failed: cancel what can be cancelled and keep the buffers of
+        anything still in flight alive, so a late message cannot land in freed memory."""
+
+    # -- messaging -----------------------------------------------------------
+    @abc.abstractmethod
+    def isend(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+        """Start sending contiguous ``buf`` to ``peer``; messages between a pair with
+        the same tag arrive in the order they were sent."""
+
+    @abc.abstractmethod
+    def irecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+        """Start receiving into contiguous ``buf`` from ``peer``."""
+
+    @abc.abstractmethod
+    def wait_all(self, handles: Sequence[Handle]) -> None:
+        """Block until every handle completed.
+
+        Raises:
+            TransportTimeout: the collective's deadline passed first.
+        """
+
+    def wait(self, handle: Handle) -> None:
+        self.wait_all((handle,))
+
+    def send(self, buf: torch.Tensor, peer: int, tag: int = 0) -> None:
+        self.wait(self.isend(buf, peer, tag))
+
+    def recv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> None:
+        self.wait(self.irecv(buf, peer, tag))
+
+    def sendrecv(self, sendbuf: torch.Tensor, dst: int, recvbuf: torch.Tensor, src: int,
+                 tag: int = 0) -> None:
+        """Send to ``dst`` and receive from ``src`` at once (deadlock-free in rings)."""
+        r = self.irecv(recvbuf, src, tag)
+        s = self.isend(sendbuf, dst, tag)
+        self.wait_all((r, s))
+
+    # -- local work ----------------------------------------------------------
+    def reduce_(self, dst: torch.Tensor, src: torch.Tensor, op: ops.RedOpType) -> None:
+        """dst = dst (op) src on this rank's device."""
+        ops.reduce_(dst, src, op)
+
+    def scratch(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reusable work buffer of ``numel`` elements, distinct per ``slot``.
+
+        Cached across collectives: fresh allocations of large buffers would pay page
+        faults on every call. Contents are undefined.
+        """
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buf = self._scratch.get(slot)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+            self._scratch[slot] = buf
+        return buf[:nbytes].view(dtype)
+
+    def timeout_message(self, pending: Sequence[Handle]) -> str:
+        peers = sorted({f"{h.kind} {'to' if h.kind == 'send' else 'from'} rank {h.peer}"
+                        for h in pending})
+        return (f"{self._what}: rank {self.rank} of {self.size} timed out waiting for "
+                f"{', '.join(peers) or 'peers'}")
+
+    def close(self) -> None:
+        """Release communicators. The transport is unusable afterwards."""
