@@ -1,0 +1,80 @@
+"""Launch helpers: run a per-rank program under mpiexec or torchrun, bounded by a timeout.
+
+Per-rank programs live in tests/ranks/; each exits non-zero and prints what
+failed when any check fails. One launch checks many cases, since starting a
+process with torch costs about two seconds.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RANKS = ROOT / "tests" / "ranks"
+BIN = Path(sys.executable).parent
+
+
+def _env(extra: dict | None) -> dict:
+    env = dict(os.environ)
+    # A launch inherits nothing of a rendezvous from the test process.
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    env["OMP_NUM_THREADS"] = "1"  # ranks share two cores
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra or {})
+    return env
+
+
+def _run(cmd: list[str], timeout: float, env: dict | None) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True,
+                              timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{out[-4000:]}"
+                    f"\n--- stderr\n{err[-4000:]}")
+    return proc
+
+
+def _which(name: str) -> str:
+    exe = BIN / name
+    if exe.exists():
+        return str(exe)
+    found = shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} not found (install the project with `make install`)")
+    return found
+
+
+def mpirun(n: int, program: str, *args: str, timeout: float = 120, env: dict | None = None,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """Run tests/ranks/``program`` (or a path) on ``n`` ranks under mpiexec."""
+    path = program if os.path.sep in program else str(RANKS / program)
+    cmd = [_which("mpiexec"), "-n", str(n), sys.executable, path, *args]
+    return _checked(_run(cmd, timeout, env), cmd, check)
+
+
+def torchrun(n: int, program: str, *args: str, timeout: float = 120, env: dict | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """Run tests/ranks/``program`` (or a path) on ``n`` ranks under torchrun."""
+    path = program if os.path.sep in program else str(RANKS / program)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={n}", path, *args]
+    return _checked(_run(cmd, timeout, env), cmd, check)
+
+
+def _checked(proc: subprocess.CompletedProcess, cmd: list[str], check: bool):
+    if check and proc.returncode != 0:
+        pytest.fail(f"exit code {proc.returncode}: {' '.join(cmd)}\n--- stdout\n"
+                    f"{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+LAUNCHERS = {"mpiexec": mpirun, "torchrun": torchrun}

@@ -1,0 +1,38 @@
+"""Shared by per-rank programs: collect failures, report them, exit non-zero."""
+from __future__ import annotations
+
+import sys
+import traceback
+
+
+class Checker:
+    """Collects failed checks so one run reports all of them."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.failures: list[str] = []
+        self.count = 0
+
+    def check(self, ok: bool, what: str) -> None:
+        self.count += 1
+        if not ok:
+            self.failures.append(what)
+
+    def run(self, what: str, fn, *args, **kwargs):
+        """Run ``fn``; an exception counts as a failure named ``what``."""
+        self.count += 1
+        try:
+            return fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001
+            self.failures.append(f"{what}: {traceback.format_exc(limit=4)}")
+            return None
+
+    def finish(self) -> None:
+        if self.failures:
+            print(f"rank {self.rank}: {len(self.failures)} of {self.count} checks failed:",
+                  file=sys.stderr)
+            for f in self.failures[:30]:
+                print(f"  rank {self.rank}: FAIL {f}", file=sys.stderr)
+            sys.stderr.flush()
+            sys.exit(1)
+        print(f"rank {self.rank}: {self.count} checks passed", flush=True)
