@@ -123,9 +123,9 @@ class Engine:
     def _wrap(self, op: str, e: BaseException, timeout_s: float) -> BaseException:
         where = f"{self._describe()}, rank {self.tp.rank} of {self.tp.size}"
         if isinstance(e, TransportTimeout):
-            msg = (f"ringcomm: {e} after {timeout_s:g}s ({where}). Every rank must call the "
-                   "same collectives in the same order with matching sizes; the group is "
-                   "unusable now.")
+            msg = (f"ringcomm {op} timed out after {timeout_s:g}s ({where}) {e}. Every rank "
+                   "must call the same collectives in the same order with matching sizes; "
+                   "the group is unusable now.")
         else:
             msg = f"ringcomm {op} failed ({where}): {type(e).__name__}: {e}"
         err = dist.DistBackendError(msg)

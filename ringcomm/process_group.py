@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import zlib
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -88,6 +89,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self.segment_bytes = seg
         self._tuning = select.load_tuning(options.tuning_file)
         self._logged_choices: set = set()
+        self._fingerprints: dict[int, str] = {}
         self._check_consistency = os.environ.get("RINGCOMM_DEBUG", "").upper() == "DETAIL"
         self._engine = Engine(transport, self._describe)
 
@@ -181,15 +183,18 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         sizes; compare a fingerprint across ranks before running it."""
         if not self._check_consistency or self.size() == 1:
             return
-        mine = torch.tensor([hash(op) & 0x7FFFFFFF, *fields], dtype=torch.int64)
+        self._fingerprints.setdefault(zlib.crc32(op.encode()), op)
+        mine = torch.tensor([zlib.crc32(op.encode()), *fields], dtype=torch.int64)
         everyone = mine.repeat(self.size())
         chunks = list(everyone.view(self.size(), -1).unbind(0))
         REGISTRY["allgather"]["ring"](self._tp, chunks, segment_bytes=1 << 20)
         rows = everyone.view(self.size(), -1)
         bad = [r for r in range(self.size()) if not torch.equal(rows[r], mine)]
         if bad:
+            theirs = "; ".join(f"rank {r}: {self._fingerprints.get(rows[r, 0].item(), '?')} "
+                               f"{rows[r, 1:].tolist()}" for r in bad)
             raise RuntimeError(f"collective mismatch: rank {self.rank()} runs {op} {fields}, "
-                               f"ranks {bad} run {[rows[r].tolist() for r in bad]}")
+                               f"but {theirs}")
 
     # -- collectives ----------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -202,7 +207,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         size, seg = self.size(), self.segment_bytes
 
         def run():
-            self._consistency_check("allreduce", [t.numel(), int(op), hash(str(t.dtype)) & 0xFFFF])
+            self._consistency_check("allreduce", [t.numel(), int(op), _dtype_code(t.dtype)])
             with _flat(t) as flat:
                 if flat.numel():
                     algo(self._tp, flat, op, segment_bytes=seg)
@@ -290,6 +295,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def abort(self) -> None:
         self.shutdown()
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode())
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

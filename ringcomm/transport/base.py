@@ -121,8 +121,7 @@ class Transport(abc.ABC):
     def timeout_message(self, pending: Sequence[Handle]) -> str:
         peers = sorted({f"{h.kind} {'to' if h.kind == 'send' else 'from'} rank {h.peer}"
                         for h in pending})
-        return (f"{self._what}: rank {self.rank} of {self.size} timed out waiting for "
-                f"{', '.join(peers) or 'peers'}")
+        return f"waiting for {', '.join(peers) or 'peers'}"
 
     def close(self) -> None:
         """Release communicators. The transport is unusable afterwards."""

@@ -1,0 +1,292 @@
+"""Per-rank program: every algorithm x reduce op x dtype x size of allreduce, plus
+broadcast (every root), allgather, barrier, async handles, non-contiguous tensors,
+subgroups and bad input — against an independent single-process computation and
+against torch's gloo backend.
+
+Run under mpiexec or torchrun; exits non-zero listing every failed check.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import ringcomm
+from _common import Checker
+
+R = dist.ReduceOp
+OPS = {"SUM": R.SUM, "AVG": R.AVG, "PRODUCT": R.PRODUCT, "MIN": R.MIN, "MAX": R.MAX,
+       "BAND": R.BAND, "BOR": R.BOR, "BXOR": R.BXOR}
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+          torch.uint8, torch.int32, torch.int64, torch.bool]
+BITWISE = {"BAND", "BOR", "BXOR"}
+
+
+def valid(opname: str, dtype: torch.dtype) -> bool:
+    if opname in BITWISE:
+        return not dtype.is_floating_point
+    if opname == "AVG":
+        return dtype != torch.bool
+    return True
+
+
+def data(rank: int, n: int, dtype: torch.dtype, opname: str, salt: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s input, reproducible on every rank. Values keep every reduction
+    exact in every dtype (no rounding, no overflow) so results compare bit for bit."""
+    g = torch.Generator().manual_seed(1000003 * rank + 7919 * n + 31 * salt + len(opname))
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if opname == "PRODUCT":
+        lo, hi = (1, 3) if dtype == torch.uint8 else (-1, 3)
+        v = torch.randint(lo, hi, (n,), generator=g)
+        v[v == 0] = 1
+    elif opname in BITWISE:
+        v = torch.randint(0, 120, (n,), generator=g)
+    elif dtype == torch.uint8:
+        v = torch.randint(0, 40, (n,), generator=g)
+    else:
+        v = torch.randint(-20, 21, (n,), generator=g)
+    return v.to(dtype)
+
+
+def oracle(inputs: list[torch.Tensor], opname: str) -> torch.Tensor:
+    """Single-process reduction with torch reductions, independent of ringcomm.ops."""
+    dtype = inputs[0].dtype
+    if dtype == torch.bool:
+        s = torch.stack(inputs)
+        if opname in ("SUM", "MAX", "BOR"):
+            return s.any(0)
+        if opname in ("PRODUCT", "MIN", "BAND"):
+            return s.all(0)
+        return functools.reduce(operator.xor, inputs)
+    wide = torch.stack([t.to(torch.float64 if dtype.is_floating_point else torch.int64)
+                        for t in inputs])
+    if opname == "SUM":
+        out = wide.sum(0)
+    elif opname == "AVG":
+        out = wide.sum(0) / len(inputs) if dtype.is_floating_point else \
+            torch.div(wide.sum(0), len(inputs), rounding_mode="trunc")
+    elif opname == "PRODUCT":
+        out = wide.prod(0)
+    elif opname == "MIN":
+        out = wide.amin(0)
+    elif opname == "MAX":
+        out = wide.amax(0)
+    else:
+        out = functools.reduce({"BAND": operator.and_, "BOR": operator.or_,
+                                "BXOR": operator.xor}[opname], list(wide))
+    return out.to(dtype)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def main() -> None:
+    dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
+    rank, p = dist.get_rank(), dist.get_world_size()
+    c = Checker(rank)
+    gloo = dist.new_group(backend="gloo")
+    # A second ringcomm group over the same ranks with tiny segments, so modest sizes
+    # exercise the pipelining (many segments per chunk, the receive window wrapping).
+    small_seg = dist.new_group(backend="ringcomm",
+                               pg_options=ringcomm.Options(segment_bytes=64))
+    c.check(isinstance(dist.group.WORLD, ringcomm.ProcessGroupRingcomm), "world is ringcomm")
+    c.check(dist.get_backend() == "ringcomm", f"get_backend() = {dist.get_backend()}")
+
+    sizes = [0, 1, max(p - 1, 1), 7, 1000] if p <= 3 else [0, 1, p - 1, 7, 301]
+    # --- allreduce: algorithm x op x dtype x size, exact ----------------------------
+    for group, gname, extra in ((None, "world", [5000]), (small_seg, "seg64", [300])):
+        for algo in ("ring", "tree", "auto"):
+            ringcomm.set_algorithm("allreduce", algo, group=group)
+            for opname, op in OPS.items():
+                for dtype in DTYPES:
+                    if not valid(opname, dtype):
+                        continue
+                    for n in sizes + extra:
+                        inputs = [data(i, n, dtype, opname) for i in range(p)]
+                        t = inputs[rank].clone()
+                        what = f"allreduce[{gname},{algo}] {opname} {dtype} n={n}"
+                        if c.run(what, dist.all_reduce, t, op=op, group=group) is None:
+                            c.check(same(t, oracle(inputs, opname)),
+                                    f"{what}: got {t[:6].tolist()} want "
+                                    f"{oracle(inputs, opname)[:6].tolist()}")
+        ringcomm.set_algorithm("allreduce", "auto", group=group)
+
+    # --- allreduce vs gloo on random floats (rounding differs: tolerance) ----------
+    for algo in ("ring", "tree"):
+        ringcomm.set_algorithm("allreduce", algo)
+        for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+            for n in (1, 999, 70001):
+                g = torch.Generator().manual_seed(rank * 17 + n)
+                x = torch.randn(n, generator=g, dtype=dtype)
+                ours, ref = x.clone(), x.clone()
+                dist.all_reduce(ours)
+                dist.all_reduce(ref, group=gloo)
+                c.check(torch.allclose(ours, ref, rtol=tol, atol=tol),
+                        f"allreduce[{algo}] {dtype} n={n} vs gloo: max diff "
+                        f"{(ours - ref).abs().max().item() if n else 0}")
+        # and exactly equal to gloo where gloo supports the op/dtype (exact values)
+        for opname in ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
+            for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8,
+                          torch.int8, torch.float16, torch.bfloat16):
+                if not valid(opname, dtype):
+                    continue
+                x = data(rank, 513, dtype, opname, salt=1)
+                ref = x.clone()
+                try:
+                    dist.all_reduce(ref, op=OPS[opname], group=gloo)
+                except RuntimeError:
+                    continue  # gloo lacks this op/dtype pair; the local oracle covered it
+                ours = x.clone()
+                dist.all_reduce(ours, op=OPS[opname])
+                c.check(same(ours, ref), f"allreduce[{algo}] {opname} {dtype} != gloo")
+    ringcomm.set_algorithm("allreduce", "auto")
+
+    # --- broadcast: every root, every algorithm --------------------------------------
+    for group, gname in ((None, "world"), (small_seg, "seg64")):
+        for algo in ("tree", "ring", "auto"):
+            ringcomm.set_algorithm("broadcast", algo, group=group)
+            for root in range(p):
+                for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8):
+                    for n in (0, 1, 7, 2000):
+                        want = data(root, n, dtype, "SUM", salt=2)
+                        t = want.clone() if rank == root else torch.zeros(n, dtype=dtype)
+                        what = f"broadcast[{gname},{algo}] root={root} {dtype} n={n}"
+                        if c.run(what, dist.broadcast, t, src=root, group=group) is None:
+                            c.check(same(t, want), what)
+            ringcomm.set_algorithm("broadcast", "auto", group=group)
+    # matches gloo
+    x = torch.randn(333, generator=torch.Generator().manual_seed(rank))
+    a, b = x.clone(), x.clone()
+    dist.broadcast(a, src=p - 1)
+    dist.broadcast(b, src=p - 1, group=gloo)
+    c.check(same(a, b), "broadcast != gloo")
+
+    # --- allgather -------------------------------------------------------------------
+    for group, gname in ((None, "world"), (small_seg, "seg64")):
+        for dtype in (torch.float32, torch.float16, torch.int8, torch.bool, torch.int64):
+            for n in (0, 1, 5, 1500):
+                inputs = [data(i, n, dtype, "SUM", salt=3) for i in range(p)]
+                outs = [torch.empty(n, dtype=dtype) for _ in range(p)]
+                what = f"allgather[{gname}] {dtype} n={n}"
+                if c.run(what, dist.all_gather, outs, inputs[rank], group=group) is None:
+                    c.check(all(same(o, w) for o, w in zip(outs, inputs)), what)
+    # 2-D tensors, against gloo
+    x = torch.arange(12, dtype=torch.float32).view(3, 4) + 100 * rank
+    ours = [torch.empty(3, 4) for _ in range(p)]
+    ref = [torch.empty(3, 4) for _ in range(p)]
+    dist.all_gather(ours, x)
+    dist.all_gather(ref, x, group=gloo)
+    c.check(all(same(a, b) for a, b in zip(ours, ref)), "allgather 2-D != gloo")
+    # uneven sizes: rank i contributes i+1 elements
+    inputs = [torch.full((i + 1,), float(i)) for i in range(p)]
+    outs = [torch.empty(i + 1) for i in range(p)]
+    if c.run("allgather uneven", dist.all_gather, outs, inputs[rank]) is None:
+        c.check(all(same(o, w) for o, w in zip(outs, inputs)), "allgather uneven values")
+
+    # --- non-contiguous tensors are handled in place --------------------------------
+    base = torch.arange(40, dtype=torch.float32).view(5, 8) * (rank + 1)
+    view = base[:, ::2]
+    before_odd = base[:, 1::2].clone()
+    dist.all_reduce(view)
+    want = torch.arange(40, dtype=torch.float32).view(5, 8)[:, ::2] * (p * (p + 1) // 2)
+    c.check(same(view, want), "allreduce of a strided view")
+    c.check(same(base[:, 1::2], before_odd), "allreduce of a view touched other elements")
+    bview = torch.zeros(4, 6)[:, 1:4] if rank else (torch.arange(24.).view(4, 6))[:, 1:4]
+    dist.broadcast(bview, src=0)
+    c.check(same(bview, torch.arange(24.).view(4, 6)[:, 1:4]), "broadcast of a strided view")
+
+    # --- async handles ---------------------------------------------------------------
+    ts = [torch.full((1000 * (i + 1),), float(rank + i)) for i in range(6)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    sync_t = torch.ones(10)
+    dist.all_reduce(sync_t)  # a sync call queued behind async ones keeps the order
+    for i in reversed(range(len(works))):
+        works[i].wait()
+        c.check(same(ts[i], torch.full_like(ts[i], float(sum(range(p)) + p * i))),
+                f"async allreduce {i}")
+    c.check(same(sync_t, torch.full((10,), float(p))), "sync allreduce after async ones")
+    fut_t = torch.ones(3)
+    fut = dist.all_reduce(fut_t, async_op=True).get_future()
+    val = fut.wait()
+    c.check(isinstance(val, list) and same(val[0], torch.full((3,), float(p))),
+            f"future value {val}")
+    w = dist.all_reduce(torch.ones(2), async_op=True)
+    w.wait()
+    c.check(w.is_completed() and w.is_success() and w.exception() is None, "work state")
+
+    # --- barrier: nobody leaves before everybody arrived -----------------------------
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"arrived/{rank}", "1")
+    dist.barrier()
+    store.check([f"arrived/{i}" for i in range(p)])
+    c.check(store.check([f"arrived/{i}" for i in range(p)]), "barrier returned early")
+    dist.barrier(async_op=True).wait()
+
+    # --- subgroups: odd ranks, a group without rank 0, a singleton -------------------
+    odd = list(range(1, p, 2)) or [0]
+    g_odd = dist.new_group(odd, backend="ringcomm")
+    g_tail = dist.new_group(list(range(1, p)) or [0], backend="ringcomm")
+    for g, members in ((g_odd, odd), (g_tail, list(range(1, p)) or [0])):
+        if rank in members:
+            for algo in ("ring", "tree"):
+                ringcomm.set_algorithm("allreduce", algo, group=g)
+                t = torch.full((17,), float(rank))
+                dist.all_reduce(t, group=g)
+                c.check(same(t, torch.full((17,), float(sum(members)))),
+                        f"subgroup {members} allreduce[{algo}]")
+            t = torch.full((4,), float(rank))
+            dist.broadcast(t, src=members[-1], group=g)
+            c.check(same(t, torch.full((4,), float(members[-1]))), f"subgroup {members} bcast")
+            c.check(dist.get_rank(g) == members.index(rank), "group rank")
+
+    # --- bad input: a clear error on the calling rank, the group stays usable --------
+    def raises(what: str, exc, needle: str, fn, *args, **kw):
+        try:
+            fn(*args, **kw)
+        except exc as e:
+            c.check(needle.lower() in str(e).lower(), f"{what}: message {e!s:.200}")
+        except Exception as e:  # noqa: BLE001
+            c.check(False, f"{what}: raised {type(e).__name__}: {e!s:.200}")
+        else:
+            c.check(False, f"{what}: no error")
+
+    raises("BAND on float", (ValueError, RuntimeError), "BAND", dist.all_reduce,
+           torch.ones(3), op=R.BAND)
+    raises("AVG on bool", (ValueError, RuntimeError), "AVG", dist.all_reduce,
+           torch.ones(3, dtype=torch.bool), op=R.AVG)
+    raises("complex MAX", (ValueError, RuntimeError), "", dist.all_reduce,
+           torch.ones(3, dtype=torch.complex64), op=R.MAX)
+    raises("meta tensor", (ValueError, RuntimeError), "meta", dist.all_reduce,
+           torch.empty(3, device="meta"))
+    raises("sparse tensor", (ValueError, RuntimeError), "", dist.all_reduce,
+           torch.ones(3).to_sparse())
+    raises("broadcast root out of range", (ValueError, RuntimeError), "", dist.broadcast,
+           torch.ones(3), src=p + 3)
+    raises("allgather list too short", (ValueError, RuntimeError), "", dist.all_gather,
+           [torch.empty(3)] * (p + 1), torch.ones(3))
+    raises("allgather dtype mismatch", (ValueError, RuntimeError), "dtype", dist.all_gather,
+           [torch.empty(3, dtype=torch.float64) for _ in range(p)], torch.ones(3))
+    raises("unknown algorithm", ValueError, "ring", ringcomm.set_algorithm, "allreduce", "nope")
+    # the group still works after refused calls
+    t = torch.ones(5)
+    dist.all_reduce(t)
+    c.check(same(t, torch.full((5,), float(p))), "allreduce after refused calls")
+    # complex SUM works (torch views it as real)
+    z = torch.full((3,), complex(1, rank), dtype=torch.complex64)
+    dist.all_reduce(z)
+    c.check(same(z, torch.full((3,), complex(p, sum(range(p))), dtype=torch.complex64)),
+            "complex SUM")
+
+    dist.barrier()
+    dist.destroy_process_group()
+    c.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Per-rank program: failures end with a clear error on every rank, never a hang.
+
+Modes:
+  timeout   rank 0 never joins an allreduce; the others must get a DistBackendError
+            naming the op and their rank within the group timeout — from the progress
+            thread through Work.wait() and through the future — and later calls must
+            fail fast.
+  mismatch  ranks call allreduce with different sizes under RINGCOMM_DEBUG=DETAIL; every
+            rank must get an error naming the mismatch.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import ringcomm  # noqa: F401
+from _common import Checker
+
+
+def expect_error(c: Checker, what: str, fn, *needles: str, exc=dist.DistBackendError) -> float:
+    t0 = time.monotonic()
+    try:
+        fn()
+    except exc as e:
+        msg = str(e)
+        for n in needles:
+            c.check(n.lower() in msg.lower(), f"{what}: {n!r} not in message: {msg[:300]}")
+    except Exception as e:  # noqa: BLE001
+        c.check(False, f"{what}: expected DistBackendError, got {type(e).__name__}: {e}")
+    else:
+        c.check(False, f"{what}: no error raised")
+    return time.monotonic() - t0
+
+
+def main(mode: str) -> None:
+    timeout = 3.0
+    dist.init_process_group("ringcomm", timeout=timedelta(seconds=timeout))
+    rank = dist.get_rank()
+    c = Checker(rank)
+    if mode == "timeout":
+        if rank == 0:
+            time.sleep(timeout + 3)  # never calls the collective
+        else:
+            t = torch.ones(100000)
+            work = dist.all_reduce(t, async_op=True)  # runs on the progress thread
+            took = expect_error(c, "async wait", work.wait, "allreduce", "timed out",
+                                f"rank {rank}")
+            c.check(took < 10 * timeout, f"timeout took {took:.1f}s, limit {timeout}s")
+            c.check(work.is_completed() and not work.is_success(), "work state after failure")
+            # torch re-raises errors of then-callbacks as RuntimeError with the message kept
+            expect_error(c, "future", lambda: work.get_future().wait(), "timed out",
+                         exc=RuntimeError)
+            took = expect_error(c, "later call", lambda: dist.all_reduce(torch.ones(3)),
+                                "unusable")
+            c.check(took < 1.0, f"a call on a broken group took {took:.1f}s")
+    elif mode == "mismatch":
+        n = 10 if rank == 0 else 20
+        expect_error(c, "size mismatch", lambda: dist.all_reduce(torch.ones(n)), "mismatch")
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    c.finish()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

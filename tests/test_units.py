@@ -1,0 +1,118 @@
+"""In-process checks of the pieces: reduce-op rules, the auto choice and its tuning
+file, options, registration and launcher detection."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringcomm
+from ringcomm import bootstrap, ops
+from ringcomm.algorithms import REGISTRY, register_algorithm, select
+from ringcomm.process_group import _parse_algo_env
+
+R = dist.ReduceOp
+
+
+def test_backend_registered():
+    assert "RINGCOMM" in dist.Backend._plugins
+    assert dist.Backend._plugins["RINGCOMM"].extended_api
+
+
+@pytest.mark.parametrize("op", [R.BAND, R.BOR, R.BXOR])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_bitwise_on_float_refused(op, dtype):
+    with pytest.raises(ValueError, match="integer"):
+        ops.resolve(op, dtype, "allreduce")
+
+
+def test_op_rules():
+    assert ops.resolve(R.SUM, torch.bfloat16, "allreduce") == ops.SUM
+    assert ops.resolve(R.BXOR, torch.bool, "allreduce") == ops.BXOR
+    with pytest.raises(ValueError, match="AVG"):
+        ops.resolve(R.AVG, torch.bool, "allreduce")
+    with pytest.raises(ValueError, match="PREMUL_SUM"):
+        ops.resolve(dist._make_nccl_premul_sum(2.0), torch.float32, "allreduce")
+    with pytest.raises(ValueError, match="dtype"):
+        ops.resolve(R.SUM, torch.complex64, "allreduce")
+
+
+def test_avg_truncates_integers_like_nccl():
+    t = torch.tensor([7, -7, 8])
+    ops.finalize_(t, ops.AVG, 2)
+    assert t.tolist() == [3, -3, 4]
+    f = torch.tensor([3.0])
+    ops.finalize_(f, ops.AVG, 2)
+    assert f.item() == 1.5
+
+
+def test_choose_default_table():
+    table = select.load_tuning(None)
+    assert select.choose(table, "allreduce", 4096, 4) == "tree"
+    assert select.choose(table, "allreduce", 64 << 20, 4) == "ring"
+    for coll in REGISTRY:
+        for nbytes in (0, 1 << 10, 1 << 30):
+            for p in (1, 2, 3, 8, 64):
+                assert select.choose(table, coll, nbytes, p) in REGISTRY[coll]
+
+
+def test_tuning_file(tmp_path, monkeypatch):
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"allreduce": {"2": [[100, "ring"], [None, "tree"]]}}))
+    table = select.load_tuning(str(f))
+    assert select.choose(table, "allreduce", 50, 2) == "ring"
+    assert select.choose(table, "allreduce", 5000, 2) == "tree"
+    assert select.choose(table, "allreduce", 50, 4) == "tree"  # default rows kept
+    monkeypatch.setenv("RINGCOMM_TUNING", str(f))
+    assert select.choose(select.load_tuning(), "allreduce", 50, 2) == "ring"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"allreduce": {"2": [["x", 3]]}}))
+    with pytest.raises(ValueError, match="bad.json"):
+        select.load_tuning(str(bad))
+    with pytest.raises(ValueError, match="missing.json"):
+        select.load_tuning(str(tmp_path / "missing.json"))
+
+
+def test_algo_env_parsing():
+    assert _parse_algo_env("ring")["allreduce"] == "ring"
+    assert _parse_algo_env("ring")["broadcast"] == "ring"
+    assert "barrier" not in _parse_algo_env("ring")
+    assert _parse_algo_env("allreduce=tree, broadcast=ring") == {"allreduce": "tree",
+                                                                 "broadcast": "ring"}
+    with pytest.raises(ValueError, match="bogus"):
+        _parse_algo_env("bogus")
+
+
+def test_register_algorithm():
+    def mine(tp, buf, op, *, segment_bytes):
+        pass
+
+    register_algorithm("allreduce", "mine_for_test", mine)
+    try:
+        assert REGISTRY["allreduce"]["mine_for_test"] is mine
+        with pytest.raises(ValueError, match="exists"):
+            register_algorithm("allreduce", "mine_for_test", mine)
+        with pytest.raises(ValueError, match="reserved"):
+            register_algorithm("allreduce", "auto", mine)
+        with pytest.raises(ValueError, match="unknown collective"):
+            register_algorithm("allsmash", "x", mine)
+    finally:
+        del REGISTRY["allreduce"]["mine_for_test"]
+
+
+def test_launcher_detection(monkeypatch):
+    for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
+              "MV2_COMM_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    assert not bootstrap.launched_by_mpi()
+    monkeypatch.setenv("PMI_RANK", "0")
+    assert bootstrap.launched_by_mpi()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")  # torchrun inside an MPI job
+    assert not bootstrap.launched_by_mpi()
+
+
+def test_get_group_requires_ringcomm():
+    with pytest.raises((ValueError, RuntimeError)):
+        ringcomm.get_group()
