@@ -50,7 +50,8 @@ def test_avg_truncates_integers_like_nccl():
 
 def test_choose_default_table():
     table = select.load_tuning(None)
-    assert select.choose(table, "allreduce", 4096, 4) == "tree"
+    assert select.choose(table, "allreduce", 4096, 4) == "recursive_doubling"
+    assert select.choose(table, "allreduce", 40000, 4) == "tree"
     assert select.choose(table, "allreduce", 64 << 20, 4) == "ring"
     for coll in REGISTRY:
         for nbytes in (0, 1 << 10, 1 << 30):
@@ -64,7 +65,9 @@ def test_tuning_file(tmp_path, monkeypatch):
     table = select.load_tuning(str(f))
     assert select.choose(table, "allreduce", 50, 2) == "ring"
     assert select.choose(table, "allreduce", 5000, 2) == "tree"
-    assert select.choose(table, "allreduce", 50, 4) == "tree"  # default rows kept
+    # rows for other world sizes stay the defaults
+    assert select.choose(table, "allreduce", 50, 4) == select.choose(select.load_tuning(None),
+                                                                     "allreduce", 50, 4)
     monkeypatch.setenv("RINGCOMM_TUNING", str(f))
     assert select.choose(select.load_tuning(), "allreduce", 50, 2) == "ring"
     bad = tmp_path / "bad.json"

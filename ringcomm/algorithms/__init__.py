@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import barrier, ring, tree
+from . import barrier, recursive_doubling, ring, tree
 
 REGISTRY: dict[str, dict[str, Callable]] = {
-    "allreduce": {"ring": ring.allreduce, "tree": tree.allreduce},
+    "allreduce": {"ring": ring.allreduce, "tree": tree.allreduce,
+                  "recursive_doubling": recursive_doubling.allreduce},
     "broadcast": {"tree": tree.broadcast, "ring": ring.broadcast},
     "reduce": {"tree": tree.reduce},
     "allgather": {"ring": ring.allgather},

@@ -10,8 +10,7 @@ WINDOW = 4
 
 def seg_elems(segment_bytes: int, dtype: torch.dtype) -> int:
     """Elements per pipeline segment (at least one)."""
-    esize = torch.empty((), dtype=dtype).element_size()
-    return max(1, segment_bytes // esize)
+    return max(1, segment_bytes // dtype.itemsize)
 
 
 def segments(t: torch.Tensor, seg: int) -> list[torch.Tensor]:

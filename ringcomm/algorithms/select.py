@@ -14,9 +14,10 @@ log = logging.getLogger("ringcomm")
 #: ``max_bytes`` of None matches everything. Rows keyed by world size override
 #: the "default" rows for that size.
 DEFAULT_TUNING: dict[str, dict[str, list]] = {
-    # Ring latency grows with 2(p-1) message steps, the tree's with 2 log2 p:
-    # the tree wins until the message is large enough for ring bandwidth to pay.
-    "allreduce": {"default": [[65536, "tree"], [None, "ring"]]},
+    # Recursive doubling needs log2 p exchanges, a tree 2 log2 p steps, a ring
+    # 2(p-1): the fewer steps win while latency dominates; the ring's bandwidth
+    # optimality pays for large messages.
+    "allreduce": {"default": [[16384, "recursive_doubling"], [65536, "tree"], [None, "ring"]]},
     # A binomial tree sends log2 p copies from the root; a chain sends one per rank.
     "broadcast": {"default": [[262144, "tree"], [None, "ring"]],
                   "2": [[None, "tree"]], "3": [[None, "tree"]]},

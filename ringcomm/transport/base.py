@@ -111,7 +111,7 @@ class Transport(abc.ABC):
         Cached across collectives: fresh allocations of large buffers would pay page
         faults on every call. Contents are undefined.
         """
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         buf = self._scratch.get(slot)
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)

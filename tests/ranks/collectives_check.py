@@ -101,7 +101,7 @@ def main() -> None:
     sizes = [0, 1, max(p - 1, 1), 7, 1000] if p <= 3 else [0, 1, p - 1, 7, 301]
     # --- allreduce: algorithm x op x dtype x size, exact ----------------------------
     for group, gname, extra in ((None, "world", [5000]), (small_seg, "seg64", [300])):
-        for algo in ("ring", "tree", "auto"):
+        for algo in ("auto", *ringcomm.REGISTRY["allreduce"]):
             ringcomm.set_algorithm("allreduce", algo, group=group)
             for opname, op in OPS.items():
                 for dtype in DTYPES:
@@ -118,7 +118,7 @@ def main() -> None:
         ringcomm.set_algorithm("allreduce", "auto", group=group)
 
     # --- allreduce vs gloo on random floats (rounding differs: tolerance) ----------
-    for algo in ("ring", "tree"):
+    for algo in ringcomm.REGISTRY["allreduce"]:
         ringcomm.set_algorithm("allreduce", algo)
         for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
             for n in (1, 999, 70001):
@@ -149,7 +149,7 @@ def main() -> None:
 
     # --- broadcast: every root, every algorithm --------------------------------------
     for group, gname in ((None, "world"), (small_seg, "seg64")):
-        for algo in ("tree", "ring", "auto"):
+        for algo in ("auto", *ringcomm.REGISTRY["broadcast"]):
             ringcomm.set_algorithm("broadcast", algo, group=group)
             for root in range(p):
                 for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8):
@@ -234,7 +234,7 @@ def main() -> None:
     g_tail = dist.new_group(list(range(1, p)) or [0], backend="ringcomm")
     for g, members in ((g_odd, odd), (g_tail, list(range(1, p)) or [0])):
         if rank in members:
-            for algo in ("ring", "tree"):
+            for algo in ringcomm.REGISTRY["allreduce"]:
                 ringcomm.set_algorithm("allreduce", algo, group=g)
                 t = torch.full((17,), float(rank))
                 dist.all_reduce(t, group=g)
