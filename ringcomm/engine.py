@@ -46,7 +46,8 @@ class Engine:
         """False once shut down with work left undone."""
         return not self._stopped or (self._thread is not None and self._thread.is_alive())
 
-    def submit(self, op: str, fn: Callable[[], Any], *, async_op: bool, timeout_s: float) -> Work:
+    def submit(self, op: str, fn: Callable[[], Any], *, async_op: bool, timeout_s: float,
+               tag: int = 0) -> Work:
         """Queue ``fn`` (the whole collective) and return its Work.
 
         Args:
@@ -54,6 +55,7 @@ class Engine:
             fn: runs the collective on ``self.tp`` and returns the Work's value.
             async_op: False lets the call run inline when the group is idle.
             timeout_s: deadline for the collective, counted from when it starts.
+            tag: message tag of the collective (the same on every rank).
         """
         work = Work(op, self)
         with self._cv:
@@ -65,7 +67,7 @@ class Engine:
             if inline:
                 self._busy = True
             else:
-                self._queue.append((work, op, fn, timeout_s))
+                self._queue.append((work, op, fn, timeout_s, tag))
                 if self._thread is None:
                     self._thread = threading.Thread(
                         target=self._loop, name=f"ringcomm-{self._describe()}", daemon=True)
@@ -73,7 +75,7 @@ class Engine:
                 self._cv.notify_all()
         if inline:
             try:
-                self._run(work, op, fn, timeout_s)
+                self._run(work, op, fn, timeout_s, tag)
             finally:
                 with self._cv:
                     self._busy = False
@@ -88,26 +90,27 @@ class Engine:
                 if self._stopped:
                     pending, self._queue = list(self._queue), collections.deque()
                     break
-                work, op, fn, timeout_s = self._queue.popleft()
+                work, op, fn, timeout_s, tag = self._queue.popleft()
                 self._busy = True
             try:
-                self._run(work, op, fn, timeout_s)
+                self._run(work, op, fn, timeout_s, tag)
             finally:
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()
-        for work, op, _, _ in pending:
+        for work, op, *_ in pending:
             work._finish(exc=dist.DistBackendError(
                 f"ringcomm {op}: {self._describe()} was shut down before this collective ran"))
 
-    def _run(self, work: Work, op: str, fn: Callable[[], Any], timeout_s: float) -> None:
+    def _run(self, work: Work, op: str, fn: Callable[[], Any], timeout_s: float,
+             tag: int) -> None:
         if self._error is not None:
             work._finish(exc=dist.DistBackendError(
                 f"ringcomm {op}: {self._describe()} is unusable after an earlier failure: "
                 f"{self._error}"))
             return
         tp = self.tp
-        tp.begin(op, timeout_s)
+        tp.begin(op, timeout_s, tag)
         try:
             value = fn()
         except BaseException as e:  # noqa: BLE001 - every failure must reach the Work

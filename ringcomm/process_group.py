@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import zlib
@@ -16,10 +17,27 @@ from . import ops
 from .algorithms import REGISTRY, select
 from .engine import Engine
 from .transport import Transport
+from .work import P2PWork
 
 log = logging.getLogger("ringcomm")
 
 DEFAULT_SEGMENT_BYTES = 512 * 1024
+
+
+def _collective(method: Callable) -> Callable:
+    """Number every collective call, refused ones included.
+
+    The number is the MPI tag of the collective's messages. If a call is refused
+    on some ranks only (bad input there), those ranks' next collective carries a
+    different tag from the others' current one, so the mismatch ends in a clear
+    timeout instead of two different collectives silently exchanging data.
+    """
+    @functools.wraps(method)
+    def numbered(self: "ProcessGroupRingcomm", *args: Any, **kwargs: Any) -> Any:
+        self._seq += 1
+        return method(self, *args, **kwargs)
+
+    return numbered
 
 
 @dataclasses.dataclass
@@ -92,6 +110,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._fingerprints: dict[int, str] = {}
         self._check_consistency = os.environ.get("RINGCOMM_DEBUG", "").upper() == "DETAIL"
         self._engine = Engine(transport, self._describe)
+        self._seq = 0
 
     # -- identity -------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -156,7 +175,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def _submit(self, op: str, fn: Callable[[], Any], opts: Any) -> dist.Work:
         return self._engine.submit(op, fn, async_op=bool(getattr(opts, "asyncOp", True)),
-                                   timeout_s=self._timeout(opts))
+                                   timeout_s=self._timeout(opts),
+                                   tag=self._seq % self._tp.tag_limit)
 
     def _check(self, t: Any, op: str, what: str = "tensor") -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
@@ -197,6 +217,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                                f"but {theirs}")
 
     # -- collectives ----------------------------------------------------------
+    @_collective
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """In-place allreduce of ``tensors[0]`` (torch's ``dist.all_reduce``)."""
         opts = opts or dist.AllreduceOptions()
@@ -216,6 +237,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
         return self._submit(f"allreduce[{name}]", run, opts)
 
+    @_collective
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """In-place broadcast of ``tensors[0]`` from ``opts.rootRank``."""
         opts = opts or dist.BroadcastOptions()
@@ -235,40 +257,41 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
         return self._submit(f"broadcast[{name}]", run, opts)
 
+    @_collective
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
-        """``dist.all_gather``: ``output_lists[0][i]`` receives rank i's ``inputs[0]``."""
+        """``dist.all_gather``: ``output_lists[0][i]`` receives rank i's ``inputs[0]``
+        (tensors may differ in size across ranks)."""
         opts = opts or dist.AllgatherOptions()
-        t = self._single(inputs, "allgather")
-        if len(output_lists) != 1:
-            raise ValueError(f"ringcomm allgather: expected one output list, got {len(output_lists)}")
-        outs = output_lists[0]
-        if len(outs) != self.size():
-            raise ValueError(f"ringcomm allgather: output list has {len(outs)} tensors, "
-                             f"expected one per rank ({self.size()})")
-        for i, o in enumerate(outs):
-            self._check(o, "allgather", f"output tensor {i}")
-            if o.dtype != t.dtype:
-                raise ValueError(f"ringcomm allgather: output tensor {i} has dtype {o.dtype}, "
-                                 f"input has {t.dtype}")
-        me = outs[self.rank()]
-        if me.numel() != t.numel():
-            raise ValueError(f"ringcomm allgather: output tensor {self.rank()} has "
-                             f"{me.numel()} elements, the input has {t.numel()}")
-        name, algo = self._algorithm("allgather", t.numel() * t.element_size())
-        seg = self.segment_bytes
+        if len(output_lists) != 1 or len(inputs) != 1:
+            raise ValueError(f"ringcomm allgather: expected one output list and one input, got "
+                             f"{len(output_lists)} and {len(inputs)}")
+        run = self._allgather_plan(output_lists[0], inputs[0], "allgather")
 
-        def run():
-            self._consistency_check("allgather", [t.numel()])
-            with contextlib.ExitStack() as stack:
-                flats = [stack.enter_context(_flat(o, copy_in=False)) for o in outs]
-                flats[self.rank()].copy_(t.reshape(-1))
-                if any(f.numel() for f in flats):
-                    algo(self._tp, [_bytes(f) for f in flats], segment_bytes=seg)
+        def request():
+            run()
             return output_lists
 
-        return self._submit(f"allgather[{name}]", run, opts)
+        return self._submit("allgather", request, opts)
 
+    def _allgather_plan(self, outs: list[torch.Tensor], t: torch.Tensor,
+                        op: str) -> Callable[[], None]:
+        self._check(t, op, "input")
+        self._check_list(outs, t, op)
+        algo = self._algorithm("allgather", t.numel() * t.element_size())[1]
+        me, seg = self.rank(), self.segment_bytes
+
+        def run():
+            self._consistency_check(op, [t.numel()])
+            with contextlib.ExitStack() as stack:
+                flats = [stack.enter_context(_flat(o, copy_in=False)) for o in outs]
+                flats[me].copy_(t.reshape(-1))
+                if any(f.numel() for f in flats):
+                    algo(self._tp, [_bytes(f) for f in flats], segment_bytes=seg)
+
+        return run
+
+    @_collective
     def barrier(self, opts: Any = None) -> dist.Work:
         """Returns (or its Work completes) once every rank of the group has entered."""
         name, algo = self._algorithm("barrier", 0)
@@ -280,7 +303,398 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
         return self._submit(f"barrier[{name}]", run, opts)
 
+    @_collective
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        """Allreduce several tensors as one collective: packed into one buffer per
+        dtype, reduced once, unpacked."""
+        opts = opts or dist.AllreduceCoalescedOptions()
+        if not tensors:
+            raise ValueError("ringcomm allreduce_coalesced: no tensors given")
+        ts = [self._check(t, "allreduce_coalesced", f"tensor {i}") for i, t in enumerate(tensors)]
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in ts:
+            groups.setdefault(t.dtype, []).append(t)
+        plan = []
+        for dtype, members in groups.items():
+            op = ops.resolve(opts.reduceOp, dtype, "allreduce_coalesced")
+            nbytes = sum(t.numel() for t in members) * dtype.itemsize
+            plan.append((members, op, self._algorithm("allreduce", nbytes)[1]))
+        size, seg = self.size(), self.segment_bytes
+
+        def run():
+            for members, op, algo in plan:
+                flat = torch.cat([t.reshape(-1) for t in members])
+                self._consistency_check("allreduce_coalesced", [flat.numel(), int(op)])
+                if flat.numel():
+                    algo(self._tp, flat, op, segment_bytes=seg)
+                    ops.finalize_(flat, op, size)
+                off = 0
+                for t in members:
+                    t.copy_(flat[off:off + t.numel()].view_as(t))
+                    off += t.numel()
+            return tensors
+
+        return self._submit("allreduce_coalesced", run, opts)
+
+    @_collective
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        """Reduce ``tensors[0]`` of every rank into ``tensors[0]`` of ``opts.rootRank``;
+        other ranks' tensors are left unchanged."""
+        opts = opts or dist.ReduceOptions()
+        t = self._single(tensors, "reduce")
+        op = ops.resolve(opts.reduceOp, t.dtype, "reduce")
+        root = self._root(opts.rootRank, "reduce")
+        name, algo = self._algorithm("reduce", t.numel() * t.element_size())
+        size, seg, me = self.size(), self.segment_bytes, self.rank()
+
+        def run():
+            self._consistency_check("reduce", [t.numel(), int(op), root])
+            with _flat(t) as flat:
+                if flat.numel():
+                    work = flat if me == root else flat.clone()  # partial sums stay private
+                    algo(self._tp, work, op, root, segment_bytes=seg)
+                    if me == root:
+                        ops.finalize_(flat, op, size)
+            return tensors
+
+        return self._submit(f"reduce[{name}]", run, opts)
+
+    @_collective
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Any = None) -> dist.Work:
+        """``dist.all_gather_into_tensor``: rank i's input fills the i-th slice of output."""
+        opts = opts or dist.AllgatherOptions()
+        self._check_gather_single(output, input, "all_gather_into_tensor")
+        return self._submit("all_gather_into_tensor",
+                            self._gather_into_plan([(output, input)]), opts)
+
+    _allgather_base = all_gather_single
+
+    @_collective
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        """Several ``all_gather_into_tensor`` as one request."""
+        opts = opts or dist.AllgatherOptions()
+        if len(outputs) != len(inputs):
+            raise ValueError(f"ringcomm allgather_into_tensor_coalesced: {len(outputs)} outputs "
+                             f"for {len(inputs)} inputs")
+        for o, i in zip(outputs, inputs):
+            self._check_gather_single(o, i, "allgather_into_tensor_coalesced")
+        return self._submit("allgather_into_tensor_coalesced",
+                            self._gather_into_plan(list(zip(outputs, inputs)), outputs), opts)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def _check_gather_single(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
+        self._check(out, op, "output")
+        self._check(inp, op, "input")
+        if out.dtype != inp.dtype:
+            raise ValueError(f"ringcomm {op}: output dtype {out.dtype} != input dtype {inp.dtype}")
+        if out.numel() != inp.numel() * self.size():
+            raise ValueError(f"ringcomm {op}: output has {out.numel()} elements, expected "
+                             f"{self.size()} x {inp.numel()} (world size x input)")
+
+    def _gather_into_plan(self, pairs: list, value: Any = None) -> Callable[[], Any]:
+        algos = [self._algorithm("allgather", i.numel() * i.element_size())[1] for _, i in pairs]
+        p, me, seg = self.size(), self.rank(), self.segment_bytes
+
+        def run():
+            for (out, inp), algo in zip(pairs, algos):
+                self._consistency_check("all_gather_into_tensor", [inp.numel()])
+                with _flat(out, copy_in=False) as flat:
+                    chunks = list(_bytes(flat).view(p, -1).unbind(0)) if flat.numel() else []
+                    if chunks:
+                        chunks[me].copy_(_bytes(inp.reshape(-1)))
+                        algo(self._tp, chunks, segment_bytes=seg)
+            return value if value is not None else [pairs[0][0]]
+
+        return run
+
+    @_collective
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        """Several ``all_gather`` calls as one request."""
+        opts = opts or dist.AllgatherOptions()
+        if len(output_lists) != len(inputs):
+            raise ValueError(f"ringcomm allgather_coalesced: {len(output_lists)} output lists "
+                             f"for {len(inputs)} inputs")
+        runs = [self._allgather_plan(outs, inp, "allgather_coalesced")
+                for outs, inp in zip(output_lists, inputs)]
+
+        def run():
+            for r in runs:
+                r()
+            return output_lists
+
+        return self._submit("allgather_coalesced", run, opts)
+
+    @_collective
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: Any = None) -> dist.Work:
+        """``dist.gather``: on the root ``output_lists[0][i]`` receives rank i's input;
+        other ranks pass ``output_lists == []``."""
+        opts = opts or dist.GatherOptions()
+        t = self._single(inputs, "gather")
+        root = self._root(opts.rootRank, "gather")
+        me = self.rank()
+        outs = None
+        if me == root:
+            if len(output_lists) != 1:
+                raise ValueError(f"ringcomm gather: the root needs one output list, got "
+                                 f"{len(output_lists)}")
+            outs = self._check_list(output_lists[0], t, "gather")
+        elif output_lists and any(len(x) for x in output_lists):
+            raise ValueError(f"ringcomm gather: only the root (rank {root}) takes outputs")
+        name, algo = self._algorithm("gather", t.numel() * t.element_size())
+        seg = self.segment_bytes
+
+        def run():
+            self._consistency_check("gather", [t.numel(), root])
+            with contextlib.ExitStack() as stack:
+                src = _bytes(stack.enter_context(_flat(t)))
+                chunks = None
+                if outs is not None:
+                    chunks = [_bytes(stack.enter_context(_flat(o, copy_in=False))) for o in outs]
+                    chunks[me].copy_(src)
+                algo(self._tp, src, chunks, root, segment_bytes=seg)
+            return output_lists
+
+        return self._submit(f"gather[{name}]", run, opts)
+
+    @_collective
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                opts: Any = None) -> dist.Work:
+        """``dist.scatter``: rank i's ``outputs[0]`` receives the root's
+        ``input_lists[0][i]``; other ranks pass ``input_lists == []``."""
+        opts = opts or dist.ScatterOptions()
+        t = self._single(outputs, "scatter")
+        root = self._root(opts.rootRank, "scatter")
+        me = self.rank()
+        ins = None
+        if me == root:
+            if len(input_lists) != 1:
+                raise ValueError(f"ringcomm scatter: the root needs one input list, got "
+                                 f"{len(input_lists)}")
+            ins = self._check_list(input_lists[0], t, "scatter")
+        elif input_lists and any(len(x) for x in input_lists):
+            raise ValueError(f"ringcomm scatter: only the root (rank {root}) takes inputs")
+        name, algo = self._algorithm("scatter", t.numel() * t.element_size())
+        seg = self.segment_bytes
+
+        def run():
+            self._consistency_check("scatter", [t.numel(), root])
+            with contextlib.ExitStack() as stack:
+                dst = _bytes(stack.enter_context(_flat(t, copy_in=False)))
+                chunks = None
+                if ins is not None:
+                    chunks = [_bytes(stack.enter_context(_flat(i))) for i in ins]
+                    dst.copy_(chunks[me])
+                algo(self._tp, chunks, dst, root, segment_bytes=seg)
+            return outputs
+
+        return self._submit(f"scatter[{name}]", run, opts)
+
+    @_collective
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                       opts: Any = None) -> dist.Work:
+        """``dist.reduce_scatter``: rank i's output is the reduction of everyone's
+        ``input_lists[0][i]``. Inputs are not modified."""
+        opts = opts or dist.ReduceScatterOptions()
+        t = self._single(outputs, "reduce_scatter")
+        if len(input_lists) != 1:
+            raise ValueError(f"ringcomm reduce_scatter: expected one input list, got "
+                             f"{len(input_lists)}")
+        ins = self._check_list(input_lists[0], t, "reduce_scatter")
+        return self._reduce_scatter_request("reduce_scatter", [(t, ins)], opts, outputs)
+
+    @_collective
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> dist.Work:
+        """``dist.reduce_scatter_tensor``: the input holds world-size equal slices;
+        rank i's output is the reduction of everyone's i-th slice."""
+        opts = opts or dist.ReduceScatterOptions()
+        return self._reduce_scatter_request("reduce_scatter_tensor",
+                                            [self._slices(output, input)], opts, [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    @_collective
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        """Several ``reduce_scatter_tensor`` as one request."""
+        opts = opts or dist.ReduceScatterOptions()
+        if len(outputs) != len(inputs):
+            raise ValueError(f"ringcomm reduce_scatter_tensor_coalesced: {len(outputs)} "
+                             f"outputs for {len(inputs)} inputs")
+        return self._reduce_scatter_request(
+            "reduce_scatter_tensor_coalesced",
+            [self._slices(o, i) for o, i in zip(outputs, inputs)], opts, outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _slices(self, out: torch.Tensor, inp: torch.Tensor) -> tuple:
+        op = "reduce_scatter_tensor"
+        self._check(out, op, "output")
+        self._check(inp, op, "input")
+        if out.dtype != inp.dtype:
+            raise ValueError(f"ringcomm {op}: output dtype {out.dtype} != input dtype {inp.dtype}")
+        if inp.numel() != out.numel() * self.size():
+            raise ValueError(f"ringcomm {op}: input has {inp.numel()} elements, expected "
+                             f"{self.size()} x {out.numel()} (world size x output)")
+        return out, list(inp.reshape(-1).view(self.size(), -1).unbind(0)) if out.numel() else \
+            [inp.reshape(-1)[:0]] * self.size()
+
+    def _reduce_scatter_request(self, name: str, jobs: list, opts: Any, value: Any) -> dist.Work:
+        out0 = jobs[0][0]
+        op = ops.resolve(opts.reduceOp, out0.dtype, name)
+        for out, _ in jobs:
+            ops.resolve(opts.reduceOp, out.dtype, name)
+        algos = [self._algorithm("reduce_scatter", sum(i.numel() for i in ins) *
+                                 out.element_size())[1] for out, ins in jobs]
+        size, me, seg = self.size(), self.rank(), self.segment_bytes
+
+        def run():
+            for (out, ins), algo in zip(jobs, algos):
+                self._consistency_check(name, [out.numel(), int(op)])
+                work = torch.cat([i.reshape(-1) for i in ins])  # the ring writes partial sums
+                chunks, off = [], 0
+                for i in ins:
+                    chunks.append(work[off:off + i.numel()])
+                    off += i.numel()
+                if work.numel():
+                    algo(self._tp, chunks, op, segment_bytes=seg)
+                ops.finalize_(chunks[me], op, size)
+                out.copy_(chunks[me].view_as(out))
+            return value
+
+        return self._submit(name, run, opts)
+
+    @_collective
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                 opts: Any = None) -> dist.Work:
+        """``dist.all_to_all``: ``inputs[j]`` of rank i lands in ``outputs[i]`` of rank j."""
+        opts = opts or dist.AllToAllOptions()
+        p = self.size()
+        for what, lst in (("output", outputs), ("input", inputs)):
+            if len(lst) != p:
+                raise ValueError(f"ringcomm all_to_all: {len(lst)} {what} tensors, expected one "
+                                 f"per rank ({p})")
+        for i, (o, x) in enumerate(zip(outputs, inputs)):
+            self._check(o, "all_to_all", f"output {i}")
+            self._check(x, "all_to_all", f"input {i}")
+            if o.dtype != inputs[0].dtype or x.dtype != inputs[0].dtype:
+                raise ValueError("ringcomm all_to_all: all tensors must share one dtype")
+        if outputs[self.rank()].numel() != inputs[self.rank()].numel():
+            raise ValueError(f"ringcomm all_to_all: output {self.rank()} has "
+                             f"{outputs[self.rank()].numel()} elements but input "
+                             f"{self.rank()} has {inputs[self.rank()].numel()}")
+        name, algo = self._algorithm("alltoall", sum(x.numel() * x.element_size() for x in inputs))
+        seg = self.segment_bytes
+
+        def run():
+            self._consistency_check("all_to_all", [])
+            with contextlib.ExitStack() as stack:
+                sends = [_bytes(stack.enter_context(_flat(x))) for x in inputs]
+                recvs = [_bytes(stack.enter_context(_flat(o, copy_in=False))) for o in outputs]
+                algo(self._tp, sends, recvs, segment_bytes=seg)
+            return outputs
+
+        return self._submit(f"all_to_all[{name}]", run, opts)
+
+    @_collective
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: list[int], input_split_sizes: list[int],
+                      opts: Any = None) -> dist.Work:
+        """``dist.all_to_all_single``: split along dim 0 (equal splits when the size
+        lists are empty, else the given row counts, zeros allowed)."""
+        opts = opts or dist.AllToAllOptions()
+        op = "all_to_all_single"
+        self._check(output, op, "output")
+        self._check(input, op, "input")
+        if output.dtype != input.dtype:
+            raise ValueError(f"ringcomm {op}: output dtype {output.dtype} != input dtype "
+                             f"{input.dtype}")
+        sends = self._split_rows(input, list(input_split_sizes), "input")
+        recvs = self._split_rows(output, list(output_split_sizes), "output")
+        name, algo = self._algorithm("alltoall", input.numel() * input.element_size())
+        seg = self.segment_bytes
+
+        def run():
+            self._consistency_check(op, [])
+            with _flat(input) as src, _flat(output, copy_in=False) as dst:
+                algo(self._tp, [_bytes(src[a:b]) for a, b in sends],
+                     [_bytes(dst[a:b]) for a, b in recvs], segment_bytes=seg)
+            return [output]
+
+        return self._submit(f"{op}[{name}]", run, opts)
+
+    def _split_rows(self, t: torch.Tensor, splits: list[int], what: str) -> list[tuple[int, int]]:
+        p = self.size()
+        rows = t.shape[0] if t.dim() else 1
+        if not splits:
+            if rows % p:
+                raise ValueError(f"ringcomm all_to_all_single: {what} has {rows} rows, not "
+                                 f"divisible by the world size {p}; pass split sizes")
+            splits = [rows // p] * p
+        if len(splits) != p or any(s < 0 for s in splits) or sum(splits) != rows:
+            raise ValueError(f"ringcomm all_to_all_single: {what} split sizes {splits} must be "
+                             f"{p} non-negative row counts summing to {rows}")
+        per_row = t.numel() // rows if rows else 0
+        bounds, a = [], 0
+        for s in splits:
+            bounds.append((a * per_row, (a + s) * per_row))
+            a += s
+        return bounds
+
+    # -- point-to-point -------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:
+        """``dist.send``/``isend``: posted at once (non-blocking), so rings of sends
+        cannot deadlock; the Work completes when the message left."""
+        t = self._single(tensors, "send")
+        self._peer(dstRank, "send")
+        buf = t if t.is_contiguous() else t.contiguous()
+        h = self._tp.p2p_isend(_bytes(buf.view(-1)), dstRank, tag)
+        return P2PWork("send", self._engine, self._tp, h, self._timeout_s)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
+        """``dist.recv``/``irecv`` from ``srcRank``."""
+        t = self._single(tensors, "recv")
+        self._peer(srcRank, "recv")
+        return self._post_recv(t, srcRank, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        """``dist.recv`` without a source; the Work knows the sender (``_source_rank``)."""
+        return self._post_recv(self._single(tensors, "recv"), None, tag)
+
+    def _post_recv(self, t: torch.Tensor, src: int | None, tag: int) -> dist.Work:
+        buf = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+        h = self._tp.p2p_irecv(_bytes(buf.view(-1)), src, tag)
+        on_done = None if buf is t else (lambda: t.copy_(buf))
+        return P2PWork("recv", self._engine, self._tp, h, self._timeout_s, on_done)
+
+    def _peer(self, peer: int, op: str) -> None:
+        if not 0 <= peer < self.size():
+            raise ValueError(f"ringcomm {op}: peer rank {peer} is out of range for a group "
+                             f"of {self.size()}")
+        if peer == self.rank():
+            raise ValueError(f"ringcomm {op}: rank {peer} cannot {op} to/from itself")
+
     # -- helpers --------------------------------------------------------------
+    def _check_list(self, lst: list, like: torch.Tensor, op: str) -> list[torch.Tensor]:
+        if len(lst) != self.size():
+            raise ValueError(f"ringcomm {op}: the tensor list has {len(lst)} tensors, "
+                             f"expected one per rank ({self.size()})")
+        for i, x in enumerate(lst):
+            self._check(x, op, f"tensor {i} of the list")
+            if x.dtype != like.dtype:
+                raise ValueError(f"ringcomm {op}: tensor {i} of the list has dtype {x.dtype}, "
+                                 f"expected {like.dtype}")
+        if lst[self.rank()].numel() != like.numel():
+            raise ValueError(f"ringcomm {op}: tensor {self.rank()} of the list has "
+                             f"{lst[self.rank()].numel()} elements, this rank's tensor has "
+                             f"{like.numel()}")
+        return lst
+
     def _root(self, root: int, op: str) -> int:
         if not 0 <= root < self.size():
             raise ValueError(f"ringcomm {op}: root rank {root} is out of range for a group "

@@ -96,3 +96,88 @@ class Work(dist.Work):
     def __repr__(self) -> str:
         state = "failed" if self._exc else "done" if self._done.is_set() else "pending"
         return f"<ringcomm.Work {self._op} {state}>"
+
+
+class P2PWork(Work):
+    """Handle of a user send/receive (``dist.isend`` / ``dist.irecv``).
+
+    The message is already posted to the transport; :meth:`wait` drives it to
+    completion with a deadline counted from when it was posted.
+    """
+
+    def __init__(self, op: str, engine: Any, tp: Any, handle: Any, timeout_s: float,
+                 on_done: Any = None):
+        super().__init__(op, engine)
+        self._tp = tp
+        self._handle = handle
+        self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
+        self._timeout_s = timeout_s
+        self._on_done = on_done
+        self._waiter: threading.Thread | None = None
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            if self._on_done is not None:
+                self._on_done()
+            self._finish(self._value_for_future())
+
+    def _value_for_future(self) -> Any:
+        return [self._handle.buf]
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Block until the message completed.
+
+        Raises:
+            torch.distributed.DistBackendError: the group timeout (counted from when the
+                message was posted) or ``timeout`` passed first.
+        """
+        if self._done.is_set():
+            if self._exc is not None:
+                raise self._exc
+            return True
+        limit = timeout.total_seconds() if timeout else 0.0
+        deadline = min(self._deadline, time.monotonic() + limit) if limit > 0 else self._deadline
+        if not self._tp.p2p_wait(self._handle, deadline):
+            h = self._handle
+            peer = "any rank" if h.peer < 0 else f"rank {h.peer}"
+            if deadline < self._deadline:  # the caller's own limit: the message stays posted
+                raise dist.DistBackendError(f"ringcomm {self._op}: Work.wait timed out after "
+                                            f"{limit:.3f}s")
+            self._tp.p2p_cancel(h)
+            err = dist.DistBackendError(
+                f"ringcomm {self._op} {'to' if h.kind == 'send' else 'from'} {peer} timed out "
+                f"after {self._timeout_s:g}s on rank {self._tp.rank}")
+            with self._lock:
+                if not self._done.is_set():
+                    self._finish(exc=err)
+            raise err
+        self._complete()
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._done.is_set() and self._tp.p2p_done(self._handle):
+            self._complete()
+        return self._done.is_set()
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return self._tp.p2p_source(self._handle)
+
+    source_rank = _source_rank
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._waiter is None and not self._done.is_set():
+                # Nothing else drives a posted message: a helper thread waits for it.
+                self._waiter = threading.Thread(target=self._wait_quietly, daemon=True,
+                                                name=f"ringcomm-{self._op}")
+                self._waiter.start()
+        return super().get_future()
+
+    def _wait_quietly(self) -> None:
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - the error is in the future already
+            pass

@@ -19,6 +19,18 @@ def test_collectives_torchrun(n):
     assert out.count("checks passed") == n
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_more_collectives_mpiexec(n):
+    out = mpirun(n, "more_collectives_check.py", timeout=240).stdout
+    assert out.count("checks passed") == n
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_more_collectives_torchrun(n):
+    out = torchrun(n, "more_collectives_check.py", timeout=240).stdout
+    assert out.count("checks passed") == n
+
+
 @pytest.mark.parametrize("launch", [mpirun, torchrun], ids=["mpiexec", "torchrun"])
 def test_torch_ddp_matches_gloo(launch):
     out = launch(2, "torch_ddp_check.py", timeout=180).stdout
@@ -27,6 +39,11 @@ def test_torch_ddp_matches_gloo(launch):
 
 def test_timeout_raises_instead_of_hanging():
     out = mpirun(3, "failure_check.py", "timeout", timeout=120).stdout
+    assert out.count("checks passed") == 3
+
+
+def test_input_refused_on_one_rank_ends_in_errors_everywhere():
+    out = mpirun(3, "failure_check.py", "refused", timeout=120).stdout
     assert out.count("checks passed") == 3
 
 

@@ -9,6 +9,9 @@ reduce         ``fn(tp, buf, op, root, *, segment_bytes)``  result on root
 allgather      ``fn(tp, chunks, *, segment_bytes)``         chunks[rank] filled in
 reduce_scatter ``fn(tp, chunks, op, *, segment_bytes)``     result in chunks[rank]
 barrier        ``fn(tp, *, segment_bytes)``
+gather         ``fn(tp, send, chunks, root, *, segment_bytes)`` chunks on root only
+scatter        ``fn(tp, chunks, recv, root, *, segment_bytes)`` chunks on root only
+alltoall       ``fn(tp, sends, recvs, *, segment_bytes)``   one chunk per rank
 =============  ==========================================================
 
 A new algorithm is a function plus :func:`register_algorithm`.
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import barrier, recursive_doubling, ring, tree
+from . import barrier, linear, recursive_doubling, ring, tree
 
 REGISTRY: dict[str, dict[str, Callable]] = {
     "allreduce": {"ring": ring.allreduce, "tree": tree.allreduce,
@@ -27,6 +30,9 @@ REGISTRY: dict[str, dict[str, Callable]] = {
     "allgather": {"ring": ring.allgather},
     "reduce_scatter": {"ring": ring.reduce_scatter},
     "barrier": {"dissemination": barrier.dissemination},
+    "gather": {"linear": linear.gather},
+    "scatter": {"linear": linear.scatter},
+    "alltoall": {"linear": linear.alltoall},
 }
 
 

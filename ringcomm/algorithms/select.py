@@ -25,6 +25,9 @@ DEFAULT_TUNING: dict[str, dict[str, list]] = {
     "allgather": {"default": [[None, "ring"]]},
     "reduce_scatter": {"default": [[None, "ring"]]},
     "barrier": {"default": [[None, "dissemination"]]},
+    "gather": {"default": [[None, "linear"]]},
+    "scatter": {"default": [[None, "linear"]]},
+    "alltoall": {"default": [[None, "linear"]]},
 }
 
 

@@ -23,13 +23,14 @@ class TransportTimeout(TimeoutError):
 class Handle:
     """An outstanding send or receive. ``buf`` keeps the memory alive until it completes."""
 
-    __slots__ = ("req", "buf", "peer", "kind")
+    __slots__ = ("req", "buf", "peer", "kind", "status")
 
-    def __init__(self, req: Any, buf: torch.Tensor, peer: int, kind: str):
+    def __init__(self, req: Any, buf: torch.Tensor, peer: int, kind: str, status: Any = None):
         self.req = req
         self.buf = buf
-        self.peer = peer
+        self.peer = peer  # -1: any source
         self.kind = kind
+        self.status = status
 
 
 class Transport(abc.ABC):
@@ -42,6 +43,8 @@ class Transport(abc.ABC):
     rank: int
     size: int
     device: torch.device
+    #: collective tags are taken modulo this
+    tag_limit: int = 1 << 30
 
     def __init__(self, rank: int, size: int, device: torch.device):
         self.rank = rank
@@ -49,12 +52,15 @@ class Transport(abc.ABC):
         self.device = device
         self._deadline = float("inf")
         self._what = ""
+        self._tag = 0
         self._scratch: dict[int, torch.Tensor] = {}
 
     # -- per-collective state ------------------------------------------------
-    def begin(self, what: str, timeout_s: float) -> None:
-        """Start a collective named ``what``; every wait in it ends by ``timeout_s`` from now."""
+    def begin(self, what: str, timeout_s: float, tag: int = 0) -> None:
+        """Start a collective named ``what``; every wait in it ends by ``timeout_s`` from
+        now, and its messages carry ``tag`` unless an algorithm passes its own."""
         self._what = what
+        self._tag = tag
         self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
 
     def end(self) -> None:
@@ -68,12 +74,13 @@ class Transport(abc.ABC):
 
     # -- messaging -----------------------------------------------------------
     @abc.abstractmethod
-    def isend(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+    def isend(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> Handle:
         """Start sending contiguous ``buf`` to ``peer``; messages between a pair with
-        the same tag arrive in the order they were sent."""
+        the same tag arrive in the order they were sent. ``tag`` defaults to the
+        running collective's."""
 
     @abc.abstractmethod
-    def irecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+    def irecv(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> Handle:
         """Start receiving into contiguous ``buf`` from ``peer``."""
 
     @abc.abstractmethod
@@ -87,18 +94,45 @@ class Transport(abc.ABC):
     def wait(self, handle: Handle) -> None:
         self.wait_all((handle,))
 
-    def send(self, buf: torch.Tensor, peer: int, tag: int = 0) -> None:
+    def send(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> None:
         self.wait(self.isend(buf, peer, tag))
 
-    def recv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> None:
+    def recv(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> None:
         self.wait(self.irecv(buf, peer, tag))
 
     def sendrecv(self, sendbuf: torch.Tensor, dst: int, recvbuf: torch.Tensor, src: int,
-                 tag: int = 0) -> None:
+                 tag: int | None = None) -> None:
         """Send to ``dst`` and receive from ``src`` at once (deadlock-free in rings)."""
         r = self.irecv(recvbuf, src, tag)
         s = self.isend(sendbuf, dst, tag)
         self.wait_all((r, s))
+
+    # -- user point-to-point (dist.send / dist.recv) ----------------------------
+    # A channel of its own, apart from collectives, so user tags never mix with
+    # collective traffic, and not bound to the running collective's deadline.
+    def p2p_isend(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
+        """Start a user send (``dist.isend``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point channel")
+
+    def p2p_irecv(self, buf: torch.Tensor, peer: int | None, tag: int) -> Handle:
+        """Start a user receive; ``peer=None`` receives from any rank."""
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point channel")
+
+    def p2p_wait(self, handle: Handle, deadline: float) -> bool:
+        """Wait for a user send/receive until ``deadline`` (time.monotonic);
+        False if it is still pending then."""
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point channel")
+
+    def p2p_done(self, handle: Handle) -> bool:
+        """True once the user send/receive completed (does not block)."""
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point channel")
+
+    def p2p_cancel(self, handle: Handle) -> None:
+        """Give up on a pending user receive (its buffer stays referenced)."""
+
+    def p2p_source(self, handle: Handle) -> int:
+        """The sender of a completed receive."""
+        return handle.peer
 
     # -- local work ----------------------------------------------------------
     def reduce_(self, dst: torch.Tensor, src: torch.Tensor, op: ops.RedOpType) -> None:

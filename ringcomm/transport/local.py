@@ -60,16 +60,18 @@ class LocalTransport(Transport):
         super().__init__(rank, fabric.size, torch.device("cpu"))
         self.fabric = fabric
 
-    def isend(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+    def isend(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> Handle:
         req = _Req()
-        self.fabric._post(self.fabric._sends, (self.rank, peer, tag), req, buf)
+        key = (self.rank, peer, self._tag if tag is None else tag)
+        self.fabric._post(self.fabric._sends, key, req, buf)
         return Handle(req, buf, peer, "send")
 
-    def irecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+    def irecv(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> Handle:
         if not buf.is_contiguous():
             raise ValueError("ringcomm local transport: buffers must be contiguous")
         req = _Req()
-        self.fabric._post(self.fabric._recvs, (peer, self.rank, tag), req, buf)
+        key = (peer, self.rank, self._tag if tag is None else tag)
+        self.fabric._post(self.fabric._recvs, key, req, buf)
         return Handle(req, buf, peer, "recv")
 
     def wait_all(self, handles: Sequence[Handle]) -> None:

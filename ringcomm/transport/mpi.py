@@ -37,16 +37,38 @@ def _env_float(name: str, default: float) -> float:
                          f"got {os.environ[name]!r}") from e
 
 
+def poll(test, deadline: float, spin_s: float, max_sleep_s: float) -> bool:
+    """Call ``test()`` until it returns True (then True) or ``deadline`` passes (False)."""
+    if test():
+        return True
+    spin_until = _monotonic() + spin_s
+    nap = 20e-6
+    while not test():
+        now = _monotonic()
+        if now >= deadline:
+            return False
+        if now < spin_until:
+            _yield()  # lets co-located ranks run when cores are oversubscribed
+        else:
+            time.sleep(nap)
+            nap = min(nap * 2, max_sleep_s)
+    return True
+
+
 class MPITransport(Transport):
     """Transport over an MPI intracommunicator whose ranks are the group's ranks.
 
     Args:
-        comm: communicator owned by this transport (freed by :meth:`close`).
+        comm: communicator owned by this transport (freed by :meth:`close`); a
+            duplicate of it carries the user's point-to-point messages.
     """
 
     def __init__(self, comm: MPI.Intracomm):
         super().__init__(comm.Get_rank(), comm.Get_size(), torch.device("cpu"))
         self.comm = comm
+        self.p2p_comm = comm.Dup()
+        self.tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
+        self.tag_limit = self.tag_ub + 1
         self.spin_s = _env_float("RINGCOMM_SPIN_US", 50000.0) * 1e-6
         self.max_sleep_s = _env_float("RINGCOMM_MAX_SLEEP_US", 500.0) * 1e-6
         self._inflight: list[Handle] = []
@@ -60,32 +82,63 @@ class MPITransport(Transport):
             raise ValueError("ringcomm MPI transport: buffers must be contiguous")
         return [_fromaddress(buf.data_ptr(), buf.numel() * buf.element_size()), _BYTE]
 
-    def isend(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Handle:
-        h = Handle(self.comm.Isend(self._mem(buf), peer, tag), buf, peer, "send")
+    def isend(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> Handle:
+        h = Handle(self.comm.Isend(self._mem(buf), peer, self._tag if tag is None else tag),
+                   buf, peer, "send")
         self._inflight.append(h)
         return h
 
-    def irecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Handle:
-        h = Handle(self.comm.Irecv(self._mem(buf), peer, tag), buf, peer, "recv")
+    def irecv(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> Handle:
+        h = Handle(self.comm.Irecv(self._mem(buf), peer, self._tag if tag is None else tag),
+                   buf, peer, "recv")
         self._inflight.append(h)
         return h
 
     def wait_all(self, handles: Sequence[Handle]) -> None:
         reqs = [h.req for h in handles]
-        if _testall(reqs):
-            return
-        spin_until = _monotonic() + self.spin_s
-        nap = 20e-6
-        while not _testall(reqs):
-            now = _monotonic()
-            if now >= self._deadline:
-                pending = [h for h in handles if not h.req.Get_status()]
-                raise TransportTimeout(self.timeout_message(pending))
-            if now < spin_until:
-                _yield()  # lets co-located ranks run when cores are oversubscribed
-            else:
-                time.sleep(nap)
-                nap = min(nap * 2, self.max_sleep_s)
+        try:
+            done = poll(lambda: _testall(reqs), self._deadline, self.spin_s, self.max_sleep_s)
+        except MPI.Exception as e:
+            if e.Get_error_class() in (MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
+                raise RuntimeError(
+                    "a message was larger than its receive buffer: ranks passed different "
+                    "sizes to this collective") from e
+            raise
+        if not done:
+            pending = [h for h in handles if not h.req.Get_status()]
+            raise TransportTimeout(self.timeout_message(pending))
+
+    def _check_tag(self, tag: int) -> None:
+        if not 0 <= tag <= self.tag_ub:
+            raise ValueError(f"ringcomm: tag {tag} is out of range [0, {self.tag_ub}]")
+
+    def p2p_isend(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
+        self._check_tag(tag)
+        return Handle(self.p2p_comm.Isend(self._mem(buf), peer, tag), buf, peer, "send")
+
+    def p2p_irecv(self, buf: torch.Tensor, peer: int | None, tag: int) -> Handle:
+        self._check_tag(tag)
+        src = MPI.ANY_SOURCE if peer is None else peer
+        return Handle(self.p2p_comm.Irecv(self._mem(buf), src, tag), buf,
+                      -1 if peer is None else peer, "recv", MPI.Status())
+
+    def p2p_wait(self, handle: Handle, deadline: float) -> bool:
+        return poll(lambda: self.p2p_done(handle), deadline, self.spin_s, self.max_sleep_s)
+
+    def p2p_done(self, handle: Handle) -> bool:
+        # Test with a status: an any-source receive learns its sender here.
+        return handle.req == MPI.REQUEST_NULL or handle.req.Test(handle.status)
+
+    def p2p_cancel(self, handle: Handle) -> None:
+        try:
+            if handle.kind == "recv" and not handle.req.Get_status():
+                handle.req.Cancel()
+        except MPI.Exception:
+            pass
+        self._abandoned.append(handle)
+
+    def p2p_source(self, handle: Handle) -> int:
+        return handle.peer if handle.peer >= 0 else handle.status.Get_source()
 
     def end(self) -> None:
         super().end()
@@ -105,9 +158,11 @@ class MPITransport(Transport):
         self._inflight.clear()
 
     def close(self) -> None:
-        if self.comm != MPI.COMM_NULL and not self._abandoned:
-            try:
-                self.comm.Free()
-            except MPI.Exception:
-                pass
-        self.comm = MPI.COMM_NULL
+        if not self._abandoned:
+            for comm in (self.comm, self.p2p_comm):
+                if comm != MPI.COMM_NULL:
+                    try:
+                        comm.Free()
+                    except MPI.Exception:
+                        pass
+        self.comm = self.p2p_comm = MPI.COMM_NULL

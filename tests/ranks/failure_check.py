@@ -60,6 +60,23 @@ def main(mode: str) -> None:
     elif mode == "mismatch":
         n = 10 if rank == 0 else 20
         expect_error(c, "size mismatch", lambda: dist.all_reduce(torch.ones(n)), "mismatch")
+    elif mode == "refused":
+        # Bad input on the root only: the root gets a ValueError at once; the others
+        # are already inside the scatter and time out; then everyone's next collective
+        # must fail cleanly too (the refused call still consumed its sequence number,
+        # so the root's next collective cannot pair with the others' scatter).
+        p = dist.get_world_size()
+        if rank == 0:
+            try:
+                dist.scatter(torch.empty(4), [torch.ones(4)] * (p + 1), src=0)
+                c.check(False, "scatter with a list too long: no error")
+            except ValueError as e:
+                c.check("expected one per rank" in str(e), f"message: {e}")
+            expect_error(c, "root's next call", lambda: dist.all_reduce(torch.ones(4)),
+                         "timed out")
+        else:
+            expect_error(c, "scatter without root", lambda: dist.scatter(torch.empty(4), src=0),
+                         "scatter", "timed out", "rank 0")
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     c.finish()

@@ -1,0 +1,251 @@
+"""Per-rank program: the rest of torch.distributed on ringcomm, against gloo as
+the oracle (same call, same inputs, on a gloo group over the same ranks):
+reduce, all_gather_into_tensor, reduce_scatter(_tensor), all_to_all(_single),
+gather, scatter (every root), send/recv (tags, out of order, any source,
+batch_isend_irecv rings), object collectives, coalesced calls, functional
+collectives, and bad input.
+"""
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import ringcomm
+from _common import Checker
+
+R = dist.ReduceOp
+
+
+def same(a, b) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def data(seed: int, shape, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    return torch.randint(-9, 10, shape, generator=g).to(dtype)
+
+
+def main() -> None:
+    dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
+    rank, p = dist.get_rank(), dist.get_world_size()
+    c = Checker(rank)
+    gloo = dist.new_group(backend="gloo")
+
+    def both(what: str, fn, make):
+        """Run fn(args, group) on ringcomm and on gloo with equal fresh args; compare."""
+        ours, ref = make(), make()
+        if c.run(f"{what} (ringcomm)", fn, ours, None) is None and \
+                c.run(f"{what} (gloo)", fn, ref, gloo) is None:
+            c.check(same(ours, ref), f"{what}: ringcomm != gloo")
+
+    # reduce: every root, several ops and dtypes; non-roots keep their input (ours)
+    for root in range(p):
+        for op in (R.SUM, R.MAX, R.MIN, R.PRODUCT):
+            for dtype in (torch.float32, torch.int64, torch.bfloat16):
+                for n in (1, 5, 3000):
+                    x = data(rank * 7 + n, (n,), dtype)
+                    if op == R.PRODUCT:  # keep products exact in bfloat16, whatever the order
+                        x = x.clamp(-2, 2)
+                    ours, ref = x.clone(), x.clone()
+                    dist.reduce(ours, dst=root, op=op)
+                    try:
+                        dist.reduce(ref, dst=root, op=op, group=gloo)
+                    except RuntimeError:
+                        continue
+                    if rank == root:
+                        c.check(same(ours, ref), f"reduce root={root} {op} {dtype} n={n}")
+                    else:
+                        c.check(same(ours, x), f"reduce changed a non-root input ({op} {dtype})")
+
+    # all_gather_into_tensor and reduce_scatter_tensor (FSDP's pair)
+    for dtype in (torch.float32, torch.float16, torch.int32, torch.bool):
+        for n in (0, 1, 7, 2049):
+            x = data(rank + n, (n,), dtype)
+            both(f"all_gather_into_tensor {dtype} n={n}",
+                 lambda a, g: dist.all_gather_into_tensor(a[0], a[1], group=g),
+                 lambda: [torch.empty(p * n, dtype=dtype), x.clone()])
+            out2 = torch.empty(p, n, dtype=dtype)  # gloo takes only a flat output here
+            dist.all_gather_into_tensor(out2, x)
+            c.check(same(out2, torch.stack([data(q + n, (n,), dtype) for q in range(p)])),
+                    f"all_gather_into_tensor 2-D {dtype} n={n}")
+            if dtype == torch.bool:
+                continue
+            big = data(rank * 3 + n, (p * n,), dtype)
+            for op in (R.SUM, R.MAX):
+                both(f"reduce_scatter_tensor {op} {dtype} n={n}",
+                     lambda a, g: dist.reduce_scatter_tensor(a[0], a[1], op=op, group=g),
+                     lambda: [torch.empty(n, dtype=dtype), big.clone()])
+            inp = big.clone()
+            out = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(out, inp)
+            c.check(same(inp, big), "reduce_scatter_tensor modified its input")
+    # AVG (gloo lacks it): against the SUM result divided
+    big = data(rank, (p * 6,), torch.float64)
+    a, s = torch.empty(6, dtype=torch.float64), torch.empty(6, dtype=torch.float64)
+    dist.reduce_scatter_tensor(a, big.clone(), op=R.AVG)
+    dist.reduce_scatter_tensor(s, big.clone(), op=R.SUM, group=gloo)
+    c.check(torch.allclose(a, s / p), "reduce_scatter_tensor AVG")
+
+    # reduce_scatter with a list (uneven blocks allowed)
+    for n in (0, 3, 1000):
+        ins = [data(rank * 11 + i + n, (n + i,)) for i in range(p)]
+        out = torch.empty(n + rank)
+        if c.run(f"reduce_scatter n={n}", dist.reduce_scatter, out, [x.clone() for x in ins]) is None:
+            want = sum(data(q * 11 + rank + n, (n + rank,)) for q in range(p))
+            c.check(same(out, want), f"reduce_scatter n={n}")
+
+    # all_to_all_single: equal splits, uneven splits with zeros, 2-D rows
+    for n in (0, 2, 500):
+        x = data(rank * 5 + n, (p * n,))
+        both(f"all_to_all_single equal n={n}",
+             lambda a, g: dist.all_to_all_single(a[0], a[1], group=g),
+             lambda: [torch.empty(p * n), x.clone()])
+    in_splits = [(rank + j) % 3 for j in range(p)]  # rank sends (rank+j)%3 rows to j
+    out_splits = [(j + rank) % 3 for j in range(p)]  # rank receives (j+rank)%3 rows from j
+    x = data(rank, (sum(in_splits), 4))
+    both("all_to_all_single uneven",
+         lambda a, g: dist.all_to_all_single(a[0], a[1], out_splits, in_splits, group=g),
+         lambda: [torch.empty(sum(out_splits), 4), x.clone()])
+    # all_to_all with tensor lists of different sizes
+    ins = [data(rank * 13 + j, (rank + j + 1,)) for j in range(p)]
+    outs = [torch.empty(j + rank + 1) for j in range(p)]  # gloo needs equal sizes: oracle
+    if c.run("all_to_all lists", dist.all_to_all, outs, [t.clone() for t in ins]) is None:
+        c.check(same(outs, [data(j * 13 + rank, (j + rank + 1,)) for j in range(p)]),
+                "all_to_all lists of uneven sizes")
+    x = [data(rank * 7 + j, (5,)) for j in range(p)]
+    both("all_to_all equal lists",
+         lambda a, g: dist.all_to_all(a[0], a[1], group=g),
+         lambda: [[torch.empty(5) for _ in range(p)], [t.clone() for t in x]])
+
+    # gather / scatter: every root
+    for root in range(p):
+        for n in (0, 1, 999):
+            x = data(rank * 17 + n, (n,))
+            outs = [torch.empty(n) for _ in range(p)] if rank == root else None
+            if c.run(f"gather root={root} n={n}", dist.gather, x, outs, dst=root) is None \
+                    and rank == root:
+                c.check(same(outs, [data(q * 17 + n, (n,)) for q in range(p)]),
+                        f"gather root={root} n={n}")
+            chunks = [data(root * 100 + q + n, (n,)) for q in range(p)]
+            out = torch.empty(n)
+            if c.run(f"scatter root={root} n={n}", dist.scatter, out,
+                     chunks if rank == root else None, src=root) is None:
+                c.check(same(out, chunks[rank]), f"scatter root={root} n={n}")
+
+    # send/recv: tags, out-of-order receives, any source, rings of large isends
+    if p > 1:
+        right, left = (rank + 1) % p, (rank - 1) % p
+        big = 1 << 20  # 4 MiB each: above any eager limit
+        sends = [dist.isend(torch.full((big,), float(rank * 10 + k)), right, tag=k)
+                 for k in range(3)]
+        bufs = [torch.empty(big) for _ in range(3)]
+        recvs = [dist.irecv(bufs[k], left, tag=k) for k in (2, 0, 1)]  # posted out of order
+        for w in sends + recvs:
+            w.wait()
+        c.check(all(torch.all(bufs[k] == left * 10 + k) for k in range(3)), "tagged isend/irecv")
+        ops_ = [dist.P2POp(dist.isend, torch.full((big,), float(rank)), right),
+                dist.P2POp(dist.irecv, torch.empty(big), left)]
+        for w in dist.batch_isend_irecv(ops_):
+            w.wait()
+        c.check(torch.all(ops_[1].tensor == left), "batch_isend_irecv ring")
+        if rank == 0:
+            got = {}
+            for _ in range(p - 1):
+                t = torch.empty(2)
+                src = dist.recv(t)  # any source
+                got[src] = t[0].item()
+            c.check(got == {q: float(q) for q in range(1, p)}, f"recv any source: {got}")
+        else:
+            dist.send(torch.full((2,), float(rank)), 0)
+        # non-contiguous receive buffer
+        if rank == 0:
+            m = torch.zeros(4, 6)
+            dist.recv(m[:, ::2], src=p - 1, tag=9)
+            c.check(torch.equal(m[:, ::2], torch.arange(12.).view(4, 3)) and
+                    torch.all(m[:, 1::2] == 0), "recv into a strided view")
+        elif rank == p - 1:
+            dist.send(torch.arange(12.).view(4, 3).t().contiguous().t(), 0, tag=9)
+        fut_t = torch.empty(3)
+        if rank == 0:
+            dist.send(torch.ones(3), right, tag=4)
+        if rank == 1:
+            fut = dist.irecv(fut_t, 0, tag=4).get_future()
+            fut.wait()
+            c.check(torch.all(fut_t == 1), "irecv future")
+
+    # object collectives
+    objs = [None] * p
+    dist.all_gather_object(objs, {"rank": rank, "s": "x" * rank})
+    c.check(objs == [{"rank": q, "s": "x" * q} for q in range(p)], f"all_gather_object {objs}")
+    lst = [rank, "hello"] if rank == p - 1 else [None, None]
+    dist.broadcast_object_list(lst, src=p - 1)
+    c.check(lst == [p - 1, "hello"], "broadcast_object_list")
+    gathered = [None] * p if rank == 0 else None
+    dist.gather_object(("r", rank), gathered, dst=0)
+    if rank == 0:
+        c.check(gathered == [("r", q) for q in range(p)], "gather_object")
+    out = [None]
+    dist.scatter_object_list(out, [q * q for q in range(p)] if rank == 0 else None, src=0)
+    c.check(out[0] == rank * rank, "scatter_object_list")
+
+    # coalesced forms
+    ts = [torch.full((3,), float(rank)), torch.full((5,), 2.0 * rank), torch.ones(2, 2)]
+    if c.run("all_reduce_coalesced", dist.all_reduce_coalesced, ts) is None:
+        c.check(same(ts[0], torch.full((3,), float(sum(range(p))))) and
+                same(ts[1], torch.full((5,), 2.0 * sum(range(p)))) and
+                same(ts[2], torch.full((2, 2), float(p))), "all_reduce_coalesced")
+    outs_ = [torch.empty(p * 4), torch.empty(p * 2)]
+    ins_ = [torch.full((4,), float(rank)), torch.full((2,), -float(rank))]
+    def coalesced_gather():
+        with dist._coalescing_manager(async_ops=True) as cm:
+            for o, i in zip(outs_, ins_):
+                dist.all_gather_into_tensor(o, i)
+        cm.wait()
+    if c.run("coalesced all_gather_into_tensor", coalesced_gather) is None:
+        c.check(same(outs_[0], torch.arange(p).float().repeat_interleave(4)),
+                "coalesced all_gather_into_tensor")
+
+    # functional collectives
+    try:
+        import torch.distributed._functional_collectives as fc
+        y = fc.all_reduce(torch.full((4,), float(rank)), "sum", dist.group.WORLD)
+        y = fc.wait_tensor(y) if hasattr(fc, "wait_tensor") else y
+        c.check(same(torch.as_tensor(y), torch.full((4,), float(sum(range(p))))), "fc.all_reduce")
+    except Exception as e:  # noqa: BLE001
+        c.check(False, f"fc.all_reduce: {type(e).__name__}: {e}")
+
+    # bad input: clear errors, group still usable
+    def raises(what, needle, fn, *args, **kw):
+        try:
+            fn(*args, **kw)
+        except (ValueError, RuntimeError, TypeError) as e:
+            c.check(needle.lower() in str(e).lower(), f"{what}: message {str(e)[:200]}")
+        else:
+            c.check(False, f"{what}: no error")
+
+    raises("gather root out of range", "", dist.gather, torch.ones(2), None, dst=p + 1)
+    raises("all_to_all_single bad splits", "split", dist.all_to_all_single,
+           torch.empty(p), torch.empty(p), [p + 1] + [0] * (p - 1), [1] * p)
+    raises("reduce_scatter_tensor wrong size", "elements", dist.reduce_scatter_tensor,
+           torch.empty(3), torch.empty(3 * p + 1))
+    raises("all_gather_into_tensor wrong size", "", dist.all_gather_into_tensor,
+           torch.empty(3 * p + 2), torch.empty(3))
+    raises("send to self", "", dist.send, torch.ones(1), rank)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    c.check(same(t, torch.full((4,), float(p))), "usable after refused calls")
+
+    dist.barrier()
+    dist.destroy_process_group()
+    c.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
