@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
 
 from . import ops
 from .algorithms import REGISTRY, select
@@ -220,7 +221,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     @_collective
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """In-place allreduce of ``tensors[0]`` (torch's ``dist.all_reduce``)."""
-        opts = opts or dist.AllreduceOptions()
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+        opts = _options(opts, dist.AllreduceOptions)
         t = self._single(tensors, "allreduce")
         op = ops.resolve(opts.reduceOp, t.dtype, "allreduce")
         nbytes = t.numel() * t.element_size()
@@ -240,7 +242,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     @_collective
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """In-place broadcast of ``tensors[0]`` from ``opts.rootRank``."""
-        opts = opts or dist.BroadcastOptions()
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+        opts = _options(opts, dist.BroadcastOptions)
         t = self._single(tensors, "broadcast")
         root = self._root(opts.rootRank, "broadcast")
         if getattr(opts, "rootTensor", 0) != 0:
@@ -262,7 +265,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                   opts: Any = None) -> dist.Work:
         """``dist.all_gather``: ``output_lists[0][i]`` receives rank i's ``inputs[0]``
         (tensors may differ in size across ranks)."""
-        opts = opts or dist.AllgatherOptions()
+        opts = _options(opts, _c10d.AllgatherOptions)
         if len(output_lists) != 1 or len(inputs) != 1:
             raise ValueError(f"ringcomm allgather: expected one output list and one input, got "
                              f"{len(output_lists)} and {len(inputs)}")
@@ -307,7 +310,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Allreduce several tensors as one collective: packed into one buffer per
         dtype, reduced once, unpacked."""
-        opts = opts or dist.AllreduceCoalescedOptions()
+        opts = _options(opts, dist.AllreduceCoalescedOptions)
         if not tensors:
             raise ValueError("ringcomm allreduce_coalesced: no tensors given")
         ts = [self._check(t, "allreduce_coalesced", f"tensor {i}") for i, t in enumerate(tensors)]
@@ -340,7 +343,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Reduce ``tensors[0]`` of every rank into ``tensors[0]`` of ``opts.rootRank``;
         other ranks' tensors are left unchanged."""
-        opts = opts or dist.ReduceOptions()
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+        opts = _options(opts, dist.ReduceOptions)
         t = self._single(tensors, "reduce")
         op = ops.resolve(opts.reduceOp, t.dtype, "reduce")
         root = self._root(opts.rootRank, "reduce")
@@ -363,7 +367,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> dist.Work:
         """``dist.all_gather_into_tensor``: rank i's input fills the i-th slice of output."""
-        opts = opts or dist.AllgatherOptions()
+        opts = _options(opts, _c10d.AllgatherOptions)
         self._check_gather_single(output, input, "all_gather_into_tensor")
         return self._submit("all_gather_into_tensor",
                             self._gather_into_plan([(output, input)]), opts)
@@ -374,7 +378,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Several ``all_gather_into_tensor`` as one request."""
-        opts = opts or dist.AllgatherOptions()
+        opts = _options(opts, _c10d.AllgatherOptions)
         if len(outputs) != len(inputs):
             raise ValueError(f"ringcomm allgather_into_tensor_coalesced: {len(outputs)} outputs "
                              f"for {len(inputs)} inputs")
@@ -414,7 +418,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Several ``all_gather`` calls as one request."""
-        opts = opts or dist.AllgatherOptions()
+        opts = _options(opts, _c10d.AllgatherOptions)
         if len(output_lists) != len(inputs):
             raise ValueError(f"ringcomm allgather_coalesced: {len(output_lists)} output lists "
                              f"for {len(inputs)} inputs")
@@ -433,7 +437,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                opts: Any = None) -> dist.Work:
         """``dist.gather``: on the root ``output_lists[0][i]`` receives rank i's input;
         other ranks pass ``output_lists == []``."""
-        opts = opts or dist.GatherOptions()
+        opts = _options(opts, dist.GatherOptions)
         t = self._single(inputs, "gather")
         root = self._root(opts.rootRank, "gather")
         me = self.rank()
@@ -466,7 +470,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 opts: Any = None) -> dist.Work:
         """``dist.scatter``: rank i's ``outputs[0]`` receives the root's
         ``input_lists[0][i]``; other ranks pass ``input_lists == []``."""
-        opts = opts or dist.ScatterOptions()
+        opts = _options(opts, dist.ScatterOptions)
         t = self._single(outputs, "scatter")
         root = self._root(opts.rootRank, "scatter")
         me = self.rank()
@@ -499,7 +503,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                        opts: Any = None) -> dist.Work:
         """``dist.reduce_scatter``: rank i's output is the reduction of everyone's
         ``input_lists[0][i]``. Inputs are not modified."""
-        opts = opts or dist.ReduceScatterOptions()
+        opts = _options(opts, dist.ReduceScatterOptions)
         t = self._single(outputs, "reduce_scatter")
         if len(input_lists) != 1:
             raise ValueError(f"ringcomm reduce_scatter: expected one input list, got "
@@ -512,7 +516,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                               opts: Any = None) -> dist.Work:
         """``dist.reduce_scatter_tensor``: the input holds world-size equal slices;
         rank i's output is the reduction of everyone's i-th slice."""
-        opts = opts or dist.ReduceScatterOptions()
+        opts = _options(opts, dist.ReduceScatterOptions)
         return self._reduce_scatter_request("reduce_scatter_tensor",
                                             [self._slices(output, input)], opts, [output])
 
@@ -522,7 +526,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Several ``reduce_scatter_tensor`` as one request."""
-        opts = opts or dist.ReduceScatterOptions()
+        opts = _options(opts, dist.ReduceScatterOptions)
         if len(outputs) != len(inputs):
             raise ValueError(f"ringcomm reduce_scatter_tensor_coalesced: {len(outputs)} "
                              f"outputs for {len(inputs)} inputs")
@@ -573,7 +577,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                  opts: Any = None) -> dist.Work:
         """``dist.all_to_all``: ``inputs[j]`` of rank i lands in ``outputs[i]`` of rank j."""
-        opts = opts or dist.AllToAllOptions()
+        opts = _options(opts, dist.AllToAllOptions)
         p = self.size()
         for what, lst in (("output", outputs), ("input", inputs)):
             if len(lst) != p:
@@ -607,7 +611,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                       opts: Any = None) -> dist.Work:
         """``dist.all_to_all_single``: split along dim 0 (equal splits when the size
         lists are empty, else the given row counts, zeros allowed)."""
-        opts = opts or dist.AllToAllOptions()
+        opts = _options(opts, dist.AllToAllOptions)
         op = "all_to_all_single"
         self._check(output, op, "output")
         self._check(input, op, "input")
@@ -709,6 +713,23 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def abort(self) -> None:
         self.shutdown()
+
+
+def _options(opts: Any, cls: type) -> Any:
+    """Accept what torch's own ProcessGroup bindings accept from Python callers:
+    an options object, None, a ReduceOp (DDP's join passes one) or a root rank."""
+    if opts is None:
+        return cls()
+    if isinstance(opts, cls):
+        return opts
+    out = cls()
+    if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)) and hasattr(out, "reduceOp"):
+        out.reduceOp = opts
+        return out
+    if isinstance(opts, int) and hasattr(out, "rootRank"):
+        out.rootRank = opts
+        return out
+    raise TypeError(f"ringcomm: expected {cls.__name__}, got {type(opts).__name__}")
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

@@ -212,14 +212,29 @@ def main() -> None:
         c.check(same(outs_[0], torch.arange(p).float().repeat_interleave(4)),
                 "coalesced all_gather_into_tensor")
 
-    # functional collectives
-    try:
-        import torch.distributed._functional_collectives as fc
-        y = fc.all_reduce(torch.full((4,), float(rank)), "sum", dist.group.WORLD)
-        y = fc.wait_tensor(y) if hasattr(fc, "wait_tensor") else y
-        c.check(same(torch.as_tensor(y), torch.full((4,), float(sum(range(p))))), "fc.all_reduce")
-    except Exception as e:  # noqa: BLE001
-        c.check(False, f"fc.all_reduce: {type(e).__name__}: {e}")
+    # functional collectives (what torch.compile and DTensor use), against gloo
+    import torch.distributed._functional_collectives as fc
+
+    def functional(name, fn, x):
+        ours = c.run(f"fc.{name}", lambda: fc.wait_tensor(fn(x.clone(), dist.group.WORLD)))
+        ref = fc.wait_tensor(fn(x.clone(), gloo))
+        if ours is not None:
+            c.check(same(ours, ref), f"fc.{name} != gloo")
+
+    x = data(rank, (p * 3,))
+    functional("all_reduce", lambda t, g: fc.all_reduce(t, "sum", g), x)
+    functional("all_gather_tensor", lambda t, g: fc.all_gather_tensor(t, 0, g), x)
+    functional("reduce_scatter_tensor", lambda t, g: fc.reduce_scatter_tensor(t, "sum", 0, g), x)
+    functional("broadcast", lambda t, g: fc.broadcast(t, p - 1, g), x)
+    functional("all_to_all_single", lambda t, g: fc.all_to_all_single(t, None, None, g), x)
+    if "--compile" in sys.argv:
+        def step(t):
+            dist.all_reduce(t)
+            return t * 2
+        y = c.run("torch.compile(dist.all_reduce)", torch.compile(step), torch.full((3,), 1.0 + rank))
+        if y is not None:
+            c.check(same(y, torch.full((3,), 2.0 * sum(1.0 + q for q in range(p)))),
+                    f"compiled all_reduce: {y}")
 
     # bad input: clear errors, group still usable
     def raises(what, needle, fn, *args, **kw):

@@ -1,13 +1,19 @@
-"""Per-rank program: torch's own DistributedDataParallel on ringcomm trains exactly
-like on gloo (same parameters after several steps, several configurations)."""
+"""Per-rank program: torch's own data-parallel wrappers train on ringcomm exactly as
+on gloo (the oracle: same model, data and steps on a gloo group over the same ranks).
+
+DDP: find_unused_parameters, gradient_as_bucket_view, static_graph, no_sync,
+join() with uneven inputs. FSDP2 (fully_shard) over a device mesh on ringcomm.
+"""
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import ringcomm  # noqa: F401
+import ringcomm
 from _common import Checker
 
 
@@ -24,36 +30,86 @@ class Net(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def train(group, steps: int, **ddp_kw) -> list[torch.Tensor]:
+def batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+
+
+def train_ddp(group, steps: int, no_sync_every: int = 0, uneven: bool = False,
+              **ddp_kw) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = DDP(Net(), process_group=group, bucket_cap_mb=0.01, **ddp_kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rank = dist.get_rank()
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 * rank + step)
-        x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    n = steps + (rank if uneven else 0)  # join(): ranks run different step counts
+    with model.join(enable=uneven):
+        for step in range(n):
+            x, y = batch(rank, step)
+            if no_sync_every and step % no_sync_every == 0:
+                with model.no_sync():  # accumulate locally, sync on the next step
+                    nn.functional.cross_entropy(model(x), y).backward()
+                continue
+            opt.zero_grad() if not no_sync_every else None
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            if no_sync_every:
+                opt.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
 
 
+def train_fsdp(group, steps: int) -> list[torch.Tensor]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank() * 10 + step))
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
 def main() -> None:
-    dist.init_process_group("ringcomm")
+    dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
     c = Checker(dist.get_rank())
+    world = dist.group.WORLD
     gloo = dist.new_group(backend="gloo")
-    for kw in ({"find_unused_parameters": True}, {"find_unused_parameters": True,
-                                                  "gradient_as_bucket_view": True}):
-        ours = train(None, 4, **kw)
-        ref = train(gloo, 4, **kw)
+    configs = [
+        ("find_unused_parameters", {"find_unused_parameters": True}),
+        ("gradient_as_bucket_view", {"find_unused_parameters": True,
+                                     "gradient_as_bucket_view": True}),
+        ("static_graph", {"static_graph": True}),
+        ("no_sync", {"find_unused_parameters": True, "no_sync_every": 2}),
+        ("join uneven inputs", {"find_unused_parameters": True, "uneven": True}),
+    ]
+    for name, kw in configs:
+        ours = c.run(f"DDP {name} on ringcomm", train_ddp, world, 4, **kw)
+        ref = train_ddp(gloo, 4, **kw)
+        if ours is None:
+            continue
         for i, (a, b) in enumerate(zip(ours, ref)):
             c.check(torch.allclose(a, b, rtol=1e-6, atol=1e-7),
-                    f"DDP {kw} parameter {i}: max diff {(a - b).abs().max().item()}")
-        # replicas agree with each other
+                    f"DDP {name} parameter {i}: max diff {(a - b).abs().max().item()}")
         flat = torch.cat([p.flatten() for p in ours])
         first = flat.clone()
         dist.broadcast(first, src=0, group=gloo)
-        c.check(torch.equal(flat, first), f"DDP {kw}: replicas diverged")
+        c.check(torch.equal(flat, first), f"DDP {name}: replicas diverged")
+
+    c.check(isinstance(world, ringcomm.ProcessGroupRingcomm), "FSDP mesh group is ringcomm")
+    ours = c.run("FSDP2 on ringcomm", train_fsdp, world, 3)
+    ref = train_fsdp(gloo, 3)
+    if ours is not None:
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            c.check(torch.allclose(a, b, rtol=1e-6, atol=1e-7),
+                    f"FSDP2 parameter {i}: max diff {(a - b).abs().max().item()}")
     dist.destroy_process_group()
     c.finish()
 
