@@ -79,7 +79,8 @@ class Engine:
             finally:
                 with self._cv:
                     self._busy = False
-                    self._cv.notify_all()
+                    if self._queue:  # another thread queued work meanwhile
+                        self._cv.notify_all()
         return work
 
     def _loop(self) -> None:

@@ -32,18 +32,26 @@ class Work(dist.Work):
         super().__init__()
         self._op = op
         self._engine = engine
-        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._done = False
+        # Created only when someone has to wait or asks for a future: a synchronous
+        # call that ran inline completes before anybody looks.
+        self._event: threading.Event | None = None
+        self._fut: torch.futures.Future | None = None
+        self._public: torch.futures.Future | None = None
         self._value: Any = None
         self._exc: BaseException | None = None
-        self._fut = torch.futures.Future()
-        self._public: torch.futures.Future | None = None
-        self._lock = threading.Lock()
 
     # -- completion (engine side) ---------------------------------------------
     def _finish(self, value: Any = None, exc: BaseException | None = None) -> None:
-        self._value, self._exc = value, exc
-        self._done.set()
-        self._fut.set_result(exc if exc is not None else value)
+        with self._lock:
+            self._value, self._exc = value, exc
+            self._done = True
+            event, fut = self._event, self._fut
+        if event is not None:
+            event.set()
+        if fut is not None:
+            fut.set_result(exc if exc is not None else value)
 
     # -- torch API ------------------------------------------------------------
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -56,9 +64,20 @@ class Work(dist.Work):
             torch.distributed.DistBackendError: the collective failed or timed out, or
                 ``timeout`` passed first.
         """
-        limit = timeout.total_seconds() if timeout else 0.0
+        if not self._done:
+            with self._lock:
+                if not self._done and self._event is None:
+                    self._event = threading.Event()
+                event = None if self._done else self._event
+            if event is not None:
+                self._block(event, timeout.total_seconds() if timeout else 0.0)
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def _block(self, event: threading.Event, limit: float) -> None:
         start = time.monotonic()
-        while not self._done.wait(1.0 if limit <= 0 else min(1.0, limit)):
+        while not event.wait(1.0 if limit <= 0 else min(1.0, limit)):
             if not self._engine.alive():
                 raise dist.DistBackendError(
                     f"ringcomm {self._op}: the group's progress thread stopped before the "
@@ -66,22 +85,22 @@ class Work(dist.Work):
             if 0 < limit <= time.monotonic() - start:
                 raise dist.DistBackendError(
                     f"ringcomm {self._op}: Work.wait timed out after {limit:.3f}s")
-        if self._exc is not None:
-            raise self._exc
-        return True
 
     def get_future(self) -> torch.futures.Future:
         """A future holding the output tensors; it raises if the collective failed."""
         with self._lock:
             if self._public is None:
+                self._fut = torch.futures.Future()
+                if self._done:
+                    self._fut.set_result(self._exc if self._exc is not None else self._value)
                 self._public = self._fut.then(_unwrap)
             return self._public
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._exc is None
+        return self._done and self._exc is None
 
     def exception(self) -> BaseException | None:
         return self._exc
@@ -94,7 +113,7 @@ class Work(dist.Work):
         self.wait()
 
     def __repr__(self) -> str:
-        state = "failed" if self._exc else "done" if self._done.is_set() else "pending"
+        state = "failed" if self._exc else "done" if self._done else "pending"
         return f"<ringcomm.Work {self._op} {state}>"
 
 
@@ -114,17 +133,15 @@ class P2PWork(Work):
         self._timeout_s = timeout_s
         self._on_done = on_done
         self._waiter: threading.Thread | None = None
+        self._complete_lock = threading.Lock()
 
     def _complete(self) -> None:
-        with self._lock:
-            if self._done.is_set():
+        with self._complete_lock:
+            if self._done:
                 return
             if self._on_done is not None:
                 self._on_done()
-            self._finish(self._value_for_future())
-
-    def _value_for_future(self) -> Any:
-        return [self._handle.buf]
+            self._finish([self._handle.buf])
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Block until the message completed.
@@ -133,7 +150,7 @@ class P2PWork(Work):
             torch.distributed.DistBackendError: the group timeout (counted from when the
                 message was posted) or ``timeout`` passed first.
         """
-        if self._done.is_set():
+        if self._done:
             if self._exc is not None:
                 raise self._exc
             return True
@@ -149,17 +166,17 @@ class P2PWork(Work):
             err = dist.DistBackendError(
                 f"ringcomm {self._op} {'to' if h.kind == 'send' else 'from'} {peer} timed out "
                 f"after {self._timeout_s:g}s on rank {self._tp.rank}")
-            with self._lock:
-                if not self._done.is_set():
+            with self._complete_lock:
+                if not self._done:
                     self._finish(exc=err)
             raise err
         self._complete()
         return True
 
     def is_completed(self) -> bool:
-        if not self._done.is_set() and self._tp.p2p_done(self._handle):
+        if not self._done and self._tp.p2p_done(self._handle):
             self._complete()
-        return self._done.is_set()
+        return self._done
 
     def _source_rank(self) -> int:
         self.wait()
@@ -168,8 +185,8 @@ class P2PWork(Work):
     source_rank = _source_rank
 
     def get_future(self) -> torch.futures.Future:
-        with self._lock:
-            if self._waiter is None and not self._done.is_set():
+        with self._complete_lock:
+            if self._waiter is None and not self._done:
                 # Nothing else drives a posted message: a helper thread waits for it.
                 self._waiter = threading.Thread(target=self._wait_quietly, daemon=True,
                                                 name=f"ringcomm-{self._op}")

@@ -41,12 +41,15 @@ def poll(test, deadline: float, spin_s: float, max_sleep_s: float) -> bool:
     """Call ``test()`` until it returns True (then True) or ``deadline`` passes (False)."""
     if test():
         return True
-    spin_until = _monotonic() + spin_s
+    start = _monotonic()
+    busy_until, spin_until = start + 20e-6, start + spin_s
     nap = 20e-6
     while not test():
         now = _monotonic()
         if now >= deadline:
             return False
+        if now < busy_until:
+            continue  # a peer on another core answers within microseconds
         if now < spin_until:
             _yield()  # lets co-located ranks run when cores are oversubscribed
         else:
