@@ -441,14 +441,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         t = self._single(inputs, "gather")
         root = self._root(opts.rootRank, "gather")
         me = self.rank()
-        outs = None
-        if me == root:
-            if len(output_lists) != 1:
-                raise ValueError(f"ringcomm gather: the root needs one output list, got "
-                                 f"{len(output_lists)}")
-            outs = self._check_list(output_lists[0], t, "gather")
-        elif output_lists and any(len(x) for x in output_lists):
-            raise ValueError(f"ringcomm gather: only the root (rank {root}) takes outputs")
+        outs = self._root_list(output_lists, t, root, "gather", "output")
         name, algo = self._algorithm("gather", t.numel() * t.element_size())
         seg = self.segment_bytes
 
@@ -474,14 +467,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         t = self._single(outputs, "scatter")
         root = self._root(opts.rootRank, "scatter")
         me = self.rank()
-        ins = None
-        if me == root:
-            if len(input_lists) != 1:
-                raise ValueError(f"ringcomm scatter: the root needs one input list, got "
-                                 f"{len(input_lists)}")
-            ins = self._check_list(input_lists[0], t, "scatter")
-        elif input_lists and any(len(x) for x in input_lists):
-            raise ValueError(f"ringcomm scatter: only the root (rank {root}) takes inputs")
+        ins = self._root_list(input_lists, t, root, "scatter", "input")
         name, algo = self._algorithm("scatter", t.numel() * t.element_size())
         seg = self.segment_bytes
 
@@ -684,6 +670,18 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             raise ValueError(f"ringcomm {op}: rank {peer} cannot {op} to/from itself")
 
     # -- helpers --------------------------------------------------------------
+    def _root_list(self, lists: list, like: torch.Tensor, root: int, op: str,
+                   what: str) -> list[torch.Tensor] | None:
+        """The root's tensor list of gather/scatter (None on other ranks, which must
+        pass none)."""
+        if self.rank() == root:
+            if len(lists) != 1:
+                raise ValueError(f"ringcomm {op}: the root needs one {what} list, got {len(lists)}")
+            return self._check_list(lists[0], like, op)
+        if lists and any(len(x) for x in lists):
+            raise ValueError(f"ringcomm {op}: only the root (rank {root}) takes {what}s")
+        return None
+
     def _check_list(self, lst: list, like: torch.Tensor, op: str) -> list[torch.Tensor]:
         if len(lst) != self.size():
             raise ValueError(f"ringcomm {op}: the tensor list has {len(lst)} tensors, "
