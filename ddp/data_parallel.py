@@ -184,7 +184,8 @@ class DistributedDataParallel(nn.Module):
         gradient_as_bucket_view: make each ``param.grad`` a view into its bucket,
             saving one copy and the memory of one gradient per parameter.
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to
-            all ranks before each forward.
+            all ranks at construction and before each forward. With False, buffers
+            are never synchronized, not even at construction (as in torch).
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
         ValueError: ``bucket_cap_mb`` is not positive, or this process is not in
@@ -242,9 +243,13 @@ class DistributedDataParallel(nn.Module):
                                    "gradients, which this implementation does not reduce; "
                                    "use sparse=False")
 
+        # As torch does, broadcast_buffers=False also leaves buffers out of this
+        # first broadcast, so rank-local buffers stay rank-local.
+        start_state = [p for _, p in named_params]
+        if broadcast_buffers:
+            start_state += [b for _, b in named_buffers]
         with torch.no_grad():
-            broadcast_coalesced([p for _, p in named_params] + [b for _, b in named_buffers],
-                                process_group)
+            broadcast_coalesced(start_state, process_group)
         self._sync_buffer_list = [b for _, b in named_buffers]
 
         self.reducer = Reducer(
