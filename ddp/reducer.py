@@ -172,6 +172,7 @@ class Reducer:
         self._used_future: torch.futures.Future | None = None
         self._unused_from_graph: list[int] = []
         self._saved_slots: dict[int, torch.Tensor] = {}
+        self._used_since_sync = [False] * n  # gradients accumulated under no_sync
 
         # Bucket rebuild: the first synchronized backward records the order in
         # which gradients arrive; the next forward rebuilds from rank 0's record.
@@ -326,7 +327,13 @@ class Reducer:
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         if not self._armed:
-            return  # no_sync, or a backward through the module outside DDP's forward
+            # no_sync (or a backward through the module outside DDP's forward): the
+            # gradient accumulates locally. Remember the parameter was used, so the
+            # next synchronized iteration reduces it even if that iteration leaves
+            # it unused here.
+            if param.grad is not None:
+                self._used_since_sync[i] = True
+            return
         self._begin()
         if self._ready[i]:
             b = self._bucket_of[i]
@@ -402,7 +409,8 @@ class Reducer:
                 and self._used_future is None):
             # Every parameter is ready, so the local used-set is final. Sent after the
             # last bucket on every rank, so the collectives still match.
-            bitmap = torch.tensor(self._used, dtype=torch.int32, device=self._device)
+            used = [u or v for u, v in zip(self._used, self._used_since_sync)]
+            bitmap = torch.tensor(used, dtype=torch.int32, device=self._device)
             self._used_future = dist.all_reduce(bitmap, group=self.process_group,
                                                 async_op=True).get_future()
 
@@ -435,6 +443,7 @@ class Reducer:
                 else:
                     p.grad.copy_(view)
         self._saved_slots = {}
+        self._used_since_sync = [False] * len(self.params)
         self.num_synced_backwards += 1
         if self._recording is not None:
             self._observed_order, self._recording = self._recording, None

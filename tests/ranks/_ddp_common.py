@@ -151,6 +151,12 @@ def buffers(m: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b.detach().clone() for n, b in m.named_buffers()}
 
 
+def grads_or_marker(m: nn.Module) -> list[torch.Tensor]:
+    """Each parameter's gradient, or a marker value where it is None (keeps the
+    collective in same_on_all_ranks the same size on every rank)."""
+    return [torch.full_like(p, -1234.5) if p.grad is None else p.grad for p in m.parameters()]
+
+
 def same_on_all_ranks(c: Checker, what: str, tensors: list[torch.Tensor],
                       group: dist.ProcessGroup) -> None:
     """Replicas must be bitwise identical: every rank applied the same update."""

@@ -21,7 +21,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 
 from _ddp_common import (buffers, compare_tensors, conv_net, grads, image_batch, init,
-                         lm_batch, lm_loss, params, rank_slice, same_on_all_ranks, sgd, tiny_lm)
+                         grads_or_marker, lm_batch, lm_loss, params, rank_slice, same_on_all_ranks,
+                         sgd, tiny_lm)
 import ddp
 from ddp import DistributedDataParallel as DDP
 
@@ -76,7 +77,7 @@ def no_sync(c, rank, world, group, backend):
             else:
                 lm_loss(net(mine[0]), mine[1]).backward()
         compare_tensors(c, f"{what}: synced accumulated grads", grads(model), grads(oracle), *F64)
-        same_on_all_ranks(c, f"{what}: grads", [p.grad for p in model.parameters()], group)
+        same_on_all_ranks(c, f"{what}: grads", grads_or_marker(model), group)
 
 
 def hooks(c, rank, world, group, backend):
@@ -121,7 +122,7 @@ def hooks(c, rank, world, group, backend):
         if name in ("fp16", "bf16"):
             exact = all(torch.equal(got[k], want[k]) for k in want)
             c.check(not exact, f"hook {name} {backend}: result is bit-exact; was it compressed?")
-        same_on_all_ranks(c, f"hook {name} {backend}", [p.grad for p in model.parameters()],
+        same_on_all_ranks(c, f"hook {name} {backend}", grads_or_marker(model),
                           group)
     c.check(len(seen) == 2, f"hooks {backend}: expected 2 iterations of launches: {seen}")
     for it in seen:

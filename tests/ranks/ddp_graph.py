@@ -1,7 +1,7 @@
 """DDP behaviour that depends on the autograd graph (run with mpiexec -n 3, or any n >= 1):
 
 * unused parameters with find_unused_parameters=True: globally unused, and used
-  on some ranks only, changing from step to step; compared every step with one
+  on some ranks only, changing from step to step, or used only inside no_sync; compared every step with one
   process that evaluates every rank's loss with that rank's choices (the
   concatenated-batch oracle when ranks run different code paths). Globally
   unused gradients stay None, or exactly unchanged, even when ranks hold
@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _ddp_common import compare_tensors, grads, init, params, same_on_all_ranks, sgd
+from _ddp_common import (compare_tensors, grads, grads_or_marker, init, params,
+                         same_on_all_ranks, sgd)
 import ddp
 from ddp import DistributedDataParallel as DDP
 
@@ -113,6 +114,26 @@ def unused_params(c, rank, world, group, backend):
             for n, p in model.b.named_parameters():
                 c.check(torch.equal(p.grad, mine[n]),
                         f"{what}: globally unused b.{n}.grad changed from {rank + 1.5}")
+
+
+def unused_with_no_sync(c, rank, world, group, backend):
+    """A parameter used only inside no_sync, on one rank, must still be averaged."""
+    for view in (False, True):
+        what = f"unused + no_sync {backend} view={view}"
+        oracle, model = branchy(seed=12), branchy(seed=12 + rank)
+        net = DDP(model, process_group=group, bucket_cap_mb=0.0002,
+                  find_unused_parameters=True, gradient_as_bucket_view=view)
+        micro = [lambda r: (True, r == world - 1),  # b only on the last rank, in no_sync
+                 lambda r: (True, False)]           # synchronized: b unused everywhere
+        for m, flags in enumerate(micro):
+            sum(loss_fn(oracle, 20 + m, r, flags(r)) for r in range(world)).div(world).backward()
+            if m == 0:
+                with net.no_sync():
+                    loss_fn(net, 20 + m, rank, flags(rank)).backward()
+            else:
+                loss_fn(net, 20 + m, rank, flags(rank)).backward()
+        compare_tensors(c, f"{what}: grads", grads(model), grads(oracle), *F64)
+        same_on_all_ranks(c, f"{what}: b grads", grads_or_marker(model.b), group)
 
 
 def unused_without_flag(c, rank, world, group, backend):
@@ -256,7 +277,7 @@ def rebuild(c, rank, world, group, backend):
 def main() -> None:
     rank, world, groups, c = init()
     for backend, group in groups.items():
-        for fn in (unused_params, unused_without_flag, overlap, rebuild):
+        for fn in (unused_params, unused_with_no_sync, unused_without_flag, overlap, rebuild):
             c.run(f"{fn.__name__} {backend}", fn, c, rank, world, group, backend)
     c.finish()
 
