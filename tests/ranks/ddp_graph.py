@@ -6,6 +6,8 @@
   concatenated-batch oracle when ranks run different code paths). Globally
   unused gradients stay None, or exactly unchanged, even when ranks hold
   different values.
+* outputs the loss ignores on some ranks; a parameter the loss uses outside
+  DDP's forward (taken if its bucket is still open, a clear error otherwise).
 * without find_unused_parameters: a clear error on the ranks that left a
   parameter unused, and no hang: the next iteration works everywhere.
 * overlap: the first bucket's allreduce is launched before backward reaches the
@@ -134,6 +136,61 @@ def unused_with_no_sync(c, rank, world, group, backend):
                 loss_fn(net, 20 + m, rank, flags(rank)).backward()
         compare_tensors(c, f"{what}: grads", grads(model), grads(oracle), *F64)
         same_on_all_ranks(c, f"{what}: b grads", grads_or_marker(model.b), group)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.head_a, self.head_b = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return {"a": self.head_a(h), "b": self.head_b(h)}
+
+
+def ignored_output(c, rank, world, group, backend):
+    """head_b is reachable from the outputs, but the loss ignores output "b" on some
+    ranks (then its hook never fires): it must count as unused there."""
+    for view in (False, True):
+        what = f"ignored output {backend} view={view}"
+        torch.manual_seed(14)
+        oracle = TwoHeads().double()
+        model = TwoHeads().double()
+        model.load_state_dict(oracle.state_dict())
+        net = DDP(model, process_group=group, bucket_cap_mb=1e-6, find_unused_parameters=True,
+                  gradient_as_bucket_view=view)
+
+        def loss(m, step, r):
+            x = torch.randn(2, 4, dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(100 * step + r))
+            out = m(x)
+            uses_b = step == 0 and r == 0  # step 0: rank 0 only; step 1: nobody
+            return out["a"].pow(2).sum() + (out["b"].pow(2).sum() if uses_b else 0)
+
+        for step in range(2):
+            sum(loss(oracle, step, r) for r in range(world)).div(world).backward()
+            loss(net, step, rank).backward()
+            compare_tensors(c, f"{what}: step {step} grads", grads(model), grads(oracle), *F64)
+
+
+def used_outside_forward(c, rank, world, group, backend):
+    """The loss uses a parameter directly, not through DDP's forward: it is unreachable
+    from the outputs, so DDP marks it unused; when its gradient arrives anyway, DDP
+    takes it if its bucket has not gone out yet, and raises a clear error otherwise."""
+    for cap, bucket_already_sent in ((25, False), (0.0002, True)):
+        what = f"used outside forward {backend} cap={cap}"
+        oracle, model = branchy(seed=15), branchy(seed=15 + rank)
+        net = DDP(model, process_group=group, bucket_cap_mb=cap, find_unused_parameters=True)
+        sum(loss_fn(oracle, 0, r, (True, True)) + oracle.never.weight.sum()
+            for r in range(world)).div(world).backward()
+        try:
+            (loss_fn(net, 0, rank, (True, True)) + model.never.weight.sum()).backward()
+            c.check(not bucket_already_sent, f"{what}: no error")
+            compare_tensors(c, f"{what}: grads", grads(model), grads(oracle), *F64)
+        except RuntimeError as e:
+            c.check(bucket_already_sent, f"{what}: unexpected error {e}")
+            c.check("'never.weight'" in str(e) and "already reduced" in str(e),
+                    f"{what}: unclear error: {e}")
 
 
 def unused_without_flag(c, rank, world, group, backend):
@@ -277,7 +334,8 @@ def rebuild(c, rank, world, group, backend):
 def main() -> None:
     rank, world, groups, c = init()
     for backend, group in groups.items():
-        for fn in (unused_params, unused_with_no_sync, unused_without_flag, overlap, rebuild):
+        for fn in (unused_params, unused_with_no_sync, ignored_output, used_outside_forward,
+                   unused_without_flag, overlap, rebuild):
             c.run(f"{fn.__name__} {backend}", fn, c, rank, world, group, backend)
     c.finish()
 
