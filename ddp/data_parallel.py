@@ -107,6 +107,11 @@ def verify_same_model(named_params: Sequence[tuple[str, torch.Tensor]],
     descriptions, so every rank can name the first mismatch and all raise the same
     error: no rank goes on to a broadcast the others will never join.
 
+    Args:
+        named_params: (name, parameter) in registration order.
+        named_buffers: (name, buffer) in registration order.
+        group: the group whose ranks must agree.
+        device: where the exchanged tensors live (one the group's backend supports).
     Raises:
         RuntimeError: on every rank, when the descriptions differ.
     """
@@ -138,6 +143,12 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGrou
 
     Tensors are grouped by dtype and device (one collective moves one dtype) and
     packed into chunks of at most ``chunk_bytes`` (a larger tensor travels alone).
+    Every rank of ``group`` must call it with tensors of the same shapes and dtypes.
+
+    Args:
+        tensors: written in place (call under ``torch.no_grad()`` for parameters).
+        group: the group; its rank 0 is the source.
+        chunk_bytes: upper bound on one broadcast's size.
     """
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:

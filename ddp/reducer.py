@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import weakref
 from typing import Any, Iterable, Sequence
 
@@ -109,13 +110,18 @@ def _on_grad_ready(ref: "weakref.ref[Reducer]", index: int, param: torch.Tensor)
     # long as its DDP wrapper.
     reducer = ref()
     if reducer is not None:
-        reducer._on_grad_ready(index, param)
+        # Autograd runs hooks of parameters on different devices on different
+        # threads; the per-iteration state must see them one at a time.
+        with reducer._lock:
+            reducer._on_grad_ready(index, param)
 
 
 def _on_output_grad(ref: "weakref.ref[Reducer]", grad: torch.Tensor) -> None:
     reducer = ref()
-    if reducer is not None and reducer._armed:
-        reducer._begin()
+    if reducer is not None:
+        with reducer._lock:
+            if reducer._armed:
+                reducer._begin()
 
 
 def _remove_hooks(handles: list) -> None:
@@ -151,6 +157,7 @@ class Reducer:
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._device = self.params[0].device
+        self._lock = threading.Lock()
 
         self._comm_hook: CommHook = allreduce_hook
         self._comm_hook_state: Any = None
@@ -160,19 +167,10 @@ class Reducer:
         self._install(compute_bucket_assignment(self.params, reverse_order(len(self.params)),
                                                 bucket_cap_bytes, first_bucket_cap_bytes))
 
-        # Per-iteration state, reset by prepare_for_backward.
+        # Per-iteration state (see _reset), and what no_sync iterations leave behind.
         self._armed = False
-        self._started = False
-        self._launched = 0
-        n = len(self.params)
-        self._ready = [False] * n
-        self._used = [False] * n
-        self._pending = [len(b.param_indices) for b in self.buckets]
-        self._futures: list[torch.futures.Future | None] = [None] * len(self.buckets)
-        self._used_future: torch.futures.Future | None = None
-        self._unused_from_graph: list[int] = []
-        self._saved_slots: dict[int, torch.Tensor] = {}
-        self._used_since_sync = [False] * n  # gradients accumulated under no_sync
+        self._reset()
+        self._used_since_sync = [False] * len(self.params)
 
         # Bucket rebuild: the first synchronized backward records the order in
         # which gradients arrive; the next forward rebuilds from rank 0's record.
@@ -277,16 +275,17 @@ class Reducer:
         return True
 
     def _reset(self) -> None:
+        """Forget the previous iteration's progress (the layout stays)."""
         n = len(self.params)
-        self._started = False
-        self._launched = 0
-        self._ready = [False] * n
-        self._used = [False] * n
-        self._pending = [len(b.param_indices) for b in self.buckets]
-        self._futures = [None] * len(self.buckets)
-        self._used_future = None
-        self._unused_from_graph = []
-        self._saved_slots = {}
+        self._started = False                     # finalize queued, unused marked
+        self._launched = 0                        # buckets handed to the comm hook
+        self._ready = [False] * n                 # gradient in its slot (or unused)
+        self._used = [False] * n                  # got a gradient this iteration
+        self._pending = [len(b.param_indices) for b in self.buckets]  # slots still empty
+        self._futures: list[torch.futures.Future | None] = [None] * len(self.buckets)
+        self._used_future: torch.futures.Future | None = None  # the bitmap allreduce
+        self._unused_from_graph: list[int] = []
+        self._saved_slots: dict[int, torch.Tensor] = {}  # bucket views to restore
 
     def prepare_for_backward(self, outputs: Any) -> None:
         """Arm the reducer for the backward of this forward's ``outputs``.
