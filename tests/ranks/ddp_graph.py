@@ -1,9 +1,10 @@
 """DDP behaviour that depends on the autograd graph (run with mpiexec -n 3, or any n >= 1):
 
 * unused parameters with find_unused_parameters=True: globally unused, and used
-  on some ranks only, changing from step to step, or used only inside no_sync; compared every step with one
-  process that evaluates every rank's loss with that rank's choices (the
-  concatenated-batch oracle when ranks run different code paths). Globally
+  on some ranks only, changing from step to step, or used only inside no_sync;
+  compared every step with one process that evaluates every rank's loss with
+  that rank's choices (the concatenated-batch oracle when ranks run different
+  code paths). Globally
   unused gradients stay None, or exactly unchanged, even when ranks hold
   different values.
 * outputs the loss ignores on some ranks; a parameter the loss uses outside
@@ -303,7 +304,8 @@ def rebuild(c, rank, world, group, backend):
         # an order unlike the registration order, and unlike odd ranks' order.
         f_first = rank % 2 == 1
         for step in range(2):  # no zero_grad: gradients accumulate across the rebuild
-            x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(3, 4, dtype=torch.float64, generator=gen)
             xs = [x + r for r in range(world)]
             sum(oracle(xs[r], r % 2 == 1).sum() for r in range(world)).div(world).backward()
             net(xs[rank], f_first).sum().backward()
