@@ -1,0 +1,469 @@
+"""The reducer: turns gradient-ready events during backward into bucket allreduces.
+
+Life of one synchronized iteration (paper, section 3.2 and Algorithm 1):
+
+1. ``prepare_for_backward`` (end of DDP's forward) arms the reducer and, with
+   ``find_unused_parameters``, walks the autograd graph from the outputs to find
+   parameters that will get no gradient on this rank.
+2. Each parameter's post-accumulate-grad hook copies its gradient into its bucket
+   slot (or makes the slot the gradient, with ``gradient_as_bucket_view``). The
+   first hook of the backward queues the finalize callback and marks the unused
+   parameters ready. When a bucket's last gradient arrives, every complete bucket
+   from the lowest unlaunched index on is handed to the communication hook
+   (asynchronous allreduce): buckets go out strictly in index order on every rank,
+   so the collectives match across ranks whatever order gradients arrive in.
+3. After the last bucket, with ``find_unused_parameters``, a bitmap of the
+   parameters that got a gradient here is allreduced too.
+4. The finalize callback (autograd runs it when backward ends) waits on every
+   future and writes the averaged gradients back into ``param.grad``; globally
+   unused parameters keep their ``grad`` as it was.
+
+Autograd runs hooks and callbacks of a CPU backward on the thread that called
+``backward()``; the collectives progress on the process group's own threads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import weakref
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from .buckets import (Bucket, complete_order, compute_bucket_assignment, make_buckets,
+                      reverse_order)
+from .comm_hooks import CommHook, GradBucket, allreduce_hook
+
+log = logging.getLogger("ddp")
+
+
+def find_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside ``obj`` (tensors, lists, tuples, dicts, dataclasses, nested)."""
+    found: list[torch.Tensor] = []
+    stack = [obj]
+    seen: set[int] = set()
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        elif id(o) in seen:
+            continue
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            seen.add(id(o))
+            stack.extend(o)
+        elif isinstance(o, dict):
+            seen.add(id(o))
+            stack.extend(o.values())
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            seen.add(id(o))
+            stack.extend(getattr(o, f.name) for f in dataclasses.fields(o))
+    return found
+
+
+def reachable_parameters(outputs: Iterable[torch.Tensor],
+                         params: Sequence[torch.Tensor]) -> set[int]:
+    """Indices of ``params`` that a backward from ``outputs`` can give a gradient.
+
+    Walks the autograd graph from the outputs' ``grad_fn`` through
+    ``next_functions``; a parameter is reached when its ``AccumulateGrad`` node is
+    (that node's ``variable`` is the parameter itself). An output that *is* a
+    parameter counts too.
+    """
+    index = {id(p): i for i, p in enumerate(params)}
+    reached: set[int] = set()
+    stack = []
+    for t in outputs:
+        if not t.requires_grad:
+            continue
+        if t.grad_fn is None:
+            if id(t) in index:
+                reached.add(index[id(t)])
+        else:
+            stack.append(t.grad_fn)
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in index:
+            reached.add(index[id(variable)])
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    return reached
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same memory, same layout: ``a`` is (a view equal to) ``b``."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
+
+
+def _on_grad_ready(ref: "weakref.ref[Reducer]", index: int, param: torch.Tensor) -> None:
+    # A weak reference: hooks live as long as the parameter, the reducer only as
+    # long as its DDP wrapper.
+    reducer = ref()
+    if reducer is not None:
+        # Autograd runs hooks of parameters on different devices on different
+        # threads; the per-iteration state must see them one at a time.
+        with reducer._lock:
+            reducer._on_grad_ready(index, param)
+
+
+def _on_output_grad(ref: "weakref.ref[Reducer]", grad: torch.Tensor) -> None:
+    reducer = ref()
+    if reducer is not None:
+        with reducer._lock:
+            if reducer._armed:
+                reducer._begin()
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()
+
+
+class Reducer:
+    """Buckets the gradients of ``params`` and reduces them during backward.
+
+    Args:
+        params: parameters that require gradients, in registration order; the same
+            on every rank (DDP checks that first).
+        names: their names, for error messages.
+        process_group: group to reduce over.
+        bucket_cap_bytes: bucket size cap.
+        first_bucket_cap_bytes: cap of the first bucket (default 1 MiB).
+        find_unused_parameters: detect parameters without gradients each iteration.
+        gradient_as_bucket_view: make ``param.grad`` a view into its bucket.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 process_group: dist.ProcessGroup, bucket_cap_bytes: int,
+                 first_bucket_cap_bytes: int | None = None,
+                 find_unused_parameters: bool = False,
+                 gradient_as_bucket_view: bool = False):
+        self.params = list(params)
+        self.names = list(names)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.first_bucket_cap_bytes = first_bucket_cap_bytes
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self._device = self.params[0].device
+        self._lock = threading.Lock()
+
+        self._comm_hook: CommHook = allreduce_hook
+        self._comm_hook_state: Any = None
+        self._comm_hook_registered = False
+
+        self.buckets: list[Bucket] = []
+        self._install(compute_bucket_assignment(self.params, reverse_order(len(self.params)),
+                                                bucket_cap_bytes, first_bucket_cap_bytes))
+
+        # Per-iteration state (see _reset), and what no_sync iterations leave behind.
+        self._armed = False
+        self._reset()
+        self._used_since_sync = [False] * len(self.params)
+
+        # Bucket rebuild: the first synchronized backward records the order in
+        # which gradients arrive; the next forward rebuilds from rank 0's record.
+        self._recording: list[int] | None = None
+        self._observed_order: list[int] | None = None
+        self._rebuilt = False
+        self.num_synced_backwards = 0
+
+        ref = weakref.ref(self)
+        handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad_ready, ref, i))
+                   for i, p in enumerate(self.params)]
+        weakref.finalize(self, _remove_hooks, handles)
+
+    # -- layout -----------------------------------------------------------------
+    def _install(self, assignment: list[list[int]]) -> None:
+        """Allocate buckets for ``assignment``; with bucket views, move existing
+        gradients into their new slots so accumulated values survive a rebuild."""
+        self.buckets = make_buckets(self.params, assignment)
+        n = len(self.params)
+        self._bucket_of = [0] * n
+        self._slot_of = [0] * n
+        for b in self.buckets:
+            for k, i in enumerate(b.param_indices):
+                self._bucket_of[i] = b.index
+                self._slot_of[i] = k
+        self._grad_buckets = [
+            GradBucket(b.index, b.buffer, b.views, [self.params[i] for i in b.param_indices],
+                       b.index == len(self.buckets) - 1, self.process_group)
+            for b in self.buckets]
+        if self.gradient_as_bucket_view:
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    view = self._view(i)
+                    view.copy_(p.grad)
+                    p.grad = view
+
+    def _view(self, i: int) -> torch.Tensor:
+        return self.buckets[self._bucket_of[i]].views[self._slot_of[i]]
+
+    def bucket_assignment(self) -> list[list[int]]:
+        """Parameter indices per bucket, in launch order."""
+        return [list(b.param_indices) for b in self.buckets]
+
+    # -- configuration ----------------------------------------------------------
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Use ``hook(state, bucket)`` to reduce each bucket. See ``ddp.comm_hooks``.
+
+        Raises:
+            TypeError: ``hook`` is not callable.
+            RuntimeError: a hook is already registered, or a synchronized backward
+                already ran (every rank must switch at the same iteration).
+        """
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: hook must be callable, got "
+                            f"{type(hook).__name__}")
+        if self._comm_hook_registered:
+            raise RuntimeError("register_comm_hook: a communication hook is already "
+                               "registered; it can be registered only once")
+        if self.num_synced_backwards or self._armed:
+            raise RuntimeError("register_comm_hook: must be called before the first "
+                               "forward/backward, so that every rank reduces every "
+                               "iteration with the same hook")
+        self._comm_hook, self._comm_hook_state = hook, state
+        self._comm_hook_registered = True
+
+    # -- per iteration ----------------------------------------------------------
+    def check_idle(self) -> None:
+        """Raise if the previous synchronized backward started reducing and never finished.
+
+        Raises:
+            RuntimeError: buckets were launched but the finalize step never ran
+                (backward raised or was interrupted); the ranks' collectives may
+                no longer match, so continuing could hang or mix iterations.
+        """
+        if self._armed and self._launched:
+            raise RuntimeError(
+                f"ddp: the previous backward launched {self._launched} of "
+                f"{len(self.buckets)} bucket allreduces but never finished (did backward "
+                "raise?). The ranks may be out of step; restart training from a checkpoint.")
+
+    def rebuild_buckets(self) -> bool:
+        """Once, after the first synchronized backward: rebuild buckets in the order
+        rank 0 saw gradients arrive (a collective: every rank calls it at the same
+        point, DDP's forward). Returns True if it ran this time."""
+        if self._rebuilt or self._observed_order is None:
+            return False
+        self._rebuilt = True
+        n = len(self.params)
+        order = torch.tensor(complete_order(self._observed_order, n), dtype=torch.int64,
+                             device=self._device)
+        # Ranks may see different orders (ties in autograd's scheduling, data-
+        # dependent control flow); rank 0's order makes the layout identical.
+        dist.broadcast(order, group=self.process_group, group_src=0)
+        assignment = compute_bucket_assignment(self.params, order.tolist(),
+                                               self.bucket_cap_bytes,
+                                               self.first_bucket_cap_bytes)
+        if assignment != self.bucket_assignment():
+            self._install(assignment)
+            self._reset()
+            log.info("ddp: rebuilt %d buckets from the observed gradient order",
+                     len(self.buckets))
+        return True
+
+    def _reset(self) -> None:
+        """Forget the previous iteration's progress (the layout stays)."""
+        n = len(self.params)
+        self._started = False                     # finalize queued, unused marked
+        self._launched = 0                        # buckets handed to the comm hook
+        self._ready = [False] * n                 # gradient in its slot (or unused)
+        self._used = [False] * n                  # got a gradient this iteration
+        self._pending = [len(b.param_indices) for b in self.buckets]  # slots still empty
+        self._futures: list[torch.futures.Future | None] = [None] * len(self.buckets)
+        self._used_future: torch.futures.Future | None = None  # the bitmap allreduce
+        self._unused_from_graph: list[int] = []
+        self._saved_slots: dict[int, torch.Tensor] = {}  # bucket views to restore
+
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """Arm the reducer for the backward of this forward's ``outputs``.
+
+        Raises:
+            RuntimeError: see :meth:`check_idle`.
+        """
+        self.check_idle()
+        self._reset()
+        if self.find_unused_parameters:
+            reached = reachable_parameters(find_tensors(outputs), self.params)
+            self._unused_from_graph = [i for i in range(len(self.params)) if i not in reached]
+        if self._observed_order is None and self._recording is None:
+            self._recording = []
+        self._armed = True
+        # A hook on each output starts the iteration as soon as backward reaches the
+        # outputs, even on a rank where no parameter will get a gradient: its
+        # buckets (all zeros) still go out, so the other ranks are not left waiting.
+        ref = weakref.ref(self)
+        for t in find_tensors(outputs):
+            if t.requires_grad and t.grad_fn is not None:
+                t.register_hook(functools.partial(_on_output_grad, ref))
+
+    def disarm(self) -> None:
+        """The next backward is not synchronized (a forward inside ``no_sync``)."""
+        self.check_idle()
+        self._armed = False
+
+    def _begin(self) -> None:
+        """First event of a synchronized backward: queue the finalize callback (it has
+        to be queued from inside the backward) and send what is known to be unused."""
+        if self._started:
+            return
+        self._started = True
+        Variable._execution_engine.queue_callback(self._finalize)
+        for j in self._unused_from_graph:
+            self._mark_ready(j, used=False)
+
+    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        if not self._armed:
+            # no_sync (or a backward through the module outside DDP's forward): the
+            # gradient accumulates locally. Remember the parameter was used, so the
+            # next synchronized iteration reduces it even if that iteration leaves
+            # it unused here.
+            if param.grad is not None:
+                self._used_since_sync[i] = True
+            return
+        self._begin()
+        if self._ready[i]:
+            b = self._bucket_of[i]
+            if b < self._launched:
+                raise RuntimeError(
+                    f"ddp: parameter '{self.names[i]}' got a gradient after its bucket {b} "
+                    "was already reduced: the parameter is not reachable from the outputs "
+                    "of DDP's forward, yet the loss depends on it (is it used outside the "
+                    "wrapped module's forward?)")
+            # Marked unused from the graph walk, but its bucket has not gone out yet:
+            # take the gradient after all.
+            self._used[i] = True
+            self._saved_slots.pop(i, None)
+            self._load_slot(i, param)
+            return
+        self._mark_ready(i, used=True)
+
+    def _load_slot(self, i: int, p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None:  # a hook cleared it; treat as a zero gradient
+            self._view(i).zero_()
+            return
+        if g.layout != torch.strided:
+            raise RuntimeError(f"ddp: parameter '{self.names[i]}' has a {g.layout} gradient; "
+                               "only dense gradients are supported (nn.Embedding(sparse=True) "
+                               "is not)")
+        view = self._view(i)
+        if self.gradient_as_bucket_view:
+            if not _aliases(g, view):
+                view.copy_(g)
+                p.grad = view
+        else:
+            view.copy_(g)
+
+    def _mark_ready(self, i: int, used: bool) -> None:
+        if used:
+            self._used[i] = True
+            if self._recording is not None:
+                self._recording.append(i)
+            self._load_slot(i, self.params[i])
+        else:
+            # No gradient on this rank this iteration. Contribute the gradient as it
+            # stands (zero if None): with accumulation across iterations that is
+            # exactly this rank's share of the sum.
+            g, view = self.params[i].grad, self._view(i)
+            if g is None:
+                view.zero_()
+            elif _aliases(g, view):
+                # The slot is the gradient; keep a copy to restore it untouched if no
+                # rank used the parameter (the allreduce would round it otherwise).
+                if self.find_unused_parameters:
+                    self._saved_slots[i] = view.clone()
+            else:
+                view.copy_(g)
+        self._ready[i] = True
+        b = self._bucket_of[i]
+        self._pending[b] -= 1
+        if self._pending[b] == 0:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._launched < len(self.buckets) and self._pending[self._launched] == 0:
+            b = self._launched
+            fut = self._comm_hook(self._comm_hook_state, self._grad_buckets[b])
+            # torch.futures.Future is the Python face of torch._C.Future; collectives'
+            # get_future() returns the latter.
+            if not isinstance(fut, torch._C.Future):
+                raise TypeError(f"ddp: the communication hook must return a "
+                                f"torch.futures.Future, got {type(fut).__name__} for bucket {b}")
+            self._futures[b] = fut
+            self._launched += 1
+        if (self.find_unused_parameters and self._launched == len(self.buckets)
+                and self._used_future is None):
+            # Every parameter is ready, so the local used-set is final. Sent after the
+            # last bucket on every rank, so the collectives still match.
+            used = [u or v for u, v in zip(self._used, self._used_since_sync)]
+            bitmap = torch.tensor(used, dtype=torch.int32, device=self._device)
+            self._used_future = dist.all_reduce(bitmap, group=self.process_group,
+                                                async_op=True).get_future()
+
+    def _finalize(self) -> None:
+        """End of backward: finish any bucket still waiting, wait for all, write back."""
+        self._armed = False
+        missing = [i for i in range(len(self.params)) if not self._ready[i]]
+        # Parameters that got no gradient still have to be sent: the other ranks are
+        # waiting in the allreduce of their bucket.
+        for i in missing:
+            self._mark_ready(i, used=False)
+        for b, fut in enumerate(self._futures):
+            self._store_result(b, fut.wait())
+        global_used = None
+        if self._used_future is not None:
+            global_used = self._used_future.wait()[0].tolist()
+        for b in self.buckets:
+            for k, i in enumerate(b.param_indices):
+                p, view = self.params[i], b.views[k]
+                if global_used is not None and global_used[i] == 0:
+                    saved = self._saved_slots.get(i)
+                    if saved is not None:
+                        view.copy_(saved)
+                    continue  # no rank used it: grad stays as it was (None or unchanged)
+                if self.gradient_as_bucket_view:
+                    if p.grad is None or not _aliases(p.grad, view):
+                        p.grad = view
+                elif p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
+        self._saved_slots = {}
+        self._used_since_sync = [False] * len(self.params)
+        self.num_synced_backwards += 1
+        if self._recording is not None:
+            self._observed_order, self._recording = self._recording, None
+        if missing and not self.find_unused_parameters:
+            names = [self.names[i] for i in missing]
+            raise RuntimeError(
+                f"ddp: {len(missing)} parameter(s) got no gradient in this backward on this "
+                f"rank: {names[:10]}{' ...' if len(names) > 10 else ''}. Their zero gradients "
+                "were reduced so the other ranks are not left waiting, but results are only "
+                "right if the model uses every parameter: pass find_unused_parameters=True "
+                "to DistributedDataParallel when some parameters are unused in an iteration.")
+
+    def _store_result(self, b: int, value: Any) -> None:
+        bucket = self.buckets[b]
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"ddp: the communication hook's future for bucket {b} holds "
+                            f"{type(value).__name__}; expected a tensor")
+        if value.shape != bucket.buffer.shape:
+            raise ValueError(f"ddp: the communication hook's result for bucket {b} has shape "
+                             f"{tuple(value.shape)}; expected {tuple(bucket.buffer.shape)}")
+        if not _aliases(value, bucket.buffer):
+            bucket.buffer.copy_(value)

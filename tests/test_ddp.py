@@ -1,0 +1,143 @@
+"""Tests of ddp/: pure unit tests in-process, then multi-rank programs under real launchers.
+
+The per-rank programs (tests/ranks/ddp_*.py) say in their docstrings what they
+check and against which oracle; every launch is bounded by a timeout, so a hang
+fails the test with the ranks' output.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # this worktree's ddp, not an installed one
+    sys.path.insert(0, str(ROOT))
+
+from conftest import mpirun, torchrun  # noqa: E402
+from ddp.buckets import (MB, compute_bucket_assignment, complete_order, make_buckets,  # noqa: E402
+                         reverse_order)
+from ddp.data_parallel import _entries, describe_mismatch  # noqa: E402
+from ddp.reducer import find_tensors, reachable_parameters  # noqa: E402
+
+LAUNCH_TIMEOUT = 180  # generous: other engineers' tests share the two cores
+
+
+def meta(*numels: int, dtype=torch.float32) -> list[torch.Tensor]:
+    return [torch.empty(n, dtype=dtype, device="meta") for n in numels]
+
+
+# -- bucket assignment: expectations worked out by hand ---------------------------
+def test_buckets_reverse_order_with_small_first_bucket():
+    # 4-byte floats: sizes 400, 400, 400, 400 bytes; first cap 500, later caps 1000.
+    ps = meta(100, 100, 100, 100)
+    got = compute_bucket_assignment(ps, reverse_order(4), bucket_cap_bytes=1000,
+                                    first_bucket_cap_bytes=500)
+    # 3 (400 < 500) + 2 -> 800 >= 500 closes the first; 1 + 0 = 800 < 1000 stays open.
+    assert got == [[3, 2], [1, 0]]
+
+
+def test_buckets_close_at_cap_and_large_parameter_alone():
+    ps = meta(10, 300, 10, 10, 10)  # 40, 1200, 40, 40, 40 bytes
+    got = compute_bucket_assignment(ps, [0, 1, 2, 3, 4], bucket_cap_bytes=100,
+                                    first_bucket_cap_bytes=100)
+    assert got == [[0, 1], [2, 3, 4]]  # 40+1200 >= 100; 40+40+40 >= 100
+    got = compute_bucket_assignment(ps, [1, 0, 2, 3, 4], 100, 100)
+    assert got == [[1], [0, 2, 3], [4]]
+
+
+def test_buckets_first_cap_never_exceeds_cap():
+    ps = meta(*[64] * 6)  # 256 bytes each
+    got = compute_bucket_assignment(ps, reverse_order(6), bucket_cap_bytes=256,
+                                    first_bucket_cap_bytes=MB)
+    assert got == [[5], [4], [3], [2], [1], [0]]
+
+
+def test_buckets_default_first_cap_is_one_mib():
+    ps = meta(200_000, 200_000, 200_000, 200_000)  # 800 kB each
+    got = compute_bucket_assignment(ps, reverse_order(4), bucket_cap_bytes=25 * MB)
+    assert got == [[3, 2], [1, 0]]  # 1.6 MB >= 1 MiB closes the first bucket
+
+
+def test_buckets_split_by_dtype_and_ordered_by_first_member():
+    ps = meta(10, 10) + meta(10, dtype=torch.float64) + meta(10)
+    got = compute_bucket_assignment(ps, reverse_order(4), bucket_cap_bytes=10_000)
+    assert got == [[3, 1, 0], [2]]  # float32 bucket starts at position 0, float64 at 1
+
+
+def test_buckets_follow_given_order_and_reject_bad_input():
+    ps = meta(1, 1, 1)
+    assert compute_bucket_assignment(ps, [1, 2, 0], 4, 4) == [[1], [2], [0]]
+    with pytest.raises(ValueError, match="permutation"):
+        compute_bucket_assignment(ps, [0, 0, 1], 4, 4)
+    with pytest.raises(ValueError, match="positive"):
+        compute_bucket_assignment(ps, [0, 1, 2], 0)
+
+
+def test_complete_order_appends_missing_in_reverse_registration():
+    assert complete_order([2, 0], 5) == [2, 0, 4, 3, 1]
+    with pytest.raises(ValueError):
+        complete_order([1, 1], 3)
+
+
+def test_bucket_views_match_parameter_layout():
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    lin = nn.Linear(5, 2)
+    ps = [conv.weight, lin.weight, lin.bias]
+    (bucket,) = make_buckets(ps, [[0, 1, 2]])
+    assert bucket.buffer.numel() == sum(p.numel() for p in ps)
+    for p, v in zip(ps, bucket.views):
+        assert v.shape == p.shape and v.stride() == p.stride()
+    bucket.views[1].fill_(7)  # the views tile the buffer without overlap
+    assert (bucket.buffer == 7).sum() == lin.weight.numel()
+
+
+# -- helpers: graph traversal and the mismatch message ---------------------------
+def test_reachable_parameters_walks_the_autograd_graph():
+    a, b, c = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    ps = list(a.parameters()) + list(b.parameters()) + list(c.parameters())
+    x = torch.randn(1, 2)
+    h = a(x)
+    out = {"main": b(h) + h, "aux": [h.detach() * 2], "leaf": ps[4]}  # c.weight as an output
+    found = find_tensors(out)
+    assert len(found) == 3
+    assert reachable_parameters(found, ps) == {0, 1, 2, 3, 4}
+
+
+def test_describe_mismatch_names_first_difference_and_ranks():
+    same = _entries([("w", torch.zeros(2, 3)), ("b", torch.zeros(2))], [])
+    other = _entries([("w", torch.zeros(2, 4)), ("b", torch.zeros(2))], [])
+    assert describe_mismatch([same, same]) is None
+    msg = describe_mismatch([same, same, other])
+    assert "parameter #0 ('w')" in msg
+    assert "ranks 0, 1: parameter 'w' of shape (2, 3)" in msg
+    assert "rank 2: parameter 'w' of shape (2, 4)" in msg
+    fewer = _entries([("w", torch.zeros(2, 3))], [("rm", torch.zeros(2))])
+    msg = describe_mismatch([same, fewer])
+    assert "parameter #1 ('b')" in msg and "numbers differ" in msg
+
+
+# -- multi-rank programs ------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_equivalence_with_single_process(world):
+    mpirun(world, "ddp_equivalence.py", timeout=LAUNCH_TIMEOUT)
+
+
+def test_features_against_torch_ddp_and_oracles():
+    mpirun(3, "ddp_features.py", timeout=LAUNCH_TIMEOUT,
+           env={"PYTHONWARNINGS": "ignore::FutureWarning"})  # torch's broadcast_buffers notice
+
+
+def test_unused_parameters_overlap_and_rebuild():
+    mpirun(3, "ddp_graph.py", timeout=LAUNCH_TIMEOUT)
+
+
+def test_mismatched_models_fail_on_every_rank():
+    mpirun(3, "ddp_mismatch.py", timeout=LAUNCH_TIMEOUT)
+
+
+def test_under_torchrun():
+    torchrun(2, "ddp_equivalence.py", "--quick", timeout=LAUNCH_TIMEOUT)
