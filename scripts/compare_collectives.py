@@ -1152,12 +1152,17 @@ def measured_tuning(docs: list[dict], tolerance: float) -> dict[str, dict[str, l
                 units.append(per * esize)
             times = {a: [v[s]["time_us"] if s in v else None for s in sizes]
                      for a, v in per_algo.items()}
-            # Sizes where no algorithm ran are dropped (all None).
-            keep = [i for i in range(len(sizes)) if any(times[a][i] for a in times)]
+            # Drop sizes where no algorithm ran, and sizes that round to a unit
+            # already seen (too small to give every rank a whole element).
+            keep, seen = [], set()
+            for i, u in enumerate(units):
+                if u not in seen and any(times[a][i] for a in times):
+                    keep.append(i)
+                    seen.add(u)
+            if not keep:
+                continue
             units = [units[i] for i in keep]
             times = {a: [t[i] for i in keep] for a, t in times.items()}
-            if len(set(units)) != len(units) or not units:
-                continue
             rows = costmodel.tuning_rows(units, times, tolerance)
             table.setdefault(coll, {})[str(p)] = rows
     return table
@@ -1363,10 +1368,11 @@ def analyse(docs: list[dict], args: argparse.Namespace, out: Callable[[str], Non
     analysis: dict = {}
     results = docs[-1]["results"]
     p = int(docs[-1]["meta"]["world_size"])
-    text, recs = targets(results, p)
-    if text and not args.model_from:
-        out(text)
-        analysis["targets"] = recs
+    if not args.model_from:  # targets are about one run's side-by-side numbers
+        text, recs = targets(results, p)
+        if text:
+            out(text)
+            analysis["targets"] = recs
     if not args.no_model:
         try:
             fits = fit_models(docs)
