@@ -188,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--csv", metavar="FILE", help="write one CSV row per size and algorithm")
     g.add_argument("--plot", metavar="FILE.png",
                    help="plot busbw and latency against size (matplotlib)")
+    g.add_argument("--markdown", metavar="FILE.md",
+                   help="write the results as Markdown tables (time and busbw per column)")
     g.add_argument("--write-tuning", metavar="FILE",
                    help="write (or update) a ringcomm tuning file from the measured "
                         "ring/tree crossovers at this world size")
@@ -1320,6 +1322,45 @@ def write_csv(path: str, results: list[dict]) -> None:
             w.writerow(r)
 
 
+def write_markdown(path: str, doc: dict) -> None:
+    """One Markdown table per (collective, dtype, op): time (us) and busbw (GB/s) of
+    every column by size, and what auto ran."""
+    results = doc["results"]
+    columns = [c["name"] for c in doc["meta"]["columns"] if not c["skipped"]]
+    keys: list[tuple] = []
+    for r in results:
+        k = (r["collective"], r["dtype"], r["redop"])
+        if k not in keys:
+            keys.append(k)
+    out = []
+    for coll, dt, op in keys:
+        rows = [r for r in results if (r["collective"], r["dtype"], r["redop"]) == (coll, dt, op)]
+        cols = [c for c in columns if any(r["column"] == c and r["status"] == "ok" for r in rows)]
+        missing = [c for c in columns if c not in cols]
+        has_auto = "auto" in cols
+        out.append(f"#### {coll}, {dt}" + (f", {op}" if op != "none" else "")
+                   + f", {doc['meta']['world_size']} ranks\n")
+        head = (["size"] + [f"{c} us" for c in cols] + [f"{c} GB/s" for c in cols]
+                + (["auto ran"] if has_auto else []))
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "|".join("---:" for _ in head) + "|")
+        for size in sorted({r["size"] for r in rows}):
+            cell = {r["column"]: r for r in rows if r["size"] == size}
+            ok = {c: cell[c] for c in cols if c in cell and cell[c]["status"] == "ok"}
+            t = [f"{ok[c]['time_us']:.1f}" if c in ok else "--" for c in cols]
+            bw = [f"{ok[c]['busbw']:.3f}" if c in ok else "--" for c in cols]
+            pick = [ok["auto"].get("auto_choice") or "--"] if has_auto and "auto" in ok else (
+                ["--"] if has_auto else [])
+            out.append("| " + " | ".join([format_size(size), *t, *bw, *pick]) + " |")
+        if missing:
+            reasons = {r["column"]: r["reason"] for r in rows if r["status"] != "ok"}
+            out.append("\nNot measured: " + "; ".join(f"{c} ({reasons.get(c, 'no data')})"
+                                                       for c in missing) + ".")
+        out.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+
+
 def plot(path: str, doc: dict) -> None:
     """busbw vs size and latency vs size, one panel pair per (collective, dtype, op)."""
     import matplotlib
@@ -1409,6 +1450,11 @@ def main_offline(args: argparse.Namespace) -> int:
             return 2
         docs.append(doc)
     analysis = analyse(docs, args, print)
+    # Tables and plots of the last file: regenerate a report without rerunning.
+    if args.markdown:
+        write_markdown(args.markdown, docs[-1])
+    if args.plot:
+        plot(args.plot, docs[-1])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"schema": SCHEMA + "/model", "inputs": args.model_from, **analysis}, f,
@@ -1428,6 +1474,8 @@ def report(doc: dict, args: argparse.Namespace) -> int:
         write_csv(args.csv, doc["results"])
     if args.plot:
         plot(args.plot, doc)
+    if args.markdown:
+        write_markdown(args.markdown, doc)
     end = doc["meta"]["load_average"]["end"] or []
     print(f"# load average at end: {' '.join(f'{x:.2f}' for x in end)}", flush=True)
     if wrong:

@@ -44,11 +44,11 @@ OPTIONAL_FIELDS = {"time_us": float, "algbw": float, "busbw": float, "wrong": in
 def quick_run(tmp_path_factory):
     """One quick run of every collective on 2 ranks, shared by the checks below."""
     d = tmp_path_factory.mktemp("quick")
-    files = {k: str(d / f"out.{k}") for k in ("json", "csv", "png")}
+    files = {k: str(d / f"out.{k}") for k in ("json", "csv", "png", "md")}
     files["tuning"] = str(d / "tuning.json")
     proc = mpirun(2, SCRIPT, "-b", "4", "-e", "64K", "-f", "16", "-n", "3", "-w", "1",
                   "--min-time", "0", "-c", "--coll", "all", "--predict-ranks", "8,64",
-                  "--json", files["json"], "--csv", files["csv"], "--plot", files["png"],
+                  "--json", files["json"], "--csv", files["csv"], "--plot", files["png"], "--markdown", files["md"],
                   "--write-tuning", files["tuning"], timeout=150)
     with open(files["json"]) as f:
         doc = json.load(f)
@@ -135,6 +135,10 @@ def test_quick_run_writes_csv_plot_and_a_tuning_file_ringcomm_accepts(quick_run)
     assert len(lines) == 1 + len(doc["results"])
     with open(files["png"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(files["md"]) as f:
+        md = f.read()
+    assert "#### allreduce, float, sum, 2 ranks" in md
+    assert "| size | ring us | tree us | auto us | mpi us | gloo us |" in md
     table = select.load_tuning(files["tuning"])
     with open(files["tuning"]) as f:
         written = json.load(f)
