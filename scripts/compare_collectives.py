@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "this many seconds; 0 keeps exactly -n")
     g.add_argument("--max-iters", type=int, default=10000,
                    help="cap on iterations per point")
+    g.add_argument("--rounds", type=int, default=5,
+                   help="split each point's timed calls into this many rounds that visit "
+                        "the columns in turn, so background load hits all of them alike")
     g = p.add_argument_group("what to run")
     g.add_argument("--collective", "--coll", default="allreduce",
                    help=f"comma list of {', '.join(COLLECTIVES)}, or all")
@@ -193,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--write-tuning", metavar="FILE",
                    help="write (or update) a ringcomm tuning file from the measured "
                         "ring/tree crossovers at this world size")
-    g.add_argument("--tuning-tolerance", type=float, default=0.03,
-                   help="ignore a one-size change of winner smaller than this fraction")
+    g.add_argument("--tuning-tolerance", type=float, default=0.05,
+                   help="the written tuning switches algorithm only where another is "
+                        "faster by more than this fraction (noise is not a crossover)")
     g.add_argument("--predict-ranks", default="8,64,256",
                    help="world sizes to predict with the cost model ('' for none)")
     g.add_argument("--predict-sizes", default="4K,1M,64M",
@@ -246,6 +250,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"-n/--iters must be at least 1, got {a.iters}")
     if a.warmup < 0:
         parser.error(f"-w/--warmup must not be negative, got {a.warmup}")
+    if a.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {a.rounds}")
     if a.min_time < 0:
         parser.error(f"--min-time must not be negative, got {a.min_time:g}")
     if a.max_iters < a.iters:
@@ -385,6 +391,7 @@ class Bench:
         if any(c.kind == "nccl" and not c.skipped for c in self.columns):
             self.nccl = dist.new_group(backend="nccl")
         self._unsupported: dict[tuple, str] = {}
+        self._ran: set[tuple] = set()
         self._rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self.results: list[dict] = []
         self.gamma: dict[str, float] = {}
@@ -626,40 +633,24 @@ class Bench:
         return int(np.count_nonzero(bad))
 
     # -- timing ----------------------------------------------------------------
-    def time_point(self, call: Callable[[], None], sync: Callable[[], None]) -> "Any":
-        """Per-call times (s) on this rank: warm-up, then an iteration count every
-        rank agrees on, started together."""
-        np, a, comm, MPI = self.np, self.args, self.comm, self.MPI
-        for _ in range(a.warmup):
-            call()
-        sync()
-        iters = a.iters
-        if a.min_time > 0:
-            t0 = time.perf_counter()
-            call()
-            sync()
-            one = max(time.perf_counter() - t0, 1e-7)
-            iters = min(a.max_iters, max(a.iters, math.ceil(a.min_time / one)))
-        iters = comm.allreduce(iters, op=MPI.MAX)
-        times = np.empty(iters)
-        clock = time.perf_counter
-        gc.collect()
-        gc.disable()  # a collection pause inside one rank stalls all of them
-        try:
-            comm.Barrier()
-            for k in range(iters):
-                t0 = clock()
-                call()
-                sync()
-                times[k] = clock() - t0
-        finally:
-            gc.enable()
-        return times
+    def _select(self, col: Column, coll: str) -> None:
+        # ringcomm's columns share one group: pick the column's algorithm before each batch.
+        if col.kind in ("ringcomm", "ringcomm-cuda"):
+            self.ringcomm.set_algorithm(coll, col.algo)
 
-    def measure(self, col: Column, coll: str, shape: Shape, dtype_name: str, op: str,
-                bufs: dict) -> Point:
-        """One cell of the table, agreed on by every rank."""
-        np, comm, MPI = self.np, self.comm, self.MPI
+    def _agree(self, err: str | None) -> str | None:
+        """The first error any rank saw (every rank gets the same answer)."""
+        errs = [e for e in self.comm.allgather(err) if e]
+        return errs[0] if errs else None
+
+    def prepare(self, col: Column, coll: str, shape: Shape, dtype_name: str, op: str,
+                bufs: dict) -> "Point | tuple[Callable[[], None], Callable[[], None], int | None]":
+        """Check that ``col`` runs this collective (and, with -c, runs it right).
+
+        Returns:
+            A Point when the column does not run here (skipped, unsupported, error);
+            else ``(call, sync, wrong elements on this rank or None)``.
+        """
         key = (col.name, coll, dtype_name, op)
         if col.skipped:
             return Point(col.name, "skipped", reason=col.skipped)
@@ -671,13 +662,11 @@ class Bench:
             return Point(col.name, "unsupported", reason=static)
         sync = self.torch.cuda.synchronize if col.device == "cuda" else _noop
         err: str | None = None
-        times = None
         wrong = None
-        first = not any(r["column"] == col.name and r["collective"] == coll and
-                        r["dtype"] == dtype_name and r["redop"] == op for r in self.results)
+        call = _noop
+        first = key not in self._ran
         try:
-            if col.kind in ("ringcomm", "ringcomm-cuda"):
-                self.ringcomm.set_algorithm(coll, col.algo)
+            self._select(col, coll)
             call = self.make_call(col, coll, bufs, op)
             if self.args.check:
                 wrong = self.check(col, coll, shape, dtype_name, op, bufs, call, sync)
@@ -686,37 +675,124 @@ class Bench:
                 sync()
         except Exception as e:  # noqa: BLE001 - a column's failure is a result, not a crash
             err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        # Every rank must take the same branch from here on.
-        errs = [e for e in comm.allgather(err) if e]
-        if errs:
-            status = "unsupported" if first else "error"
+        err = self._agree(err)  # every rank takes the same branch from here on
+        if err:
+            # Failing on first use means "not there"; failing later is a real error.
             if first:
-                self._unsupported[key] = errs[0]
-            return Point(col.name, status, reason=errs[0])
-        for b in bufs.values():
-            if hasattr(b, "zero_"):
-                b.zero_()  # neutral data while timing: no overflow, no denormals
-        try:
-            times = self.time_point(call, sync)
+                self._unsupported[key] = err
+                return Point(col.name, "unsupported", reason=err)
+            return Point(col.name, "error", reason=err)
+        self._ran.add(key)
+        return call, sync, wrong
+
+    def iterations(self, col: Column, coll: str, call: Callable[[], None],
+                   sync: Callable[[], None]) -> int:
+        """Warm up ``col``, then pick how many calls to time (the same on every rank)."""
+        a = self.args
+        self._select(col, coll)
+        for _ in range(a.warmup):
+            call()
+        sync()
+        iters = a.iters
+        if a.min_time > 0:
+            t0 = time.perf_counter()
+            call()
+            sync()
+            one = max(time.perf_counter() - t0, 1e-7)
+            iters = min(a.max_iters, max(a.iters, math.ceil(a.min_time / one)))
+        return self.comm.allreduce(iters, op=self.MPI.MAX)
+
+    def batch(self, col: Column, coll: str, call: Callable[[], None],
+              sync: Callable[[], None], n: int) -> "Any":
+        """Time ``n`` calls of ``col`` after one untimed call, all ranks starting together."""
+        np = self.np
+        self._select(col, coll)
+        call()  # the first call after another column's may pay for switching
+        sync()
+        times = np.empty(n)
+        clock = time.perf_counter
+        self.comm.Barrier()
+        for k in range(n):
+            t0 = clock()
+            call()
+            sync()
+            times[k] = clock() - t0
+        return times
+
+    def measure_row(self, coll: str, shape: Shape, dtype_name: str, op: str,
+                    progress: "Progress") -> dict[str, Point]:
+        """Every column at one size. Timed calls run in ``--rounds`` rounds that visit
+        the columns in turn (rotating the order), so load from other processes on
+        the machine falls on every column alike and the ratios stay fair."""
+        np, comm = self.np, self.comm
+        dtype = self.dtype(dtype_name)
+        row: dict[str, Point] = {}
+        ready: dict[str, tuple] = {}
+        bufs_by_dev: dict[str, dict] = {}
+        for col in self.columns:
+            progress.step(f"{coll} {dtype_name} {format_size(shape.size)} {col.name}")
+            if col.device not in bufs_by_dev and not col.skipped:
+                bufs_by_dev[col.device] = self.buffers(shape, dtype, col.device)
+            got = self.prepare(col, coll, shape, dtype_name, op, bufs_by_dev.get(col.device, {}))
+            if isinstance(got, Point):
+                row[col.name] = got
+            else:
+                ready[col.name] = (col, *got)
+        for bufs in bufs_by_dev.values():
+            for b in bufs.values():
+                if hasattr(b, "zero_"):
+                    b.zero_()  # neutral data while timing: no overflow, no denormals
+        iters: dict[str, int] = {}
+        for name, (col, call, sync, _) in list(ready.items()):
             err = None
-        except Exception as e:  # noqa: BLE001
-            err = f"{type(e).__name__}: {e}"
-        errs = [e for e in comm.allgather(err) if e]
-        if errs:
-            return Point(col.name, "error", reason=errs[0])
-        q25, med, q75 = (float(x) * 1e6 for x in np.percentile(times, [25, 50, 75]))
-        meds = comm.allgather(med)
-        q25s, q75s = comm.allgather(q25), comm.allgather(q75)
-        if wrong is not None:
-            wrong = comm.allreduce(wrong, op=MPI.SUM)
-        t_us = max(meds)
-        algbw = shape.size / (t_us * 1e-6) / 1e9
-        pt = Point(col.name, "ok", t_us, algbw, algbw * BUSBW_FACTOR[coll](self.p), wrong,
-                   len(times), meds, q25s, q75s)
-        if col.algo == "auto":
-            esize = self.torch.empty((), dtype=self.dtype(dtype_name)).element_size()
-            pt.auto_choice = self.pg.algorithm_for(coll, auto_nbytes(coll, shape, esize))
-        return pt
+            try:
+                iters[name] = self.iterations(col, coll, call, sync)
+            except Exception as e:  # noqa: BLE001
+                err = f"{type(e).__name__}: {e}"
+            err = self._agree(err)
+            if err:
+                row[name] = Point(name, "error", reason=err)
+                del ready[name]
+        rounds = max(1, min(self.args.rounds, min(iters.values(), default=1)))
+        times: dict[str, list] = {name: [] for name in ready}
+        names = list(ready)
+        gc.collect()
+        gc.disable()  # a collection pause inside one rank stalls all of them
+        try:
+            for r in range(rounds):
+                k = r % len(names) if names else 0
+                for name in names[k:] + names[:k]:
+                    if name not in ready:
+                        continue
+                    col, call, sync, _ = ready[name]
+                    n = iters[name] // rounds + (1 if r < iters[name] % rounds else 0)
+                    err = None
+                    try:
+                        times[name].append(self.batch(col, coll, call, sync, n))
+                    except Exception as e:  # noqa: BLE001
+                        err = f"{type(e).__name__}: {e}"
+                    err = self._agree(err)
+                    if err:
+                        row[name] = Point(name, "error", reason=err)
+                        del ready[name]
+        finally:
+            gc.enable()
+        for name, (col, _, _, wrong) in ready.items():
+            ts = np.concatenate(times[name])
+            q25, med, q75 = (float(x) * 1e6 for x in np.percentile(ts, [25, 50, 75]))
+            everyone = comm.allgather((q25, med, q75, wrong))  # one exchange for all stats
+            q25s, meds, q75s = ([e[i] for e in everyone] for i in range(3))
+            if wrong is not None:
+                wrong = sum(e[3] for e in everyone)
+            t_us = max(meds)
+            algbw = shape.size / (t_us * 1e-6) / 1e9
+            pt = Point(name, "ok", t_us, algbw, algbw * BUSBW_FACTOR[coll](self.p), wrong,
+                       len(ts), meds, q25s, q75s)
+            if col.algo == "auto":
+                esize = self.torch.empty((), dtype=dtype).element_size()
+                pt.auto_choice = self.pg.algorithm_for(coll, auto_nbytes(coll, shape, esize))
+            row[name] = pt
+        return {c.name: row[c.name] for c in self.columns}
 
     def static_unsupported(self, col: Column, coll: str, dtype_name: str) -> str | None:
         """Reasons known without trying (the same on every rank)."""
@@ -788,19 +864,12 @@ class Bench:
             if self.rank == 0:
                 print(self.table_heading(coll, dt, op), flush=True)
             for sh in shapes:
-                row: dict[str, Point] = {}
-                bufs_by_dev: dict[str, dict] = {}
-                for col in self.columns:
-                    progress.step(f"{coll} {dt} {format_size(sh.size)} {col.name}")
-                    if col.device not in bufs_by_dev and not col.skipped:
-                        bufs_by_dev[col.device] = self.buffers(sh, dtype, col.device)
-                    pt = self.measure(col, coll, sh, dt, op, bufs_by_dev.get(col.device, {}))
-                    row[col.name] = pt
+                row = self.measure_row(coll, sh, dt, op, progress)
+                for pt in row.values():
                     self.results.append({
                         "collective": coll, "size": sh.size, "count": sh.count, "dtype": dt,
                         "redop": op, "root": a.root if coll == "broadcast" else -1,
                         **dataclasses.asdict(pt)})
-                del bufs_by_dev
                 if self.rank == 0:
                     progress.clear()
                     print(self.table_row(coll, sh, dt, op, row), flush=True)
@@ -834,6 +903,7 @@ class Bench:
                          "tuning_file": self.args.tuning or os.environ.get("RINGCOMM_TUNING"),
                          "RINGCOMM_ALGO": os.environ.get("RINGCOMM_ALGO")},
             "timing": {"warmup": self.args.warmup, "iters_min": self.args.iters,
+                       "rounds": self.args.rounds,
                        "min_time_s": self.args.min_time, "max_iters": self.args.max_iters,
                        "statistic": "max over ranks of the per-rank median"},
             "load_average": {"start": self.load_start, "end": getattr(self, "load_end", None)},
@@ -861,8 +931,9 @@ class Bench:
             + (f"; CUDA {d['cuda']}" if d["cuda"] else "; no CUDA"),
             f"# ringcomm: segment {format_size(m['ringcomm']['segment_bytes'])}, auto tuning "
             f"{m['ringcomm']['tuning_file'] or 'built-in'}",
-            f"# timing: warm-up {a.warmup}, {iters}; time = max over ranks of each rank's "
-            "median; algbw = size/time; busbw = algbw * nccl-tests factor",
+            f"# timing: warm-up {a.warmup}, {iters}, in {a.rounds} rounds across the columns; "
+            "time = max over ranks of each rank's median; algbw = size/time; "
+            "busbw = algbw * nccl-tests factor",
             "# load average at start: " + " ".join(f"{x:.2f}" for x in (m["load_average"]["start"] or [])),
             "# columns: " + "; ".join(f"{c.name} = {c.describe()}" for c in runs),
         ]

@@ -281,13 +281,30 @@ def crossovers(a: Fit, b: Fit, p: int, lo: int = 1, hi: int = 1 << 36) -> list[t
     return out
 
 
-def best_per_size(sizes: Sequence[int], times: Mapping[str, Sequence[float | None]],
-                  tolerance: float = 0.03) -> list[str]:
-    """The fastest algorithm at each size, with one-size blips removed.
+def _ok(v) -> bool:
+    return v is not None and math.isfinite(v) and v > 0
 
-    A winner at one size that differs from the (agreeing) winners on both sides is
-    replaced by them when their time there is within ``tolerance`` of the best:
-    such flips are noise, and a tuning table should not follow them.
+
+def smooth(values: Sequence[float | None]) -> list[float | None]:
+    """Running median of three neighbouring sizes (ends kept): removes a spike at
+    one size, of any height, and keeps trends and real crossings in place."""
+    out = list(values)
+    for i in range(1, len(values) - 1):
+        if not _ok(values[i]):
+            continue
+        window = [v for v in values[i - 1:i + 2] if _ok(v)]
+        out[i] = float(np.median(window))
+    return out
+
+
+def best_per_size(sizes: Sequence[int], times: Mapping[str, Sequence[float | None]],
+                  tolerance: float = 0.05) -> list[str]:
+    """The fastest algorithm at each size, robust to noise.
+
+    Times are smoothed (:func:`smooth`), and the winner changes only when another
+    algorithm is faster by more than ``tolerance`` (a fraction): within that,
+    the two are a tie and the previous winner stays, so the table does not flip
+    back and forth on noise.
 
     Args:
         sizes: message sizes, ascending.
@@ -300,27 +317,23 @@ def best_per_size(sizes: Sequence[int], times: Mapping[str, Sequence[float | Non
         if len(times[name]) != len(sizes):
             raise ValueError(f"costmodel.best_per_size: {name} has {len(times[name])} times "
                              f"for {len(sizes)} sizes")
-
-    def ok(v) -> bool:
-        return v is not None and math.isfinite(v) and v > 0
-
-    winners = []
+    sm = {a: smooth(times[a]) for a in names}
+    winners: list[str] = []
     for i, n in enumerate(sizes):
-        cands = [(times[a][i], a) for a in names if ok(times[a][i])]
+        cands = [(sm[a][i], a) for a in names if _ok(sm[a][i])]
         if not cands:
             raise ValueError(f"costmodel.best_per_size: no algorithm has a time at {n} B")
-        winners.append(min(cands)[1])
-    for i in range(1, len(sizes) - 1):
-        nb = winners[i - 1]
-        if winners[i] != nb and winners[i + 1] == nb and ok(times[nb][i]):
-            best = times[winners[i]][i]
-            if times[nb][i] <= best * (1 + tolerance):
-                winners[i] = nb
+        t_best, best = min(cands)
+        prev = winners[-1] if winners else None
+        if prev is not None and prev != best and _ok(sm[prev][i]) and \
+                sm[prev][i] <= t_best * (1 + tolerance):
+            best = prev
+        winners.append(best)
     return winners
 
 
 def tuning_rows(sizes: Sequence[int], times: Mapping[str, Sequence[float | None]],
-                tolerance: float = 0.03) -> list[list]:
+                tolerance: float = 0.05) -> list[list]:
     """Tuning rows ``[[max_bytes, algorithm], ..., [None, algorithm]]`` for ringcomm's
     ``auto`` choice from measured times (first matching row wins).
 
@@ -336,16 +349,17 @@ def tuning_rows(sizes: Sequence[int], times: Mapping[str, Sequence[float | None]
     if sorted(sizes) != sizes or len(set(sizes)) != len(sizes):
         raise ValueError("costmodel.tuning_rows: sizes must be strictly ascending")
     winners = best_per_size(sizes, times, tolerance)
+    sm = {a: smooth(times[a]) for a in times}
     rows: list[list] = []
     for i in range(len(sizes) - 1):
         a, b = winners[i], winners[i + 1]
         if a == b:
             continue
         s0, s1 = sizes[i], sizes[i + 1]
-        ta0, ta1 = times[a][i], times[a][i + 1]
-        tb0, tb1 = times[b][i], times[b][i + 1]
+        ta0, ta1 = sm[a][i], sm[a][i + 1]
+        tb0, tb1 = sm[b][i], sm[b][i + 1]
         frac = 0.0
-        if None not in (ta0, ta1, tb0, tb1):
+        if all(_ok(v) for v in (ta0, ta1, tb0, tb1)):
             d0, d1 = ta0 - tb0, ta1 - tb1  # d0 <= 0 (a wins at s0), d1 >= 0
             if d1 != d0:
                 frac = min(1.0, max(0.0, d0 / (d0 - d1)))

@@ -46,8 +46,9 @@ def quick_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("quick")
     files = {k: str(d / f"out.{k}") for k in ("json", "csv", "png", "md")}
     files["tuning"] = str(d / "tuning.json")
-    proc = mpirun(2, SCRIPT, "-b", "4", "-e", "64K", "-f", "16", "-n", "3", "-w", "1",
-                  "--min-time", "0", "-c", "--coll", "all", "--predict-ranks", "8,64",
+    proc = mpirun(2, SCRIPT, "-b", "4", "-e", "64K", "-f", "128", "-n", "3", "-w", "0",
+                  "--min-time", "0", "--rounds", "1", "-c", "--coll", "all",
+                  "--predict-ranks", "8,64",
                   "--json", files["json"], "--csv", files["csv"], "--plot", files["png"], "--markdown", files["md"],
                   "--write-tuning", files["tuning"], timeout=150)
     with open(files["json"]) as f:
@@ -81,14 +82,14 @@ def test_quick_run_checks_every_result_and_finds_nothing_wrong(quick_run):
 def test_quick_run_table_has_a_row_per_size(quick_run):
     proc, doc, _ = quick_run
     rows = [ln.split() for ln in proc.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
-    # -b 4 -e 64K -f 16: 4, 64, 1024, 16384 (the next, 256K, is past -e)
+    # -b 4 -e 64K -f 128: 4, 512, 65536
     by_coll = {}
     for r in doc["results"]:
         by_coll.setdefault(r["collective"], set()).add(r["size"])
     assert len(rows) == sum(len(v) for v in by_coll.values())
-    assert sorted(by_coll["allreduce"]) == [4, 64, 1024, 16384]
+    assert sorted(by_coll["allreduce"]) == [4, 512, 65536]
     # allgather etc. round to whole elements per rank: 4 B -> 2 floats on 2 ranks
-    assert sorted(by_coll["allgather"]) == [8, 64, 1024, 16384]
+    assert sorted(by_coll["allgather"]) == [8, 512, 65536]
     assert "# world: 2 ranks" in proc.stdout
     assert "MPICH" in proc.stdout or "MPI" in proc.stdout
 
@@ -153,7 +154,7 @@ def test_quick_run_writes_csv_plot_and_a_tuning_file_ringcomm_accepts(quick_run)
 
 
 def test_torchrun_launch():
-    proc = torchrun(2, SCRIPT, "-b", "1K", "-e", "1K", "-n", "2", "-w", "1", "--min-time", "0",
+    proc = torchrun(2, SCRIPT, "-b", "1K", "-e", "1K", "-n", "2", "-w", "0", "--min-time", "0",
                     "-c", "--peers", "mpi", "--no-model", timeout=120)
     rows = [ln.split() for ln in proc.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
     assert len(rows) == 1 and rows[0][0] == "1024"
@@ -264,15 +265,18 @@ def test_tuning_rows_put_the_threshold_at_the_crossing():
     assert abs(rows[0][0] - 10000) < 1500  # log-linear interpolation lands near it
 
 
-def test_tuning_rows_ignore_a_one_size_blip():
-    sizes = [2 ** i for i in range(2, 12)]
+def test_tuning_rows_ignore_noise_but_follow_a_real_change():
+    sizes = [2 ** i for i in range(2, 14)]
     tree = [10.0] * len(sizes)
     ring = [12.0] * len(sizes)
-    ring[4] = 9.9  # ring 1% faster at one size: noise
+    ring[4:6] = [9.9, 9.9]  # 1% faster at two sizes: a tie, not a crossover
     assert costmodel.tuning_rows(sizes, {"tree": tree, "ring": ring}) == [[None, "tree"]]
-    ring[4] = 5.0  # 50% faster: real
+    ring[4:6] = [12.0, 5.0]  # 2x faster, but at one size only, between two losses: a spike
+    assert costmodel.tuning_rows(sizes, {"tree": tree, "ring": ring}) == [[None, "tree"]]
+    ring[4:7] = [5.0, 5.0, 5.0]  # faster at three sizes in a row: real
     rows = costmodel.tuning_rows(sizes, {"tree": tree, "ring": ring})
     assert [r[1] for r in rows] == ["tree", "ring", "tree"]
+    assert sizes[3] <= rows[0][0] < sizes[5] and sizes[6] <= rows[1][0] < sizes[8]
 
 
 def _doc(p, columns, points, segment=SEG):
