@@ -1354,29 +1354,37 @@ def targets(results: list[dict], p: int) -> tuple[str, list[dict]]:
                              "met": ratio <= goal})
     sizes = sorted({r["size"] for r in results if r["collective"] == "allreduce"
                     and r["dtype"] == dt and r["redop"] == op})
-    worst, n_ok, n_all = None, 0, 0
+    # Two readings of "auto within 10% of the best": the auto column's own time (which
+    # carries its own share of noise), and the time of the algorithm auto chose as
+    # measured in that algorithm's column (the quality of the choice alone).
+    stats = {"own time": [None, 0, 0], "its choice": [None, 0, 0]}
     for s in sizes:
         a = at("auto", s)
-        cands = [at(x, s) for x in algos]
-        cands = [c for c in cands if c]
+        cands = [c for c in (at(x, s) for x in algos) if c]
         if not a or not cands:
             continue
         bst = min(cands, key=lambda r: r["time_us"])
-        ratio = a["time_us"] / bst["time_us"]
-        n_all += 1
-        n_ok += ratio <= 1.10
-        if worst is None or ratio > worst[0]:
-            worst = (ratio, s, a.get("auto_choice"), bst["column"])
+        picked = at(a.get("auto_choice") or "", s)
+        for name, t in (("own time", a["time_us"]),
+                        ("its choice", picked["time_us"] if picked else a["time_us"])):
+            st = stats[name]
+            ratio = t / bst["time_us"]
+            st[2] += 1
+            st[1] += ratio <= 1.10
+            if st[0] is None or ratio > st[0][0]:
+                st[0] = (ratio, s, a.get("auto_choice"), bst["column"])
     missing = [format_size(s) for s in (4096, big) if s not in sizes]
     if missing:
         lines.append(f"#   (sizes {', '.join(missing)} were not measured: run -b 4 -e 64M -f 2 "
                      "for every target)")
-    if worst:
-        lines.append(f"#   auto within 10% of the best of {'/'.join(algos)}: {n_ok} of {n_all} "
-                     f"sizes; worst {worst[0]:.2f}x at {format_size(worst[1])} (auto ran "
+    for name, (worst, n_ok, n_all) in stats.items():
+        if not worst:
+            continue
+        lines.append(f"#   auto ({name}) within 10% of the best of {'/'.join(algos)}: {n_ok} of "
+                     f"{n_all} sizes; worst {worst[0]:.2f}x at {format_size(worst[1])} (auto ran "
                      f"{worst[2]}, best {worst[3]}) {verdict(n_ok == n_all)}")
-        recs.append({"target": "auto within 10% of best", "ratio": worst[0], "goal": 1.10,
-                     "met": n_ok == n_all, "sizes_ok": n_ok, "sizes": n_all})
+        recs.append({"target": f"auto ({name}) within 10% of best", "ratio": worst[0],
+                     "goal": 1.10, "met": n_ok == n_all, "sizes_ok": n_ok, "sizes": n_all})
     return "\n".join(lines), recs
 
 

@@ -344,6 +344,30 @@ def test_model_from_saved_results_of_several_world_sizes(tmp_path, capsys):
     assert "ring/tree crossover at 64 ranks" in text
 
 
+def test_speed_targets_are_the_ratios_of_the_issue():
+    def r(column, size, t_us, choice=None):
+        factor = 1.0  # 2 ranks: allreduce busbw factor 2(n-1)/n = 1
+        return {"collective": "allreduce", "dtype": "float", "redop": "sum", "column": column,
+                "size": size, "status": "ok", "time_us": t_us,
+                "busbw": size / t_us / 1e3 * factor, "auto_choice": choice}
+    big = 64 << 20
+    res = [r("ring", big, 20_000), r("tree", big, 40_000), r("gloo", big, 40_000),
+           r("mpi", big, 16_000), r("auto", big, 30_000, "ring"),
+           r("ring", 4096, 120), r("tree", 4096, 100), r("auto", 4096, 105, "tree"),
+           r("gloo", 4096, 300), r("mpi", 4096, 5)]
+    text, recs = cc.targets(res, 2)
+    got = {x["target"]: (round(x["ratio"], 6), x["met"]) for x in recs}
+    assert got["64MiB busbw best/gloo"] == (2.0, True)      # ring 2x gloo's busbw
+    assert got["64MiB busbw best/mpi"] == (0.8, False)      # 0.8x MPI's, goal 0.9x
+    assert got["4KiB latency auto/gloo"] == (0.35, False)   # 105/300, goal 0.25x
+    assert got["4KiB latency auto/mpi"] == (21.0, False)    # 105/5, goal 3x
+    # auto's own column: 30 ms where ring took 20 ms at 64 MiB -> 1.5x, missed;
+    # its choice (ring, as measured in ring's column) is the best: 1.0x at both sizes.
+    assert got["auto (own time) within 10% of best"] == (1.5, False)
+    assert got["auto (its choice) within 10% of best"] == (1.0, True)
+    assert "MISSED" in text and "MET" in text
+
+
 # ---------------------------------------------------------------------------
 # flags
 # ---------------------------------------------------------------------------
