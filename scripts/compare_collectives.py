@@ -790,6 +790,7 @@ class Bench:
                        len(ts), meds, q25s, q75s)
             if col.algo == "auto":
                 esize = self.torch.empty((), dtype=dtype).element_size()
+                self._select(col, coll)  # algorithm_for answers for the current setting
                 pt.auto_choice = self.pg.algorithm_for(coll, auto_nbytes(coll, shape, esize))
             row[name] = pt
         return {c.name: row[c.name] for c in self.columns}
@@ -1174,10 +1175,18 @@ def model_report(fits: list[dict], predict_ranks: Sequence[int],
             ws = sorted({p for f in fs for p in f["world_sizes"]} | set(predict_ranks))
             for p in ws:
                 xs = costmodel.crossovers(models["tree"], models["ring"], p)
-                txt = ("; ".join(f"{b} faster from {format_size(n)}" for n, _, b in xs)
-                       if xs else "no crossover between 1 B and 64 GiB")
-                first = "tree" if models["tree"].predict(p, 1) < models["ring"].predict(p, 1) else "ring"
-                lines.append(f"#   ring/tree crossover at {p} ranks (model): {first} first; {txt}")
+                if xs:
+                    txt = f"{xs[0][1]} first; " + "; ".join(
+                        f"{b} faster from {format_size(n)}" for n, _, b in xs)
+                    first = xs[0][1]
+                else:
+                    grid = [1 << k for k in range(0, 37, 2)]
+                    faster = {"tree" if models["tree"].predict(p, n) < models["ring"].predict(p, n)
+                              else "ring" for n in grid}
+                    first = faster.pop() if len(faster) == 1 else "tie"
+                    txt = (f"{first} faster at every size" if first != "tie" else
+                           "no crossover: within 2% of each other from 1 B to 64 GiB")
+                lines.append(f"#   ring/tree crossover at {p} ranks (model): {txt}")
                 out["crossovers"].append({"collective": coll, "dtype": dt, "redop": op,
                                           "world_size": p, "source": "model", "first": first,
                                           "changes": [[n, b] for n, _, b in xs]})

@@ -249,10 +249,14 @@ def fit(collective: str, algorithm: str | None, samples: Iterable[tuple[int, int
                segment_bytes)
 
 
-def crossovers(a: Fit, b: Fit, p: int, lo: int = 1, hi: int = 1 << 36) -> list[tuple[int, str, str]]:
+def crossovers(a: Fit, b: Fit, p: int, lo: int = 1, hi: int = 1 << 36,
+               tolerance: float = 0.02) -> list[tuple[int, str, str]]:
     """Sizes where the faster of two fitted algorithms changes, on ``p`` ranks.
 
-    Scans ``[lo, hi]`` on a fine log grid and refines each sign change by bisection.
+    Scans ``[lo, hi]`` on a fine log grid. Sizes where the two are within
+    ``tolerance`` of each other are ties and do not count as a change (two models
+    of near-identical algorithms would otherwise "cross" on rounding); each real
+    change is refined by bisection to where the two times are equal.
 
     Returns:
         ``(n, slower_below, faster_from_n)`` for each change: from size ``n`` on,
@@ -261,23 +265,30 @@ def crossovers(a: Fit, b: Fit, p: int, lo: int = 1, hi: int = 1 << 36) -> list[t
     def diff(n: int) -> float:
         return a.predict(p, n) - b.predict(p, n)
 
+    def state(n: int) -> int:
+        ta, tb = a.predict(p, n), b.predict(p, n)
+        if abs(ta - tb) <= tolerance * min(ta, tb):
+            return 0
+        return -1 if ta < tb else 1
+
     grid = sorted({int(round(v)) for v in np.geomspace(max(1, lo), hi, 2000)})
     out: list[tuple[int, str, str]] = []
-    prev_n, prev_d = grid[0], diff(grid[0])
-    for n in grid[1:]:
-        d = diff(n)
-        if (prev_d < 0) != (d < 0) and d != prev_d:
-            left, right = prev_n, n  # sign(diff(left)) == sign(prev_d), sign(diff(right)) == sign(d)
+    last_n, last_s = None, 0  # the last size with a clear winner, and who (-1: a, 1: b)
+    for n in grid:
+        st = state(n)
+        if st == 0:
+            continue
+        if last_s and st != last_s:
+            left, right = last_n, n  # diff changes sign in between
             while right - left > 1:
                 mid = (left + right) // 2
-                if (diff(mid) < 0) == (prev_d < 0):
+                if (diff(mid) < 0) == (last_s < 0):
                     left = mid
                 else:
                     right = mid
-            winner = a.algorithm if d < 0 else b.algorithm
-            loser = b.algorithm if d < 0 else a.algorithm
+            winner, loser = (a.algorithm, b.algorithm) if st < 0 else (b.algorithm, a.algorithm)
             out.append((right, str(loser), str(winner)))
-        prev_n, prev_d = n, d
+        last_n, last_s = n, st
     return out
 
 

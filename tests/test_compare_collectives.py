@@ -48,6 +48,7 @@ def quick_run(tmp_path_factory):
     files["tuning"] = str(d / "tuning.json")
     proc = mpirun(2, SCRIPT, "-b", "4", "-e", "64K", "-f", "128", "-n", "3", "-w", "0",
                   "--min-time", "0", "--rounds", "1", "-c", "--coll", "all",
+                  "--algos", "auto,tree,ring",  # auto first: its pick must not see ring's setting
                   "--predict-ranks", "8,64",
                   "--json", files["json"], "--csv", files["csv"], "--plot", files["png"], "--markdown", files["md"],
                   "--write-tuning", files["tuning"], timeout=150)
@@ -95,6 +96,9 @@ def test_quick_run_table_has_a_row_per_size(quick_run):
 
 
 def test_quick_run_json_schema(quick_run):
+    from ringcomm.algorithms import select
+
+    table = select.load_tuning()
     _, doc, _ = quick_run
     assert doc["schema"] == cc.SCHEMA
     meta = doc["meta"]
@@ -120,7 +124,10 @@ def test_quick_run_json_schema(quick_run):
             assert r["algbw"] == pytest.approx(r["size"] / r["time_us"] / 1e3)
             assert r["busbw"] == pytest.approx(r["algbw"] * factor)
         if r["column"] == "auto" and r["status"] == "ok":
-            assert r["auto_choice"] in ("ring", "tree")
+            # what ringcomm's selection table says for this size (one rank's block
+            # for allgather), independent of the script
+            nbytes = r["size"] // 2 if r["collective"] == "allgather" else r["size"]
+            assert r["auto_choice"] == select.choose(table, r["collective"], nbytes, 2), r
     model = doc["analysis"]["cost_model"]
     assert {f["column"] for f in model["fits"] if f["collective"] == "allreduce"} >= {"ring", "tree"}
     assert {p["world_size"] for p in model["predictions"]} == {8, 64}
@@ -139,7 +146,7 @@ def test_quick_run_writes_csv_plot_and_a_tuning_file_ringcomm_accepts(quick_run)
     with open(files["md"]) as f:
         md = f.read()
     assert "#### allreduce, float, sum, 2 ranks" in md
-    assert "| size | ring us | tree us | auto us | mpi us | gloo us |" in md
+    assert "| size | auto us | tree us | ring us | mpi us | gloo us |" in md
     table = select.load_tuning(files["tuning"])
     with open(files["tuning"]) as f:
         written = json.load(f)
@@ -251,6 +258,17 @@ def test_crossover_of_known_models():
     n, slower, faster = xs[0]
     assert (slower, faster) == ("tree", "ring")
     assert abs(n - n_star) <= 1
+
+
+def test_near_identical_models_do_not_cross():
+    # broadcast ring and tree are the same chain on 2 ranks: no crossover to report
+    params = (0, 50e-6, 0.2e-9, 0)
+    tree = costmodel.fit("broadcast", "tree", synth("broadcast", "tree", params),
+                         segment_bytes=SEG)
+    ring = costmodel.fit("broadcast", "ring", synth("broadcast", "ring", params),
+                         segment_bytes=SEG)
+    assert costmodel.crossovers(tree, ring, 2) == []
+    assert costmodel.crossovers(tree, ring, 64)  # but they differ on 64 ranks
 
 
 # ---------------------------------------------------------------------------
