@@ -57,6 +57,9 @@ DTYPE_ALIASES = {"char": "int8", "int": "int32", "long": "int64", "float16": "ha
                  "fp64": "double", "bf16": "bfloat16"}
 OP_NAMES = ("sum", "prod", "max", "min", "avg")
 PEER_NAMES = ("mpi", "gloo", "nccl")
+#: the ProcessGroup method torch's functional API calls for each collective
+TORCH_PG_METHOD = {"allreduce": "allreduce", "broadcast": "broadcast", "allgather": "allgather",
+                   "reduce_scatter": "reduce_scatter_single", "alltoall": "all_to_all_single"}
 DEFAULT_ALGOS = "ring,tree,auto"
 LAUNCH_HINT = ("launch it with `mpiexec -n N python scripts/compare_collectives.py ...` or "
                "`torchrun --nproc-per-node N scripts/compare_collectives.py ...`")
@@ -676,6 +679,10 @@ class Bench:
         except Exception as e:  # noqa: BLE001 - a column's failure is a result, not a crash
             err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         err = self._agree(err)  # every rank takes the same branch from here on
+        if err and "No backend type associated" in err and col.kind.startswith("ringcomm"):
+            # torch's words when the Python process group lacks the method it calls
+            method = TORCH_PG_METHOD.get(coll, coll)
+            err = f"ringcomm's process group has no {method}() yet (torch: {err})"
         if err:
             # Failing on first use means "not there"; failing later is a real error.
             if first:
@@ -1158,7 +1165,7 @@ def model_report(fits: list[dict], predict_ranks: Sequence[int],
                   if f["algorithm"] and costmodel.has_model(coll, f["algorithm"])}
         if models and predict_ranks:
             names = list(models)
-            lines.append(f"#   predicted time (us) at larger world sizes:")
+            lines.append("#   predicted time (us) at larger world sizes:")
             lines.append(f"#   {'ranks':>6} {'size':>10} " + " ".join(f"{n:>12}" for n in names)
                          + "   best")
             for p in predict_ranks:
@@ -1332,7 +1339,7 @@ def targets(results: list[dict], p: int) -> tuple[str, list[dict]]:
     def verdict(ok: bool) -> str:
         return "MET" if ok else "MISSED"
 
-    lines = [f"#", f"# speed targets (issue 5), allreduce {dt} {op} on {p} ranks"
+    lines = ["#", f"# speed targets (issue 5), allreduce {dt} {op} on {p} ranks"
              + ("" if (p, dt) == (2, "float") else " (targets are stated for 2 ranks, fp32)")]
     algos = sorted({r["column"] for r in results if r["collective"] == "allreduce"
                     and r["column"] in ("ring", "tree")})
