@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="compare_collectives.py",
         description="Time ringcomm's collective algorithms against the MPI library's own "
-                    "collectives, gloo and NCCL, in one run. " + LAUNCH_HINT + ".",
+                    "collectives, gloo and NCCL, in one run. " + LAUNCH_HINT[0].upper()
+                    + LAUNCH_HINT[1:] + ".",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("sizes and iterations")
     g.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4"),
