@@ -403,8 +403,11 @@ class Bench:
         self.load_start = _loadavg()
 
     # -- set-up ----------------------------------------------------------------
-    def _fail(self, msg: str) -> str:
-        return f"compare_collectives: error: {msg}" if self.rank == 0 else ""
+    def _fail(self, msg: str) -> int:
+        """A bad flag found only once the world is known: rank 0 says so; exit status 2."""
+        if self.rank == 0:
+            print(f"compare_collectives: error: {msg}", file=sys.stderr, flush=True)
+        return 2
 
     def _mpi_comm(self):
         """A communicator over the same ranks for the MPI library's own collectives."""
