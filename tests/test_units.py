@@ -74,6 +74,10 @@ def test_tuning_file(tmp_path, monkeypatch):
     bad.write_text(json.dumps({"allreduce": {"2": [["x", 3]]}}))
     with pytest.raises(ValueError, match="bad.json"):
         select.load_tuning(str(bad))
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"allreduce": {"2": [[None, "warp_drive"]]}}))
+    with pytest.raises(ValueError, match="warp_drive"):
+        select.load_tuning(str(unknown))
     with pytest.raises(ValueError, match="missing.json"):
         select.load_tuning(str(tmp_path / "missing.json"))
 

@@ -38,6 +38,8 @@ def load_tuning(path: str | None = None) -> dict[str, dict[str, list]]:
     Raises:
         ValueError: the file is unreadable or not of the expected shape.
     """
+    from . import REGISTRY  # here: algorithms/__init__ imports this module's neighbours
+
     table = {k: dict(v) for k, v in DEFAULT_TUNING.items()}
     path = path or os.environ.get("RINGCOMM_TUNING")
     if not path:
@@ -52,6 +54,9 @@ def load_tuning(path: str | None = None) -> dict[str, dict[str, list]]:
                 for max_bytes, algo in rows:
                     if not (max_bytes is None or isinstance(max_bytes, int)) or not isinstance(algo, str):
                         raise ValueError(f"bad row {[max_bytes, algo]!r} for {coll}/{key}")
+                    if algo not in REGISTRY[coll]:
+                        raise ValueError(f"{coll}/{key} names algorithm {algo!r}; registered: "
+                                         f"{sorted(REGISTRY[coll])}")
                 table[coll][str(key)] = rows
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"ringcomm: cannot use tuning file {path!r}: {e}") from e
