@@ -31,6 +31,9 @@ def op_name(op: RedOpType) -> str:
     return str(op).rsplit(".", 1)[-1]
 
 
+_resolved: dict = {}
+
+
 def resolve(reduce_op, dtype: torch.dtype, collective: str) -> RedOpType:
     """Turn the op from torch's options into a RedOpType and check it suits ``dtype``.
 
@@ -43,6 +46,8 @@ def resolve(reduce_op, dtype: torch.dtype, collective: str) -> RedOpType:
             for ``dtype`` (bitwise ops on floating types, AVG on bool).
     """
     op = getattr(reduce_op, "op", reduce_op)
+    if (op, dtype) in _resolved:  # every call of a training loop asks the same question
+        return op
     if not isinstance(op, RedOpType):
         raise ValueError(f"ringcomm {collective}: unknown reduce op {reduce_op!r}")
     if op == RedOpType.PREMUL_SUM:
@@ -56,6 +61,7 @@ def resolve(reduce_op, dtype: torch.dtype, collective: str) -> RedOpType:
                          f"or bool tensor, got {dtype}")
     if op == AVG and dtype == torch.bool:
         raise ValueError(f"ringcomm {collective}: ReduceOp.AVG is not defined for bool tensors")
+    _resolved[(op, dtype)] = True
     return op
 
 

@@ -230,11 +230,16 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         size, seg = self.size(), self.segment_bytes
 
         def run():
-            self._consistency_check("allreduce", [t.numel(), int(op), _dtype_code(t.dtype)])
-            with _flat(t) as flat:
-                if flat.numel():
-                    algo(self._tp, flat, op, segment_bytes=seg)
-                    ops.finalize_(flat, op, size)
+            if self._check_consistency:
+                self._consistency_check("allreduce", [t.numel(), int(op), _dtype_code(t.dtype)])
+            # The hot path of small messages: no context manager for the common case.
+            contiguous = t.is_contiguous()
+            flat = t.view(-1) if contiguous else t.contiguous().view(-1)
+            if flat.numel():
+                algo(self._tp, flat, op, segment_bytes=seg)
+                ops.finalize_(flat, op, size)
+                if not contiguous:
+                    t.copy_(flat.view_as(t))
             return tensors
 
         return self._submit(f"allreduce[{name}]", run, opts)

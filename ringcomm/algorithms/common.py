@@ -16,6 +16,8 @@ def seg_elems(segment_bytes: int, dtype: torch.dtype) -> int:
 def segments(t: torch.Tensor, seg: int) -> list[torch.Tensor]:
     """Views of 1-D ``t`` of at most ``seg`` elements each; none for an empty tensor."""
     n = t.numel()
+    if 0 < n <= seg:
+        return [t]
     return [t[a:a + seg] for a in range(0, n, seg)]
 
 

@@ -17,7 +17,10 @@ DEFAULT_TUNING: dict[str, dict[str, list]] = {
     # Recursive doubling needs log2 p exchanges, a tree 2 log2 p steps, a ring
     # 2(p-1): the fewer steps win while latency dominates; the ring's bandwidth
     # optimality pays for large messages.
-    "allreduce": {"default": [[16384, "recursive_doubling"], [65536, "tree"], [None, "ring"]]},
+    "allreduce": {"default": [[16384, "recursive_doubling"], [65536, "tree"], [None, "ring"]],
+                  # Measured (scripts/compare_collectives.py, docs/benchmarks.md): on two
+                  # ranks one whole-buffer exchange beats the ring up to about 450 KiB.
+                  "2": [[458752, "recursive_doubling"], [None, "ring"]]},
     # A binomial tree sends log2 p copies from the root; a chain sends one per rank.
     "broadcast": {"default": [[262144, "tree"], [None, "ring"]],
                   "2": [[None, "tree"]], "3": [[None, "tree"]]},
