@@ -650,6 +650,16 @@ class Bench:
         errs = [e for e in self.comm.allgather(err) if e]
         return errs[0] if errs else None
 
+    def _everywhere(self, fn: Callable[[], Any]) -> tuple[Any, str | None]:
+        """Run ``fn``; return its value and the first error any rank saw, so that every
+        rank drops a failing column together."""
+        value, err = None, None
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001
+            err = f"{type(e).__name__}: {e}"
+        return value, self._agree(err)
+
     def prepare(self, col: Column, coll: str, shape: Shape, dtype_name: str, op: str,
                 bufs: dict) -> "Point | tuple[Callable[[], None], Callable[[], None], int | None]":
         """Check that ``col`` runs this collective (and, with -c, runs it right).
@@ -755,15 +765,12 @@ class Bench:
                     b.zero_()  # neutral data while timing: no overflow, no denormals
         iters: dict[str, int] = {}
         for name, (col, call, sync, _) in list(ready.items()):
-            err = None
-            try:
-                iters[name] = self.iterations(col, coll, call, sync)
-            except Exception as e:  # noqa: BLE001
-                err = f"{type(e).__name__}: {e}"
-            err = self._agree(err)
+            n, err = self._everywhere(lambda: self.iterations(col, coll, call, sync))
             if err:
                 row[name] = Point(name, "error", reason=err)
                 del ready[name]
+            else:
+                iters[name] = n
         rounds = max(1, min(self.args.rounds, min(iters.values(), default=1)))
         times: dict[str, list] = {name: [] for name in ready}
         names = list(ready)
@@ -777,15 +784,12 @@ class Bench:
                         continue
                     col, call, sync, _ = ready[name]
                     n = iters[name] // rounds + (1 if r < iters[name] % rounds else 0)
-                    err = None
-                    try:
-                        times[name].append(self.batch(col, coll, call, sync, n))
-                    except Exception as e:  # noqa: BLE001
-                        err = f"{type(e).__name__}: {e}"
-                    err = self._agree(err)
+                    ts, err = self._everywhere(lambda: self.batch(col, coll, call, sync, n))
                     if err:
                         row[name] = Point(name, "error", reason=err)
                         del ready[name]
+                    else:
+                        times[name].append(ts)
         finally:
             gc.enable()
         for name, (col, _, _, wrong) in ready.items():
