@@ -22,7 +22,7 @@ from .work import P2PWork
 
 log = logging.getLogger("ringcomm")
 
-DEFAULT_SEGMENT_BYTES = 512 * 1024
+DEFAULT_SEGMENT_BYTES = 2 * 1024 * 1024
 
 
 def _collective(method: Callable) -> Callable:
@@ -48,7 +48,7 @@ class Options:
     Attributes:
         algorithms: collective -> algorithm name (e.g. ``{"allreduce": "ring"}``);
             unlisted collectives use ``RINGCOMM_ALGO`` or ``auto``.
-        segment_bytes: pipeline segment size (default ``RINGCOMM_SEGMENT_BYTES`` or 512 KiB).
+        segment_bytes: pipeline segment size (default ``RINGCOMM_SEGMENT_BYTES`` or 2 MiB).
         tuning_file: JSON tuning table for ``auto`` (default ``RINGCOMM_TUNING``).
     """
 
