@@ -101,9 +101,15 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         for coll, name in {**env_algos, **options.algorithms}.items():
             _check_algo(coll, name)
             self._algos[coll] = name
-        seg = options.segment_bytes or int(os.environ.get("RINGCOMM_SEGMENT_BYTES",
-                                                          DEFAULT_SEGMENT_BYTES))
-        if seg <= 0:
+        seg = options.segment_bytes
+        if seg is None:
+            raw = os.environ.get("RINGCOMM_SEGMENT_BYTES", str(DEFAULT_SEGMENT_BYTES))
+            try:
+                seg = int(raw)
+            except ValueError:
+                raise ValueError(f"ringcomm: RINGCOMM_SEGMENT_BYTES must be a whole number of "
+                                 f"bytes, got {raw!r}") from None
+        if not isinstance(seg, int) or seg <= 0:
             raise ValueError(f"ringcomm: segment_bytes must be positive, got {seg}")
         self.segment_bytes = seg
         self._tuning = select.load_tuning(options.tuning_file)
