@@ -42,6 +42,10 @@ class Engine:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
+    def on_progress_thread(self) -> bool:
+        """True when called from this group's progress thread."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def alive(self) -> bool:
         """False once shut down with work left undone."""
         return not self._stopped or (self._thread is not None and self._thread.is_alive())

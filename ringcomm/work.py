@@ -76,6 +76,12 @@ class Work(dist.Work):
         return True
 
     def _block(self, event: threading.Event, limit: float) -> None:
+        if self._engine.on_progress_thread():
+            # A future callback runs on the progress thread; waiting there for a
+            # collective that thread has yet to run would never end.
+            raise dist.DistBackendError(
+                f"ringcomm {self._op}: Work.wait() called on the group's progress thread "
+                "(inside a future callback) would deadlock; chain with Future.then instead")
         start = time.monotonic()
         while not event.wait(1.0 if limit <= 0 else min(1.0, limit)):
             if not self._engine.alive():

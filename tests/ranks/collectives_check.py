@@ -220,6 +220,25 @@ def main() -> None:
     w.wait()
     c.check(w.is_completed() and w.is_success() and w.exception() is None, "work state")
 
+    # a synchronous collective inside a future callback (which runs on the progress
+    # thread) must fail with a clear error, not deadlock; chaining async ones works
+    seen = {}
+
+    def callback(fut):
+        try:
+            dist.all_reduce(torch.ones(2))
+        except RuntimeError as e:
+            seen["error"] = str(e)
+        seen["chained"] = dist.all_reduce(torch.full((2,), 1.0), async_op=True)
+        return fut.value()
+
+    dist.all_reduce(torch.ones(4), async_op=True).get_future().then(callback).wait()
+    c.check("deadlock" in seen.get("error", ""), f"sync call in a callback: {seen}")
+    seen["chained"].wait()
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    c.check(same(t, torch.full((3,), float(p))), "group usable after callback misuse")
+
     # --- barrier: nobody leaves before everybody arrived -----------------------------
     store = dist.distributed_c10d._get_default_store()
     store.set(f"arrived/{rank}", "1")
