@@ -61,6 +61,13 @@ class Engine:
             timeout_s: deadline for the collective, counted from when it starts.
             tag: message tag of the collective (the same on every rank).
         """
+        if not async_op and self.on_progress_thread():
+            # A future callback runs on this thread: a synchronous collective queued
+            # here would wait for the thread that is waiting for it.
+            raise dist.DistBackendError(
+                f"ringcomm {op}: a synchronous collective inside a future callback (on the "
+                "group's progress thread) would deadlock; use async_op=True and chain with "
+                "Future.then")
         work = Work(op, self)
         with self._cv:
             if self._stopped:

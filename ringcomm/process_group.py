@@ -114,7 +114,6 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self.segment_bytes = seg
         self._tuning = select.load_tuning(options.tuning_file)
         self._logged_choices: set = set()
-        self._fingerprints: dict[int, str] = {}
         self._check_consistency = os.environ.get("RINGCOMM_DEBUG", "").upper() == "DETAIL"
         self._engine = Engine(transport, self._describe)
         self._seq = 0
@@ -207,21 +206,21 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def _consistency_check(self, op: str, fields: list[int]) -> None:
         """RINGCOMM_DEBUG=DETAIL: every rank must run the same collective with the same
-        sizes; compare a fingerprint across ranks before running it."""
+        sizes; compare a fixed-length fingerprint across ranks before running it."""
         if not self._check_consistency or self.size() == 1:
             return
-        self._fingerprints.setdefault(zlib.crc32(op.encode()), op)
-        mine = torch.tensor([zlib.crc32(op.encode()), *fields], dtype=torch.int64)
+        mine = torch.zeros(1 + _FINGERPRINT_FIELDS, dtype=torch.int64)
+        mine[0] = zlib.crc32(op.encode())
+        mine[1:1 + len(fields)] = torch.tensor(fields[:_FINGERPRINT_FIELDS], dtype=torch.int64)
         everyone = mine.repeat(self.size())
-        chunks = list(everyone.view(self.size(), -1).unbind(0))
-        REGISTRY["allgather"]["ring"](self._tp, chunks, segment_bytes=1 << 20)
         rows = everyone.view(self.size(), -1)
+        REGISTRY["allgather"]["ring"](self._tp, list(rows.unbind(0)), segment_bytes=1 << 20)
         bad = [r for r in range(self.size()) if not torch.equal(rows[r], mine)]
         if bad:
-            theirs = "; ".join(f"rank {r}: {self._fingerprints.get(rows[r, 0].item(), '?')} "
+            theirs = "; ".join(f"rank {r} runs {_FINGERPRINT_NAMES.get(rows[r, 0].item(), '?')} "
                                f"{rows[r, 1:].tolist()}" for r in bad)
-            raise RuntimeError(f"collective mismatch: rank {self.rank()} runs {op} {fields}, "
-                               f"but {theirs}")
+            raise RuntimeError(f"collective mismatch: rank {self.rank()} runs {op} "
+                               f"{mine[1:].tolist()}, but {theirs}")
 
     # -- collectives ----------------------------------------------------------
     @_collective
@@ -292,7 +291,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                         op: str) -> Callable[[], None]:
         self._check(t, op, "input")
         self._check_list(outs, t, op)
-        algo = self._algorithm("allgather", t.numel() * t.element_size())[1]
+        # Sizes may differ across ranks; every rank knows all output sizes alike.
+        algo = self._algorithm("allgather", max(o.numel() for o in outs) * t.element_size())[1]
         me, seg = self.rank(), self.segment_bytes
 
         def run():
@@ -417,10 +417,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             for (out, inp), algo in zip(pairs, algos):
                 self._consistency_check("all_gather_into_tensor", [inp.numel()])
                 with _flat(out, copy_in=False) as flat:
-                    chunks = list(_bytes(flat).view(p, -1).unbind(0)) if flat.numel() else []
-                    if chunks:
-                        chunks[me].copy_(_bytes(inp.reshape(-1)))
-                        algo(self._tp, chunks, segment_bytes=seg)
+                    if flat.numel():
+                        flat.view(p, -1)[me].copy_(inp.reshape(-1))  # any input strides
+                        algo(self._tp, list(_bytes(flat).view(p, -1).unbind(0)),
+                             segment_bytes=seg)
             return value if value is not None else [pairs[0][0]]
 
         return run
@@ -453,7 +453,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         root = self._root(opts.rootRank, "gather")
         me = self.rank()
         outs = self._root_list(output_lists, t, root, "gather", "output")
-        name, algo = self._algorithm("gather", t.numel() * t.element_size())
+        name, algo = self._algorithm("gather", 0)  # ranks may hold different sizes
         seg = self.segment_bytes
 
         def run():
@@ -479,7 +479,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         root = self._root(opts.rootRank, "scatter")
         me = self.rank()
         ins = self._root_list(input_lists, t, root, "scatter", "input")
-        name, algo = self._algorithm("scatter", t.numel() * t.element_size())
+        name, algo = self._algorithm("scatter", 0)  # ranks may hold different sizes
         seg = self.segment_bytes
 
         def run():
@@ -589,7 +589,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             raise ValueError(f"ringcomm all_to_all: output {self.rank()} has "
                              f"{outputs[self.rank()].numel()} elements but input "
                              f"{self.rank()} has {inputs[self.rank()].numel()}")
-        name, algo = self._algorithm("alltoall", sum(x.numel() * x.element_size() for x in inputs))
+        name, algo = self._algorithm("alltoall", 0)  # ranks may hold different sizes
         seg = self.segment_bytes
 
         def run():
@@ -617,7 +617,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                              f"{input.dtype}")
         sends = self._split_rows(input, list(input_split_sizes), "input")
         recvs = self._split_rows(output, list(output_split_sizes), "output")
-        name, algo = self._algorithm("alltoall", input.numel() * input.element_size())
+        name, algo = self._algorithm("alltoall", 0)  # ranks may hold different sizes
         seg = self.segment_bytes
 
         def run():
@@ -739,6 +739,13 @@ def _options(opts: Any, cls: type) -> Any:
         out.rootRank = opts
         return out
     raise TypeError(f"ringcomm: expected {cls.__name__}, got {type(opts).__name__}")
+
+
+_FINGERPRINT_FIELDS = 4
+_FINGERPRINT_NAMES = {zlib.crc32(n.encode()): n for n in (
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "allgather_coalesced",
+    "all_gather_into_tensor", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced", "all_to_all", "all_to_all_single", "barrier")}
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

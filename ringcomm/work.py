@@ -126,8 +126,10 @@ class Work(dist.Work):
 class P2PWork(Work):
     """Handle of a user send/receive (``dist.isend`` / ``dist.irecv``).
 
-    The message is already posted to the transport; :meth:`wait` drives it to
-    completion with a deadline counted from when it was posted.
+    The message is already posted to the transport; it is driven to completion by
+    whoever waits for it, with a deadline counted from when it was posted. MPI
+    forbids two threads testing one request at once, so one thread at a time
+    drives it (``_drive_lock``); others wait for the outcome.
     """
 
     def __init__(self, op: str, engine: Any, tp: Any, handle: Any, timeout_s: float,
@@ -139,49 +141,69 @@ class P2PWork(Work):
         self._timeout_s = timeout_s
         self._on_done = on_done
         self._waiter: threading.Thread | None = None
-        self._complete_lock = threading.Lock()
+        self._drive_lock = threading.Lock()
 
     def _complete(self) -> None:
-        with self._complete_lock:
-            if self._done:
-                return
-            if self._on_done is not None:
-                self._on_done()
-            self._finish([self._handle.buf])
+        if self._on_done is not None:
+            self._on_done()
+        self._finish([self._handle.buf])
+
+    def _fail(self, err: BaseException) -> None:
+        self._finish(exc=err)
+
+    def _drive(self, deadline: float) -> bool:
+        """Poll the message until done or ``deadline``; False if the caller's own
+        deadline passed first (the message stays posted). Holds ``_drive_lock``."""
+        h = self._handle
+        if self._done:
+            return True
+        try:
+            finished = self._tp.p2p_wait(h, deadline)
+        except Exception as e:  # noqa: BLE001 - an MPI error ends the message
+            err = dist.DistBackendError(f"ringcomm {self._op} failed on rank {self._tp.rank}: "
+                                        f"{type(e).__name__}: {e}")
+            err.__cause__ = e
+            self._fail(err)
+            return True
+        if finished:
+            self._complete()
+            return True
+        if deadline < self._deadline:
+            return False
+        self._tp.p2p_cancel(h)
+        peer = "any rank" if h.peer < 0 else f"rank {h.peer}"
+        self._fail(dist.DistBackendError(
+            f"ringcomm {self._op} {'to' if h.kind == 'send' else 'from'} {peer} timed out "
+            f"after {self._timeout_s:g}s on rank {self._tp.rank}"))
+        return True
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Block until the message completed.
 
         Raises:
             torch.distributed.DistBackendError: the group timeout (counted from when the
-                message was posted) or ``timeout`` passed first.
+                message was posted) or ``timeout`` passed first, or MPI failed.
         """
-        if self._done:
-            if self._exc is not None:
-                raise self._exc
-            return True
         limit = timeout.total_seconds() if timeout else 0.0
         deadline = min(self._deadline, time.monotonic() + limit) if limit > 0 else self._deadline
-        if not self._tp.p2p_wait(self._handle, deadline):
-            h = self._handle
-            peer = "any rank" if h.peer < 0 else f"rank {h.peer}"
-            if deadline < self._deadline:  # the caller's own limit: the message stays posted
-                raise dist.DistBackendError(f"ringcomm {self._op}: Work.wait timed out after "
-                                            f"{limit:.3f}s")
-            self._tp.p2p_cancel(h)
-            err = dist.DistBackendError(
-                f"ringcomm {self._op} {'to' if h.kind == 'send' else 'from'} {peer} timed out "
-                f"after {self._timeout_s:g}s on rank {self._tp.rank}")
-            with self._complete_lock:
-                if not self._done:
-                    self._finish(exc=err)
-            raise err
-        self._complete()
+        if not self._done:
+            if self._waiter is not None:  # the helper thread drives it: wait for the outcome
+                return super().wait(timeout)
+            with self._drive_lock:
+                if not self._drive(deadline):
+                    raise dist.DistBackendError(
+                        f"ringcomm {self._op}: Work.wait timed out after {limit:.3f}s")
+        if self._exc is not None:
+            raise self._exc
         return True
 
     def is_completed(self) -> bool:
-        if not self._done and self._tp.p2p_done(self._handle):
-            self._complete()
+        if not self._done and self._drive_lock.acquire(blocking=False):
+            try:  # one non-blocking look, unless another thread is driving it
+                if not self._done and self._tp.p2p_done(self._handle):
+                    self._complete()
+            finally:
+                self._drive_lock.release()
         return self._done
 
     def _source_rank(self) -> int:
@@ -191,16 +213,14 @@ class P2PWork(Work):
     source_rank = _source_rank
 
     def get_future(self) -> torch.futures.Future:
-        with self._complete_lock:
+        with self._drive_lock:
             if self._waiter is None and not self._done:
-                # Nothing else drives a posted message: a helper thread waits for it.
-                self._waiter = threading.Thread(target=self._wait_quietly, daemon=True,
+                # Nothing else drives a posted message: a helper thread does.
+                self._waiter = threading.Thread(target=self._drive_in_background, daemon=True,
                                                 name=f"ringcomm-{self._op}")
                 self._waiter.start()
         return super().get_future()
 
-    def _wait_quietly(self) -> None:
-        try:
-            self.wait()
-        except Exception:  # noqa: BLE001 - the error is in the future already
-            pass
+    def _drive_in_background(self) -> None:
+        with self._drive_lock:
+            self._drive(self._deadline)

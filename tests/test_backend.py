@@ -48,8 +48,9 @@ def test_input_refused_on_one_rank_ends_in_errors_everywhere():
     assert out.count("checks passed") == 3
 
 
-def test_mismatch_detected_in_debug_mode():
-    out = mpirun(3, "failure_check.py", "mismatch", timeout=120,
+@pytest.mark.parametrize("mode", ["mismatch", "mismatch_op"])
+def test_mismatch_detected_in_debug_mode(mode):
+    out = mpirun(3, "failure_check.py", mode, timeout=120,
                  env={"RINGCOMM_DEBUG": "DETAIL"}).stdout
     assert out.count("checks passed") == 3
 

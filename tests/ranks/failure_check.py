@@ -60,6 +60,11 @@ def main(mode: str) -> None:
     elif mode == "mismatch":
         n = 10 if rank == 0 else 20
         expect_error(c, "size mismatch", lambda: dist.all_reduce(torch.ones(n)), "mismatch")
+    elif mode == "mismatch_op":
+        if rank == 0:
+            expect_error(c, "op mismatch", lambda: dist.all_reduce(torch.ones(4)), "barrier")
+        else:
+            expect_error(c, "op mismatch", dist.barrier, "allreduce")
     elif mode == "refused":
         # Bad input on the root only: the root gets a ValueError at once; the others
         # are already inside the scatter and time out; then everyone's next collective

@@ -86,6 +86,10 @@ def main() -> None:
             out = torch.empty(n, dtype=dtype)
             dist.reduce_scatter_tensor(out, inp)
             c.check(same(inp, big), "reduce_scatter_tensor modified its input")
+    # a strided 1-D input
+    both("all_gather_into_tensor strided input",
+         lambda a, g: dist.all_gather_into_tensor(a[0], a[1], group=g),
+         lambda: [torch.empty(p * 5), (torch.arange(10, dtype=torch.float32) + 10 * rank)[::2]])
     # AVG (gloo lacks it): against the SUM result divided
     big = data(rank, (p * 6,), torch.float64)
     a, s = torch.empty(6, dtype=torch.float64), torch.empty(6, dtype=torch.float64)
@@ -172,6 +176,21 @@ def main() -> None:
                     torch.all(m[:, 1::2] == 0), "recv into a strided view")
         elif rank == p - 1:
             dist.send(torch.arange(12.).view(4, 3).t().contiguous().t(), 0, tag=9)
+        # futures and wait() on the same messages, many times (one thread may test an
+        # MPI request at a time)
+        for k in range(20):
+            if rank == 0:
+                w = dist.isend(torch.full((1000,), float(k)), 1, tag=20)
+            elif rank == 1:
+                buf = torch.empty(1000)
+                w = dist.irecv(buf, 0, tag=20)
+            else:
+                continue
+            f = w.get_future()
+            w.wait()
+            f.wait()
+            if rank == 1:
+                c.check(torch.all(buf == k), f"irecv {k} with future and wait")
         fut_t = torch.empty(3)
         if rank == 0:
             dist.send(torch.ones(3), right, tag=4)
