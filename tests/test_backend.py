@@ -43,6 +43,11 @@ def test_timeout_raises_instead_of_hanging():
     assert out.count("checks passed") == 3
 
 
+def test_short_message_is_an_error_not_stale_data():
+    out = mpirun(3, "failure_check.py", "short", timeout=120).stdout
+    assert out.count("checks passed") == 3
+
+
 def test_input_refused_on_one_rank_ends_in_errors_everywhere():
     out = mpirun(3, "failure_check.py", "refused", timeout=120).stdout
     assert out.count("checks passed") == 3

@@ -44,9 +44,9 @@ class LocalFabric:
             while sends and recvs:
                 (sreq, sbuf), (rreq, rbuf) = sends.popleft(), recvs.popleft()
                 src, dst = sbuf.view(-1).view(torch.uint8), rbuf.view(-1).view(torch.uint8)
-                if src.numel() > dst.numel():
-                    rreq.error = (f"message of {src.numel()} bytes from rank {key[0]} does not "
-                                  f"fit the {dst.numel()}-byte receive buffer")
+                if src.numel() != dst.numel():
+                    rreq.error = (f"received {src.numel()} bytes from rank {key[0]} where "
+                                  f"{dst.numel()} were expected")
                 else:
                     dst[:src.numel()].copy_(src)
                 sreq.done = rreq.done = True

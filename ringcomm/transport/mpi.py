@@ -98,9 +98,13 @@ class MPITransport(Transport):
         return h
 
     def wait_all(self, handles: Sequence[Handle]) -> None:
+        """Also checks that every receive got exactly its buffer's size: MPI reports
+        only messages that are too long, and a short one would leave stale data."""
         reqs = [h.req for h in handles]
+        statuses = [MPI.Status() for _ in reqs]
         try:
-            done = poll(lambda: _testall(reqs), self._deadline, self.spin_s, self.max_sleep_s)
+            done = poll(lambda: _testall(reqs, statuses), self._deadline, self.spin_s,
+                        self.max_sleep_s)
         except MPI.Exception as e:
             if e.Get_error_class() in (MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
                 raise RuntimeError(
@@ -110,6 +114,14 @@ class MPITransport(Transport):
         if not done:
             pending = [h for h in handles if not h.req.Get_status()]
             raise TransportTimeout(self.timeout_message(pending))
+        for h, st in zip(handles, statuses):
+            if h.kind == "recv":
+                want = h.buf.numel() * h.buf.element_size()
+                got = st.Get_count(_BYTE)
+                if got != want:
+                    raise RuntimeError(f"received {got} bytes from rank {h.peer} where {want} "
+                                       "were expected: ranks passed different sizes to this "
+                                       "collective")
 
     def _check_tag(self, tag: int) -> None:
         if not 0 <= tag <= self.tag_ub:

@@ -60,6 +60,18 @@ def main(mode: str) -> None:
     elif mode == "mismatch":
         n = 10 if rank == 0 else 20
         expect_error(c, "size mismatch", lambda: dist.all_reduce(torch.ones(n)), "mismatch")
+    elif mode == "short":
+        # Rank 1 sends fewer elements than the root expects: MPI itself would accept
+        # the short message and leave stale data; ringcomm must say so.
+        p = dist.get_world_size()
+        mine = torch.full((3 if rank == 1 else 5,), float(rank))
+        outs = [torch.zeros(5) for _ in range(p)] if rank == 0 else None
+        if rank == 0:
+            expect_error(c, "short message", lambda: dist.gather(mine, outs, dst=0),
+                         "12 bytes from rank 1", "20 were expected")
+        else:
+            dist.gather(mine, None, dst=0)
+            c.check(True, "sender")
     elif mode == "mismatch_op":
         if rank == 0:
             expect_error(c, "op mismatch", lambda: dist.all_reduce(torch.ones(4)), "barrier")
