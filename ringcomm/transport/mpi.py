@@ -14,6 +14,7 @@ healthy transfer, and only then naps with exponential backoff up to
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Sequence
 
@@ -27,6 +28,12 @@ _yield = os.sched_yield
 _testall = MPI.Request.Testall
 _fromaddress = MPI.buffer.fromaddress
 _BYTE = MPI.BYTE
+# One thread in MPI at a time, process-wide. MPI_THREAD_MULTIPLE is requested, but
+# under torchrun (singletons joined through ports, UCX netmod) MPICH 4.3.2 lost
+# messages when one thread posted receives while another tested requests (seen:
+# a user irecv never matched while its message sat in UCX's unexpected queue).
+# Each call is short and the polling loops release the lock between calls.
+_mpi_lock = threading.Lock()
 
 
 def _env_float(name: str, default: float) -> float:
@@ -58,6 +65,11 @@ def poll(test, deadline: float, spin_s: float, max_sleep_s: float) -> bool:
     return True
 
 
+def _locked_testall(reqs: list, statuses: list) -> bool:
+    with _mpi_lock:
+        return _testall(reqs, statuses)
+
+
 class MPITransport(Transport):
     """Transport over an MPI intracommunicator whose ranks are the group's ranks.
 
@@ -86,14 +98,18 @@ class MPITransport(Transport):
         return [_fromaddress(buf.data_ptr(), buf.numel() * buf.element_size()), _BYTE]
 
     def isend(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> Handle:
-        h = Handle(self.comm.Isend(self._mem(buf), peer, self._tag if tag is None else tag),
-                   buf, peer, "send")
+        mem = self._mem(buf)
+        with _mpi_lock:
+            req = self.comm.Isend(mem, peer, self._tag if tag is None else tag)
+        h = Handle(req, buf, peer, "send")
         self._inflight.append(h)
         return h
 
     def irecv(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> Handle:
-        h = Handle(self.comm.Irecv(self._mem(buf), peer, self._tag if tag is None else tag),
-                   buf, peer, "recv")
+        mem = self._mem(buf)
+        with _mpi_lock:
+            req = self.comm.Irecv(mem, peer, self._tag if tag is None else tag)
+        h = Handle(req, buf, peer, "recv")
         self._inflight.append(h)
         return h
 
@@ -103,7 +119,7 @@ class MPITransport(Transport):
         reqs = [h.req for h in handles]
         statuses = [MPI.Status() for _ in reqs]
         try:
-            done = poll(lambda: _testall(reqs, statuses), self._deadline, self.spin_s,
+            done = poll(lambda: _locked_testall(reqs, statuses), self._deadline, self.spin_s,
                         self.max_sleep_s)
         except MPI.Exception as e:
             if e.Get_error_class() in (MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
@@ -112,7 +128,8 @@ class MPITransport(Transport):
                     "sizes to this collective") from e
             raise
         if not done:
-            pending = [h for h in handles if not h.req.Get_status()]
+            with _mpi_lock:
+                pending = [h for h in handles if not h.req.Get_status()]
             raise TransportTimeout(self.timeout_message(pending))
         for h, st in zip(handles, statuses):
             if h.kind == "recv":
@@ -129,25 +146,32 @@ class MPITransport(Transport):
 
     def p2p_isend(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
         self._check_tag(tag)
-        return Handle(self.p2p_comm.Isend(self._mem(buf), peer, tag), buf, peer, "send")
+        mem = self._mem(buf)
+        with _mpi_lock:
+            req = self.p2p_comm.Isend(mem, peer, tag)
+        return Handle(req, buf, peer, "send")
 
     def p2p_irecv(self, buf: torch.Tensor, peer: int | None, tag: int) -> Handle:
         self._check_tag(tag)
         src = MPI.ANY_SOURCE if peer is None else peer
-        return Handle(self.p2p_comm.Irecv(self._mem(buf), src, tag), buf,
-                      -1 if peer is None else peer, "recv", MPI.Status())
+        mem = self._mem(buf)
+        with _mpi_lock:
+            req = self.p2p_comm.Irecv(mem, src, tag)
+        return Handle(req, buf, -1 if peer is None else peer, "recv", MPI.Status())
 
     def p2p_wait(self, handle: Handle, deadline: float) -> bool:
         return poll(lambda: self.p2p_done(handle), deadline, self.spin_s, self.max_sleep_s)
 
     def p2p_done(self, handle: Handle) -> bool:
         # Test with a status: an any-source receive learns its sender here.
-        return handle.req == MPI.REQUEST_NULL or handle.req.Test(handle.status)
+        with _mpi_lock:
+            return handle.req == MPI.REQUEST_NULL or handle.req.Test(handle.status)
 
     def p2p_cancel(self, handle: Handle) -> None:
         try:
-            if handle.kind == "recv" and not handle.req.Get_status():
-                handle.req.Cancel()
+            with _mpi_lock:
+                if handle.kind == "recv" and not handle.req.Get_status():
+                    handle.req.Cancel()
         except MPI.Exception:
             pass
         self._abandoned.append(handle)
@@ -163,10 +187,11 @@ class MPITransport(Transport):
         super().end()
         for h in self._inflight:
             try:
-                if h.req.Get_status():
-                    continue
-                if h.kind == "recv":
-                    h.req.Cancel()
+                with _mpi_lock:
+                    if h.req.Get_status():
+                        continue
+                    if h.kind == "recv":
+                        h.req.Cancel()
             except MPI.Exception:
                 pass
             self._abandoned.append(h)  # MPI may still touch h.buf
@@ -177,7 +202,8 @@ class MPITransport(Transport):
             for comm in (self.comm, self.p2p_comm):
                 if comm != MPI.COMM_NULL:
                     try:
-                        comm.Free()
+                        with _mpi_lock:
+                            comm.Free()
                     except MPI.Exception:
                         pass
         self.comm = self.p2p_comm = MPI.COMM_NULL
