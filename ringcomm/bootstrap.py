@@ -41,6 +41,14 @@ def launched_by_mpi() -> bool:
     return any(v in os.environ for v in _MPI_LAUNCHER_VARS)
 
 
+def world_comm():
+    """The MPI intracommunicator over torch's world ranks, ranked like torch
+    (``MPI.COMM_WORLD`` under mpiexec, the joined singletons under torchrun); None
+    until a ringcomm world group exists. For running MPI's own collectives beside
+    ringcomm's; do not free it."""
+    return _world
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))

@@ -97,11 +97,3 @@ def finalize_(buf: torch.Tensor, op: RedOpType, world_size: int) -> None:
     else:
         buf.copy_(torch.div(buf, world_size, rounding_mode="trunc"))
 
-
-def reference(tensors: list[torch.Tensor], op: RedOpType) -> torch.Tensor:
-    """Single-process reduction of ``tensors`` in list order: an oracle for tests."""
-    out = tensors[0].clone()
-    for t in tensors[1:]:
-        reduce_(out, t, op)
-    finalize_(out, op, len(tensors))
-    return out

@@ -16,6 +16,7 @@ from torch._C import _distributed_c10d as _c10d
 
 from . import ops
 from .algorithms import REGISTRY, select
+from .algorithms import names as algorithm_names
 from .engine import Engine
 from .transport import Transport
 from .work import P2PWork
@@ -78,7 +79,7 @@ def _check_algo(collective: str, name: str) -> None:
         raise ValueError(f"ringcomm: unknown collective {collective!r}; known: {sorted(REGISTRY)}")
     if name != "auto" and name not in REGISTRY[collective]:
         raise ValueError(f"ringcomm: no {collective} algorithm {name!r}; available: "
-                         f"{['auto', *REGISTRY[collective]]}")
+                         f"{algorithm_names(collective)}")
 
 
 class ProcessGroupRingcomm(dist.ProcessGroup):

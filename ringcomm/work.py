@@ -148,9 +148,6 @@ class P2PWork(Work):
             self._on_done()
         self._finish([self._handle.buf])
 
-    def _fail(self, err: BaseException) -> None:
-        self._finish(exc=err)
-
     def _drive(self, deadline: float) -> bool:
         """Poll the message until done or ``deadline``; False if the caller's own
         deadline passed first (the message stays posted). Holds ``_drive_lock``."""
@@ -163,7 +160,7 @@ class P2PWork(Work):
             err = dist.DistBackendError(f"ringcomm {self._op} failed on rank {self._tp.rank}: "
                                         f"{type(e).__name__}: {e}")
             err.__cause__ = e
-            self._fail(err)
+            self._finish(exc=err)
             return True
         if finished:
             self._complete()
@@ -172,7 +169,7 @@ class P2PWork(Work):
             return False
         self._tp.p2p_cancel(h)
         peer = "any rank" if h.peer < 0 else f"rank {h.peer}"
-        self._fail(dist.DistBackendError(
+        self._finish(exc=dist.DistBackendError(
             f"ringcomm {self._op} {'to' if h.kind == 'send' else 'from'} {peer} timed out "
             f"after {self._timeout_s:g}s on rank {self._tp.rank}"))
         return True

@@ -415,8 +415,8 @@ class Bench:
         if MPI.COMM_WORLD.Get_size() == self.p:
             return MPI.COMM_WORLD.Dup()
         # torchrun: every process is an MPI singleton that ringcomm joined into one
-        # communicator for its world group. ringcomm has no public accessor for it yet.
-        comm = getattr(getattr(self.pg, "_tp", None), "comm", None)
+        # communicator for its world group.
+        comm = self.ringcomm.bootstrap.world_comm()
         if comm is None or comm.Get_size() != self.p:
             raise RuntimeError("compare_collectives: cannot find an MPI communicator spanning "
                                f"the {self.p} ranks (MPI.COMM_WORLD has "
