@@ -1,11 +1,13 @@
 """The ringcomm ProcessGroup: torch's collective calls -> one request each for the engine."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import logging
 import os
+import threading
 import zlib
 from datetime import timedelta
 from typing import Any, Callable, Iterator
@@ -14,16 +16,24 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-from . import ops
-from .algorithms import REGISTRY, select
+from . import algorithms, checker, ops
+from .algorithms import NATIVE, REGISTRY, select
 from .algorithms import names as algorithm_names
+from .algorithms import ring as _ring
 from .engine import Engine
+from .executors import Plan, run_p2p
+from .schedule import Context, ScheduleError
 from .transport import Transport
 from .work import P2PWork
 
 log = logging.getLogger("ringcomm")
 
 DEFAULT_SEGMENT_BYTES = 2 * 1024 * 1024
+#: compiled schedules kept per group (least recently used dropped first)
+PLAN_CACHE_SIZE = 512
+#: a user's schedule is checked symbolically at its real shape up to this many
+#: elements over all ranks, at a proportionally smaller shape above it
+CHECK_ELEMENTS = 1 << 18
 
 
 def _collective(method: Callable) -> Callable:
@@ -114,6 +124,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             raise ValueError(f"ringcomm: segment_bytes must be positive, got {seg}")
         self.segment_bytes = seg
         self._tuning = select.load_tuning(options.tuning_file)
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._plans_lock = threading.Lock()
+        self._token = torch.zeros(1, dtype=torch.uint8, device=transport.device)
         self._logged_choices: set = set()
         self._check_consistency = os.environ.get("RINGCOMM_DEBUG", "").upper() == "DETAIL"
         self._engine = Engine(transport, self._describe)
@@ -166,12 +179,52 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                              collective, nbytes, self.size(), name)
         return name
 
-    def _algorithm(self, collective: str, nbytes: int) -> tuple[str, Callable]:
-        name = self.algorithm_for(collective, nbytes)
-        try:
-            return name, REGISTRY[collective][name]
-        except KeyError:
-            raise ValueError(f"ringcomm {collective}: tuning chose unknown algorithm {name!r}") from None
+    def _prepare(self, collective: str, layout: tuple, dtype: torch.dtype, *, nbytes: int,
+                 root: int = 0, op: Any = None,
+                 name: str | None = None) -> tuple[str, Callable[[list], None]]:
+        """Choose the algorithm for one call and return ``(name, run)``; ``run(bufs)``
+        executes it on the caller's buffers (ordered as ``schedule.BUFFERS`` says).
+
+        Runs on the caller's thread, so a schedule a user's builder gets wrong is
+        refused here, on every rank alike, before anything is sent.
+        """
+        name = name or self.algorithm_for(collective, nbytes)
+        build = REGISTRY[collective].get(name)
+        if build is None:
+            raise ValueError(f"ringcomm {collective}: algorithm {name!r} is not registered "
+                             f"(available: {algorithm_names(collective)})")
+        tp = self._tp
+        if build is NATIVE:
+            tp.check_native(collective, dtype, op)
+            return name, lambda bufs: tp.native(collective, bufs, layout, dtype, op, root)
+        plan = self._plan(collective, name, build, layout, root, dtype)
+
+        def run(bufs: list) -> None:
+            run_p2p(plan, tp, plan.bind(bufs, lambda i, n: tp.scratch(i, n, dtype)), op)
+
+        return name, run
+
+    def _plan(self, collective: str, name: str, build: Callable, layout: tuple, root: int,
+              dtype: torch.dtype) -> Plan:
+        """The compiled schedule for this call shape, from the cache or built (and, for
+        an algorithm that did not ship with ringcomm, checked) now."""
+        seg = max(1, self.segment_bytes // dtype.itemsize)
+        key = (collective, name, layout, root, seg, algorithms.generation)
+        with self._plans_lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                return plan
+        ctx = Context(collective, self.size(), self.rank(), layout, root, seg)
+        if (collective, name) not in algorithms.BUILTIN:
+            _check_user_schedule(build, ctx, name)
+        schedule = build(ctx)
+        plan = Plan(schedule)
+        with self._plans_lock:
+            self._plans[key] = plan
+            if len(self._plans) > PLAN_CACHE_SIZE:
+                self._plans.popitem(last=False)
+        return plan
 
     # -- plumbing -------------------------------------------------------------
     def _timeout(self, opts: Any) -> float:
@@ -213,9 +266,14 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         mine = torch.zeros(1 + _FINGERPRINT_FIELDS, dtype=torch.int64)
         mine[0] = zlib.crc32(op.encode())
         mine[1:1 + len(fields)] = torch.tensor(fields[:_FINGERPRINT_FIELDS], dtype=torch.int64)
-        everyone = mine.repeat(self.size())
-        rows = everyone.view(self.size(), -1)
-        REGISTRY["allgather"]["ring"](self._tp, list(rows.unbind(0)), segment_bytes=1 << 20)
+        rows = torch.empty(self.size(), mine.numel(), dtype=torch.int64)
+        width = mine.numel() * mine.element_size()
+        # Always the built-in ring: the user's choice of algorithm is what may be wrong.
+        plan = self._plan("allgather", "ring", _ring.allgather, (width,) * self.size(), 0,
+                          torch.uint8)
+        bufs = [*(_bytes(r) for r in rows.unbind(0)), _bytes(mine)]
+        run_p2p(plan, self._tp, plan.bind(bufs, lambda i, n: self._tp.scratch(i, n, torch.uint8)),
+                None)
         bad = [r for r in range(self.size()) if not torch.equal(rows[r], mine)]
         if bad:
             theirs = "; ".join(f"rank {r} runs {_FINGERPRINT_NAMES.get(rows[r, 0].item(), '?')} "
@@ -231,9 +289,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         opts = _options(opts, dist.AllreduceOptions)
         t = self._single(tensors, "allreduce")
         op = ops.resolve(opts.reduceOp, t.dtype, "allreduce")
-        nbytes = t.numel() * t.element_size()
-        name, algo = self._algorithm("allreduce", nbytes)
-        size, seg = self.size(), self.segment_bytes
+        name, algo = self._prepare("allreduce", (t.numel(),), t.dtype, op=op,
+                                   nbytes=t.numel() * t.element_size())
+        size = self.size()
 
         def run():
             if self._check_consistency:
@@ -242,7 +300,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             contiguous = t.is_contiguous()
             flat = t.view(-1) if contiguous else t.contiguous().view(-1)
             if flat.numel():
-                algo(self._tp, flat, op, segment_bytes=seg)
+                algo([flat])
                 ops.finalize_(flat, op, size)
                 if not contiguous:
                     t.copy_(flat.view_as(t))
@@ -259,14 +317,14 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         root = self._root(opts.rootRank, "broadcast")
         if getattr(opts, "rootTensor", 0) != 0:
             raise ValueError(f"ringcomm broadcast: rootTensor must be 0, got {opts.rootTensor}")
-        name, algo = self._algorithm("broadcast", t.numel() * t.element_size())
-        seg = self.segment_bytes
+        nbytes = t.numel() * t.element_size()
+        name, algo = self._prepare("broadcast", (nbytes,), torch.uint8, nbytes=nbytes, root=root)
 
         def run():
             self._consistency_check("broadcast", [t.numel(), root])
             with _flat(t, copy_in=True) as flat:
                 if flat.numel():
-                    algo(self._tp, _bytes(flat), root, segment_bytes=seg)
+                    algo([_bytes(flat)])
             return tensors
 
         return self._submit(f"broadcast[{name}]", run, opts)
@@ -293,27 +351,25 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._check(t, op, "input")
         self._check_list(outs, t, op)
         # Sizes may differ across ranks; every rank knows all output sizes alike.
-        algo = self._algorithm("allgather", max(o.numel() for o in outs) * t.element_size())[1]
-        me, seg = self.rank(), self.segment_bytes
+        layout = tuple(o.numel() * o.element_size() for o in outs)
+        algo = self._prepare("allgather", layout, torch.uint8, nbytes=max(layout))[1]
 
         def run():
             self._consistency_check(op, [t.numel()])
             with contextlib.ExitStack() as stack:
-                flats = [stack.enter_context(_flat(o, copy_in=False)) for o in outs]
-                flats[me].copy_(t.reshape(-1))
-                if any(f.numel() for f in flats):
-                    algo(self._tp, [_bytes(f) for f in flats], segment_bytes=seg)
+                flats = [_bytes(stack.enter_context(_flat(o, copy_in=False))) for o in outs]
+                algo([*flats, _bytes(t.reshape(-1).contiguous())])
 
         return run
 
     @_collective
     def barrier(self, opts: Any = None) -> dist.Work:
         """Returns (or its Work completes) once every rank of the group has entered."""
-        name, algo = self._algorithm("barrier", 0)
+        name, algo = self._prepare("barrier", (1,), torch.uint8, nbytes=0)
 
         def run():
             self._consistency_check("barrier", [])
-            algo(self._tp, segment_bytes=self.segment_bytes)
+            algo([self._token])
             return []
 
         return self._submit(f"barrier[{name}]", run, opts)
@@ -332,16 +388,17 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         plan = []
         for dtype, members in groups.items():
             op = ops.resolve(opts.reduceOp, dtype, "allreduce_coalesced")
-            nbytes = sum(t.numel() for t in members) * dtype.itemsize
-            plan.append((members, op, self._algorithm("allreduce", nbytes)[1]))
-        size, seg = self.size(), self.segment_bytes
+            n = sum(t.numel() for t in members)
+            plan.append((members, op, self._prepare("allreduce", (n,), dtype, op=op,
+                                                    nbytes=n * dtype.itemsize)[1]))
+        size = self.size()
 
         def run():
             for members, op, algo in plan:
                 flat = torch.cat([t.reshape(-1) for t in members])
                 self._consistency_check("allreduce_coalesced", [flat.numel(), int(op)])
                 if flat.numel():
-                    algo(self._tp, flat, op, segment_bytes=seg)
+                    algo([flat])
                     ops.finalize_(flat, op, size)
                 off = 0
                 for t in members:
@@ -360,15 +417,16 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         t = self._single(tensors, "reduce")
         op = ops.resolve(opts.reduceOp, t.dtype, "reduce")
         root = self._root(opts.rootRank, "reduce")
-        name, algo = self._algorithm("reduce", t.numel() * t.element_size())
-        size, seg, me = self.size(), self.segment_bytes, self.rank()
+        name, algo = self._prepare("reduce", (t.numel(),), t.dtype, op=op, root=root,
+                                   nbytes=t.numel() * t.element_size())
+        size, me = self.size(), self.rank()
 
         def run():
             self._consistency_check("reduce", [t.numel(), int(op), root])
             with _flat(t) as flat:
                 if flat.numel():
                     work = flat if me == root else flat.clone()  # partial sums stay private
-                    algo(self._tp, work, op, root, segment_bytes=seg)
+                    algo([work])
                     if me == root:
                         ops.finalize_(flat, op, size)
             return tensors
@@ -411,17 +469,20 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                              f"{self.size()} x {inp.numel()} (world size x input)")
 
     def _gather_into_plan(self, pairs: list, value: Any = None) -> Callable[[], Any]:
-        algos = [self._algorithm("allgather", i.numel() * i.element_size())[1] for _, i in pairs]
-        p, me, seg = self.size(), self.rank(), self.segment_bytes
+        p = self.size()
+        algos = []
+        for _, i in pairs:
+            nbytes = i.numel() * i.element_size()
+            algos.append(self._prepare("allgather", (nbytes,) * p, torch.uint8, nbytes=nbytes)[1])
 
         def run():
             for (out, inp), algo in zip(pairs, algos):
                 self._consistency_check("all_gather_into_tensor", [inp.numel()])
                 with _flat(out, copy_in=False) as flat:
                     if flat.numel():
-                        flat.view(p, -1)[me].copy_(inp.reshape(-1))  # any input strides
-                        algo(self._tp, list(_bytes(flat).view(p, -1).unbind(0)),
-                             segment_bytes=seg)
+                        # any input strides (a copy only if it must)
+                        src = _bytes(inp.reshape(-1).contiguous())
+                        algo([*_bytes(flat).view(p, -1).unbind(0), src])
             return value if value is not None else [pairs[0][0]]
 
         return run
@@ -452,20 +513,18 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         opts = _options(opts, dist.GatherOptions)
         t = self._single(inputs, "gather")
         root = self._root(opts.rootRank, "gather")
-        me = self.rank()
         outs = self._root_list(output_lists, t, root, "gather", "output")
-        name, algo = self._algorithm("gather", 0)  # ranks may hold different sizes
-        seg = self.segment_bytes
+        name, algo = self._prepare("gather", self._rooted_layout(outs, t), torch.uint8,
+                                   nbytes=0, root=root)  # ranks may hold different sizes
 
         def run():
             self._consistency_check("gather", [t.numel(), root])
             with contextlib.ExitStack() as stack:
                 src = _bytes(stack.enter_context(_flat(t)))
-                chunks = None
+                chunks = [None] * self.size()
                 if outs is not None:
                     chunks = [_bytes(stack.enter_context(_flat(o, copy_in=False))) for o in outs]
-                    chunks[me].copy_(src)
-                algo(self._tp, src, chunks, root, segment_bytes=seg)
+                algo([*chunks, src])
             return output_lists
 
         return self._submit(f"gather[{name}]", run, opts)
@@ -478,20 +537,18 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         opts = _options(opts, dist.ScatterOptions)
         t = self._single(outputs, "scatter")
         root = self._root(opts.rootRank, "scatter")
-        me = self.rank()
         ins = self._root_list(input_lists, t, root, "scatter", "input")
-        name, algo = self._algorithm("scatter", 0)  # ranks may hold different sizes
-        seg = self.segment_bytes
+        name, algo = self._prepare("scatter", self._rooted_layout(ins, t), torch.uint8,
+                                   nbytes=0, root=root)  # ranks may hold different sizes
 
         def run():
             self._consistency_check("scatter", [t.numel(), root])
             with contextlib.ExitStack() as stack:
                 dst = _bytes(stack.enter_context(_flat(t, copy_in=False)))
-                chunks = None
+                chunks = [None] * self.size()
                 if ins is not None:
                     chunks = [_bytes(stack.enter_context(_flat(i))) for i in ins]
-                    dst.copy_(chunks[me])
-                algo(self._tp, chunks, dst, root, segment_bytes=seg)
+                algo([*chunks, dst])
             return outputs
 
         return self._submit(f"scatter[{name}]", run, opts)
@@ -551,9 +608,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         op = ops.resolve(opts.reduceOp, out0.dtype, name)
         for out, _ in jobs:
             ops.resolve(opts.reduceOp, out.dtype, name)
-        algos = [self._algorithm("reduce_scatter", sum(i.numel() for i in ins) *
-                                 out.element_size())[1] for out, ins in jobs]
-        size, me, seg = self.size(), self.rank(), self.segment_bytes
+        algos = [self._prepare("reduce_scatter", tuple(i.numel() for i in ins), out.dtype, op=op,
+                               nbytes=sum(i.numel() for i in ins) * out.element_size())[1]
+                 for out, ins in jobs]
+        size = self.size()
 
         def run():
             for (out, ins), algo in zip(jobs, algos):
@@ -563,10 +621,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 for i in ins:
                     chunks.append(work[off:off + i.numel()])
                     off += i.numel()
-                if work.numel():
-                    algo(self._tp, chunks, op, segment_bytes=seg)
-                ops.finalize_(chunks[me], op, size)
-                out.copy_(chunks[me].view_as(out))
+                with _flat(out, copy_in=False) as flat:
+                    algo([*chunks, flat])
+                    ops.finalize_(flat, op, size)
             return value
 
         return self._submit(name, run, opts)
@@ -590,15 +647,17 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             raise ValueError(f"ringcomm all_to_all: output {self.rank()} has "
                              f"{outputs[self.rank()].numel()} elements but input "
                              f"{self.rank()} has {inputs[self.rank()].numel()}")
-        name, algo = self._algorithm("alltoall", 0)  # ranks may hold different sizes
-        seg = self.segment_bytes
+        layout = (tuple(x.numel() * x.element_size() for x in inputs),
+                  tuple(o.numel() * o.element_size() for o in outputs))
+        name, algo = self._prepare("alltoall", layout, torch.uint8,
+                                   nbytes=0)  # ranks may hold different sizes
 
         def run():
             self._consistency_check("all_to_all", [])
             with contextlib.ExitStack() as stack:
                 sends = [_bytes(stack.enter_context(_flat(x))) for x in inputs]
                 recvs = [_bytes(stack.enter_context(_flat(o, copy_in=False))) for o in outputs]
-                algo(self._tp, sends, recvs, segment_bytes=seg)
+                algo([*sends, *recvs])
             return outputs
 
         return self._submit(f"all_to_all[{name}]", run, opts)
@@ -618,14 +677,16 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                              f"{input.dtype}")
         sends = self._split_rows(input, list(input_split_sizes), "input")
         recvs = self._split_rows(output, list(output_split_sizes), "output")
-        name, algo = self._algorithm("alltoall", 0)  # ranks may hold different sizes
-        seg = self.segment_bytes
+        item = input.element_size()
+        layout = (tuple((b - a) * item for a, b in sends), tuple((b - a) * item for a, b in recvs))
+        name, algo = self._prepare("alltoall", layout, torch.uint8,
+                                   nbytes=0)  # ranks may hold different sizes
 
         def run():
             self._consistency_check(op, [])
             with _flat(input) as src, _flat(output, copy_in=False) as dst:
-                algo(self._tp, [_bytes(src[a:b]) for a, b in sends],
-                     [_bytes(dst[a:b]) for a, b in recvs], segment_bytes=seg)
+                algo([*(_bytes(src[a:b]) for a, b in sends),
+                      *(_bytes(dst[a:b]) for a, b in recvs)])
             return [output]
 
         return self._submit(f"{op}[{name}]", run, opts)
@@ -709,6 +770,13 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                              f"{like.numel()}")
         return lst
 
+    def _rooted_layout(self, chunks: list[torch.Tensor] | None, mine: torch.Tensor) -> tuple:
+        """Gather/scatter layout in bytes: the root knows every chunk, others their own."""
+        if chunks is not None:
+            return tuple(c.numel() * c.element_size() for c in chunks)
+        own = mine.numel() * mine.element_size()
+        return tuple(own if i == self.rank() else None for i in range(self.size()))
+
     def _root(self, root: int, op: str) -> int:
         if not 0 <= root < self.size():
             raise ValueError(f"ringcomm {op}: root rank {root} is out of range for a group "
@@ -747,6 +815,53 @@ _FINGERPRINT_NAMES = {zlib.crc32(n.encode()): n for n in (
     "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "allgather_coalesced",
     "all_gather_into_tensor", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
     "reduce_scatter_tensor_coalesced", "all_to_all", "all_to_all_single", "barrier")}
+
+
+def _check_user_schedule(build: Callable, ctx: Context, name: str) -> None:
+    """Run the checker on a user's builder for this call shape (every rank does the
+    same, so every rank refuses a wrong schedule alike).
+
+    Raises:
+        ScheduleError: (a ValueError) naming the algorithm, step and element at fault.
+    """
+    coll, p, r, lay = ctx.collective, ctx.size, ctx.rank, ctx.layout
+    # The checker needs every rank's view; where a rank knows only its own sizes
+    # (gather/scatter non-roots, alltoall) a consistent global layout stands in.
+    if coll in ("gather", "scatter"):
+        own = lay[r]
+        layout = tuple(own if c is None else c for c in lay)
+    elif coll == "alltoall":
+        sends, recvs = lay
+        layout = tuple(tuple(sends[j] if i == r else recvs[i] if j == r else 1
+                             for j in range(p)) for i in range(p))
+    else:
+        layout = lay
+    flat = [c for c in _leaves(layout)]
+    total = sum(flat) * max(p, 1)
+    seg = ctx.seg
+    if total > CHECK_ELEMENTS:  # same segments per chunk, fewer elements in each
+        f = -(-total // CHECK_ELEMENTS)
+        layout = _scaled(layout, f)
+        seg = max(1, seg // f)
+    try:
+        checker.check(build, coll, p, layout, root=ctx.root, seg=seg,
+                      symbolic=p <= checker.MAX_RANKS)
+    except ScheduleError as e:
+        raise ScheduleError(f"ringcomm: algorithm {name!r} is wrong: {e}") from None
+
+
+def _leaves(layout) -> list[int]:
+    out = []
+    for x in layout:
+        if isinstance(x, tuple):
+            out.extend(_leaves(x))
+        elif x is not None:
+            out.append(x)
+    return out
+
+
+def _scaled(layout, f: int):
+    return tuple(_scaled(x, f) if isinstance(x, tuple) else -(-x // f) for x in layout)
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

@@ -2,6 +2,8 @@
 independent computation and gloo, on 1-5 ranks (mpiexec) and 2-3 ranks (torchrun)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conftest import mpirun, torchrun
@@ -64,3 +66,10 @@ def test_same_script_runs_under_both_launchers():
     for launch in (mpirun, torchrun):
         out = launch(2, "examples/allreduce_demo.py", "--quick", timeout=120).stdout
         assert "all results correct" in out, out
+
+
+@pytest.mark.parametrize("launch,n", [(mpirun, 3), (torchrun, 2)], ids=["mpiexec3", "torchrun2"])
+def test_user_registered_schedule_under_torch_and_ddp(launch, n):
+    out = launch(n, "user_algorithm_check.py", timeout=180).stdout
+    counts = re.findall(r"rank \d+: (\d+) checks passed", out)
+    assert counts == ["21"] * n, out  # 15 allreduces, 2 trainings, 4 more

@@ -93,18 +93,20 @@ def test_algo_env_parsing():
 
 
 def test_register_algorithm():
-    def mine(tp, buf, op, *, segment_bytes):
-        pass
+    from ringcomm.algorithms import tree
 
-    register_algorithm("allreduce", "mine_for_test", mine)
+    register_algorithm("allreduce", "mine_for_test", tree.allreduce)
     try:
-        assert REGISTRY["allreduce"]["mine_for_test"] is mine
+        assert REGISTRY["allreduce"]["mine_for_test"] is tree.allreduce
         with pytest.raises(ValueError, match="exists"):
-            register_algorithm("allreduce", "mine_for_test", mine)
-        with pytest.raises(ValueError, match="reserved"):
-            register_algorithm("allreduce", "auto", mine)
+            register_algorithm("allreduce", "mine_for_test", tree.allreduce)
+        for reserved in ("auto", "native"):
+            with pytest.raises(ValueError, match="reserved"):
+                register_algorithm("allreduce", reserved, tree.allreduce)
         with pytest.raises(ValueError, match="unknown collective"):
-            register_algorithm("allsmash", "x", mine)
+            register_algorithm("allsmash", "x", tree.allreduce)
+        with pytest.raises(ValueError, match="not callable"):
+            register_algorithm("allreduce", "y", 42)
     finally:
         del REGISTRY["allreduce"]["mine_for_test"]
 

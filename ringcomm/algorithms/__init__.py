@@ -1,26 +1,29 @@
-"""Collective algorithms, written once against :class:`ringcomm.transport.Transport`.
+"""Collective algorithms as schedule builders (see :mod:`ringcomm.schedule`).
 
-``REGISTRY[collective][name]`` is a function; the signature depends on the collective:
+``REGISTRY[collective][name]`` is a builder ``build(ctx) -> Schedule``, or
+:data:`NATIVE`: the transport library's own collective (MPI's on CPU).
+The caller's buffers and the layout each collective's builders get are listed
+in :data:`ringcomm.schedule.BUFFERS`.
 
-=============  ==========================================================
-allreduce      ``fn(tp, buf, op, *, segment_bytes)``        in place, 1-D
-broadcast      ``fn(tp, buf, root, *, segment_bytes)``      in place, 1-D
-reduce         ``fn(tp, buf, op, root, *, segment_bytes)``  result on root
-allgather      ``fn(tp, chunks, *, segment_bytes)``         chunks[rank] filled in
-reduce_scatter ``fn(tp, chunks, op, *, segment_bytes)``     result in chunks[rank]
-barrier        ``fn(tp, *, segment_bytes)``
-gather         ``fn(tp, send, chunks, root, *, segment_bytes)`` chunks on root only
-scatter        ``fn(tp, chunks, recv, root, *, segment_bytes)`` chunks on root only
-alltoall       ``fn(tp, sends, recvs, *, segment_bytes)``   one chunk per rank
-=============  ==========================================================
-
-A new algorithm is a function plus :func:`register_algorithm`.
+A new algorithm is a builder plus :func:`register_algorithm`; the checker
+proves a user's builder right on the first use of each call shape.
 """
 from __future__ import annotations
 
 from typing import Callable
 
+from ..schedule import BUFFERS
 from . import barrier, linear, recursive_doubling, ring, tree
+
+
+class _Native:
+    """Marker: run the transport library's own collective (MPI's, NCCL's)."""
+
+    def __repr__(self) -> str:
+        return "NATIVE"
+
+
+NATIVE = _Native()
 
 REGISTRY: dict[str, dict[str, Callable]] = {
     "allreduce": {"ring": ring.allreduce, "tree": tree.allreduce,
@@ -34,33 +37,61 @@ REGISTRY: dict[str, dict[str, Callable]] = {
     "scatter": {"linear": linear.scatter},
     "alltoall": {"linear": linear.alltoall},
 }
+for _algos in REGISTRY.values():
+    _algos["native"] = NATIVE
+
+#: builders that ship with ringcomm (proved by the test suite); others are
+#: checked on first use of each call shape
+BUILTIN = {(c, n) for c, algos in REGISTRY.items() for n in algos}
+
+#: bumped whenever a registration changes, so caches of built schedules drop
+#: entries made by a replaced builder
+generation = 0
 
 
-def register_algorithm(collective: str, name: str, fn: Callable, *, replace: bool = False) -> None:
-    """Make ``fn`` selectable as algorithm ``name`` for ``collective``.
+def register_algorithm(collective: str, name: str, build: Callable, *,
+                       replace: bool = False) -> None:
+    """Make schedule builder ``build`` selectable as algorithm ``name`` for ``collective``.
 
     Args:
         collective: one of ``REGISTRY``'s keys.
         name: the name used in ``RINGCOMM_ALGO``, ``Options`` and ``set_algorithm``;
-            ``"auto"`` is reserved.
-        fn: the algorithm, with the signature documented in this module.
+            ``"auto"`` and ``"native"`` are reserved.
+        build: ``build(ctx: ringcomm.schedule.Context) -> ringcomm.schedule.Schedule``.
+            It is checked (:func:`ringcomm.checker.check`) on the first use of each
+            call shape, and refused with the step and element at fault if wrong.
         replace: allow replacing an existing algorithm of that name.
     Raises:
-        ValueError: unknown collective, reserved or taken name.
+        ValueError: unknown collective, reserved or taken name, or ``build`` not callable.
+
+    Example::
+
+        def swap_sum(ctx):                 # two ranks: exchange and add
+            b = Builder(ctx); n = ctx.layout[0]; tmp = b.scratch(n)
+            b.step(sends=[(1 - ctx.rank, (0, 0, n))], recvs=[(1 - ctx.rank, (tmp, 0, n))],
+                   local=[Reduce((0, 0, n), (tmp, 0, n))])
+            return b.build()
+        ringcomm.register_algorithm("allreduce", "swap_sum", swap_sum)
     """
+    global generation
     if collective not in REGISTRY:
         raise ValueError(f"ringcomm.register_algorithm: unknown collective {collective!r}; "
                          f"known: {sorted(REGISTRY)}")
-    if name == "auto":
-        raise ValueError("ringcomm.register_algorithm: 'auto' is reserved for the built-in choice")
+    if name in ("auto", "native"):
+        raise ValueError(f"ringcomm.register_algorithm: {name!r} is reserved")
     if name in REGISTRY[collective] and not replace:
         raise ValueError(f"ringcomm.register_algorithm: {collective} algorithm {name!r} "
                          "exists; pass replace=True to override it")
-    if not callable(fn):
-        raise ValueError(f"ringcomm.register_algorithm: {fn!r} is not callable")
-    REGISTRY[collective][name] = fn
+    if not callable(build):
+        raise ValueError(f"ringcomm.register_algorithm: {build!r} is not callable")
+    REGISTRY[collective][name] = build
+    BUILTIN.discard((collective, name))
+    generation += 1
 
 
 def names(collective: str) -> list[str]:
     """Algorithms available for ``collective`` (``auto`` included)."""
     return ["auto", *REGISTRY[collective]]
+
+
+__all__ = ["REGISTRY", "NATIVE", "BUFFERS", "register_algorithm", "names"]

@@ -1,37 +1,44 @@
-"""Helpers shared by algorithms: splitting buffers into chunks and segments, tree shapes."""
+"""Helpers shared by schedule builders: splitting buffers into chunks and pieces, tree shapes."""
 from __future__ import annotations
 
-import torch
+from ..schedule import Context, Region
 
-#: receives kept posted ahead of the one being reduced (bounded scratch memory:
-#: WINDOW segments per peer, whatever the message size)
+#: scratch slots per receiving peer in pipelined reductions: the MPI executor may
+#: post that many receives ahead (bounded memory whatever the message size)
 WINDOW = 4
 
 
-def seg_elems(segment_bytes: int, dtype: torch.dtype) -> int:
-    """Elements per pipeline segment (at least one)."""
-    return max(1, segment_bytes // dtype.itemsize)
-
-
-def segments(t: torch.Tensor, seg: int) -> list[torch.Tensor]:
-    """Views of 1-D ``t`` of at most ``seg`` elements each; none for an empty tensor."""
-    n = t.numel()
-    if 0 < n <= seg:
-        return [t]
-    return [t[a:a + seg] for a in range(0, n, seg)]
-
-
-def split_even(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    """``parts`` contiguous views of 1-D ``t`` whose lengths differ by at most one
-    (the first ``numel % parts`` are longer); some are empty when numel < parts."""
-    n = t.numel()
-    base, extra = divmod(n, parts)
-    out, a = [], 0
+def split_even(rg: Region, parts: int) -> list[Region]:
+    """``parts`` consecutive regions of ``rg`` whose lengths differ by at most one
+    (the first ``rg.n % parts`` are longer); some are empty when ``rg.n < parts``."""
+    base, extra = divmod(rg.n, parts)
+    out, a = [], rg.off
     for i in range(parts):
         ln = base + (1 if i < extra else 0)
-        out.append(t[a:a + ln])
+        out.append(Region(rg.buf, a, ln))
         a += ln
     return out
+
+
+def piece(rg: Region, k: int, seg: int) -> Region | None:
+    """The ``k``-th pipeline segment of ``rg`` (None past its end)."""
+    a = k * seg
+    if a >= rg.n:
+        return None
+    return Region(rg.buf, rg.off + a, min(seg, rg.n - a))
+
+
+def pieces(ctx: Context, rg: Region) -> list[Region]:
+    """``rg`` cut into pipeline segments of ``ctx.seg`` elements (none when empty)."""
+    return [Region(rg.buf, a, n) for a, n in ctx.segments(rg.off, rg.n)]
+
+
+def count_pieces(n: int, seg: int) -> int:
+    return -(-n // seg)
+
+
+def whole(buf: int, n: int) -> Region:
+    return Region(buf, 0, n)
 
 
 def binomial(rank: int, size: int, root: int) -> tuple[int | None, list[int]]:

@@ -10,28 +10,28 @@ with bit-identical results.
 """
 from __future__ import annotations
 
-import torch
+from ..schedule import Builder, Context, Reduce, Schedule
+from .common import whole
 
-from ..transport import Transport
 
-
-def allreduce(tp: Transport, buf: torch.Tensor, op, *, segment_bytes: int = 0) -> None:
-    """Allreduce 1-D ``buf`` in place (``segment_bytes`` is unused: no pipelining)."""
-    p, r = tp.size, tp.rank
-    if p == 1:
-        return
-    tmp = tp.scratch(0, buf.numel(), buf.dtype)
+def allreduce(ctx: Context) -> Schedule:
+    """Allreduce buffer 0 in place (no pipelining: whole-buffer messages)."""
+    b = Builder(ctx)
+    p, r, n = ctx.size, ctx.rank, ctx.layout[0]
+    if p == 1 or n == 0:
+        return b.build()
+    data = whole(0, n)
+    tmp = whole(b.scratch(n), n)
     pow2 = 1 << (p.bit_length() - 1)
     extra = p - pow2
     # Fold: among the first 2*extra ranks, each even rank hands its data to the next
-    # odd rank and sits out; the others renumber 0..pow2-1.
+    # odd rank and sits out until the result comes back; the others renumber 0..pow2-1.
     if r < 2 * extra:
         if r % 2 == 0:
-            tp.send(buf, r + 1)
-            tp.recv(buf, r + 1)
-            return
-        tp.recv(tmp, r - 1)
-        tp.reduce_(buf, tmp, op)
+            b.step(sends=[(r + 1, data)])
+            b.step(recvs=[(r + 1, data)])
+            return b.build()
+        b.step(recvs=[(r - 1, tmp)], local=[Reduce(data, tmp)])
         vr = r // 2
     else:
         vr = r - extra
@@ -39,8 +39,8 @@ def allreduce(tp: Transport, buf: torch.Tensor, op, *, segment_bytes: int = 0) -
     while mask < pow2:
         vpeer = vr ^ mask
         peer = vpeer * 2 + 1 if vpeer < extra else vpeer + extra
-        tp.sendrecv(buf, peer, tmp, peer)
-        tp.reduce_(buf, tmp, op)
+        b.step(sends=[(peer, data)], recvs=[(peer, tmp)], local=[Reduce(data, tmp)])
         mask <<= 1
     if r < 2 * extra:
-        tp.send(buf, r - 1)
+        b.step(sends=[(r - 1, data)])
+    return b.build()

@@ -1,85 +1,81 @@
-"""Tree algorithms: pipelined reduce and broadcast over a tree, and allreduce
-as reduce-to-root followed by broadcast.
+"""Tree schedules: pipelined reduce and broadcast over a tree, and allreduce as
+reduce-to-root followed by broadcast.
 
 Latency grows with the tree depth (log2 p for the binomial tree), so trees
 win for small messages; the buffer is cut into segments so large messages
-stream through the tree instead of waiting at every level.
+stream through the tree. Step ``g`` of an inner rank receives segment ``g``
+from its children (or parent) and passes segment ``g - 1`` on, so the levels
+of the tree work on consecutive segments at once, on NCCL as on MPI.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
-from ..transport import Transport
-from .common import WINDOW, binomial, seg_elems, segments
+from ..schedule import Builder, Context, Reduce, Region, Schedule
+from .common import WINDOW, binomial, pieces, whole
 
 Topology = Callable[[int, int, int], "tuple[int | None, list[int]]"]
 
 
-def reduce_to_root(tp: Transport, buf: torch.Tensor, op, root: int, segment_bytes: int,
-                   topology: Topology = binomial) -> None:
-    """Reduce 1-D ``buf`` of every rank into ``buf`` on ``root``, segment by segment.
-
-    On other ranks ``buf`` is left holding a partial reduction.
-    """
-    parent, kids = topology(tp.rank, tp.size, root)
-    views = segments(buf, seg_elems(segment_bytes, buf.dtype))
-    if not views:
+def reduce_steps(b: Builder, data: Region, root: int, topology: Topology = binomial) -> None:
+    """Reduce ``data`` of every rank into ``data`` on ``root``, segment by segment.
+    Other ranks' ``data`` is left holding partial reductions."""
+    ctx = b.ctx
+    parent, kids = topology(ctx.rank, ctx.size, root)
+    segs = pieces(ctx, data)
+    if not segs or ctx.size == 1:
         return
-    seg = views[0].numel()
-    window = min(WINDOW, len(views))
-    spaces = [tp.scratch(ci, window * seg, buf.dtype) for ci in range(len(kids))]
-
-    def post(ci: int, k: int):
-        slot = (k % window) * seg
-        return tp.irecv(spaces[ci][slot:slot + views[k].numel()], kids[ci])
-
-    pending = [[post(ci, k) for k in range(window)] for ci in range(len(kids))]
-    sends = []
-    for k, dst in enumerate(views):
-        for ci in range(len(kids)):
-            h = pending[ci][k % window]
-            tp.wait(h)
-            tp.reduce_(dst, h.buf, op)
-            if k + window < len(views):
-                pending[ci][k % window] = post(ci, k + window)
+    slot = segs[0].n
+    spaces = [b.scratch(WINDOW * slot) for _ in kids]
+    last = len(segs) + (1 if parent is not None and kids else 0)
+    for g in range(last):
+        sends, recvs, local = [], [], []
+        if g < len(segs):
+            for kid, space in zip(kids, spaces):
+                into = Region(space, (g % WINDOW) * slot, segs[g].n)
+                recvs.append((kid, into))
+                local.append(Reduce(segs[g], into))
         if parent is not None:
-            sends.append(tp.isend(dst, parent))
-    tp.wait_all(sends)
+            done = g - 1 if kids else g  # a leaf's segment g is final at once
+            if 0 <= done < len(segs):
+                sends.append((parent, segs[done]))
+        b.step(sends, recvs, local)
 
 
-def broadcast_from_root(tp: Transport, buf: torch.Tensor, root: int, segment_bytes: int,
-                        topology: Topology = binomial) -> None:
-    """Copy 1-D ``buf`` of ``root`` into ``buf`` of every rank, forwarding each
-    segment down the tree as soon as it arrives."""
-    parent, kids = topology(tp.rank, tp.size, root)
-    views = segments(buf, seg_elems(segment_bytes, buf.dtype))
-    recvs = [tp.irecv(v, parent) for v in views] if parent is not None else None
-    sends = []
-    for k, v in enumerate(views):
-        if recvs is not None:
-            tp.wait(recvs[k])
-        for kid in kids:
-            sends.append(tp.isend(v, kid))
-    tp.wait_all(sends)
-
-
-def allreduce(tp: Transport, buf: torch.Tensor, op, *, segment_bytes: int) -> None:
-    """Binomial-tree allreduce: reduce to rank 0, then broadcast from it."""
-    if tp.size == 1:
+def broadcast_steps(b: Builder, data: Region, root: int, topology: Topology = binomial) -> None:
+    """Copy ``data`` of ``root`` into ``data`` of every rank, each segment forwarded
+    down the tree one step after it arrived."""
+    ctx = b.ctx
+    parent, kids = topology(ctx.rank, ctx.size, root)
+    segs = pieces(ctx, data)
+    if not segs or ctx.size == 1:
         return
-    reduce_to_root(tp, buf, op, 0, segment_bytes)
-    broadcast_from_root(tp, buf, 0, segment_bytes)
+    last = len(segs) + (1 if parent is not None and kids else 0)
+    for g in range(last):
+        recvs = [(parent, segs[g])] if parent is not None and g < len(segs) else []
+        fwd = g - 1 if parent is not None else g
+        sends = [(kid, segs[fwd]) for kid in kids] if 0 <= fwd < len(segs) else []
+        b.step(sends, recvs)
 
 
-def broadcast(tp: Transport, buf: torch.Tensor, root: int, *, segment_bytes: int) -> None:
-    """Binomial-tree broadcast, pipelined in segments."""
-    if tp.size > 1:
-        broadcast_from_root(tp, buf, root, segment_bytes)
+def allreduce(ctx: Context) -> Schedule:
+    """Binomial-tree allreduce: reduce to rank 0, then broadcast from it."""
+    b = Builder(ctx)
+    data = whole(0, ctx.layout[0])
+    reduce_steps(b, data, 0)
+    broadcast_steps(b, data, 0)
+    return b.build()
 
 
-def reduce(tp: Transport, buf: torch.Tensor, op, root: int, *, segment_bytes: int) -> None:
-    """Binomial-tree reduce to ``root``, pipelined in segments."""
-    if tp.size > 1:
-        reduce_to_root(tp, buf, op, root, segment_bytes)
+def broadcast(ctx: Context) -> Schedule:
+    """Binomial-tree broadcast from the root, pipelined in segments."""
+    b = Builder(ctx)
+    broadcast_steps(b, whole(0, ctx.layout[0]), ctx.root)
+    return b.build()
+
+
+def reduce(ctx: Context) -> Schedule:
+    """Binomial-tree reduce to the root, pipelined in segments."""
+    b = Builder(ctx)
+    reduce_steps(b, whole(0, ctx.layout[0]), ctx.root)
+    return b.build()

@@ -54,6 +54,7 @@ class Transport(abc.ABC):
         self._what = ""
         self._tag = 0
         self._scratch: dict[int, torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}
 
     # -- per-collective state ------------------------------------------------
     def begin(self, what: str, timeout_s: float, tag: int = 0) -> None:
@@ -134,6 +135,19 @@ class Transport(abc.ABC):
         """The sender of a completed receive."""
         return handle.peer
 
+    # -- the library's own collectives (algorithm "native") ------------------------
+    def check_native(self, collective: str, dtype: torch.dtype, op: Any) -> None:
+        """Raise ValueError unless :meth:`native` can run ``collective`` on ``dtype``
+        with ``op`` (called before anything is enqueued)."""
+        raise ValueError(f"ringcomm {collective}: algorithm 'native' needs a transport with "
+                         f"collectives of its own; {type(self).__name__} has none")
+
+    def native(self, collective: str, bufs: list, layout: tuple, dtype: torch.dtype, op: Any,
+               root: int) -> None:
+        """Run the transport library's own ``collective`` on the caller's buffers,
+        ordered and sized as for a schedule (``ringcomm.schedule.BUFFERS``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no collectives of its own")
+
     # -- local work ----------------------------------------------------------
     def reduce_(self, dst: torch.Tensor, src: torch.Tensor, op: ops.RedOpType) -> None:
         """dst = dst (op) src on this rank's device."""
@@ -145,12 +159,20 @@ class Transport(abc.ABC):
         Cached across collectives: fresh allocations of large buffers would pay page
         faults on every call. Contents are undefined.
         """
+        key = (slot, numel, dtype)
+        view = self._views.get(key)
+        if view is not None:  # small collectives ask for the same view every call
+            return view
         nbytes = numel * dtype.itemsize
         buf = self._scratch.get(slot)
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
             self._scratch[slot] = buf
-        return buf[:nbytes].view(dtype)
+            self._views = {k: v for k, v in self._views.items() if k[0] != slot}
+        view = self._views[key] = buf[:nbytes].view(dtype)
+        if len(self._views) > 256:
+            self._views.clear()
+        return view
 
     def timeout_message(self, pending: Sequence[Handle]) -> str:
         peers = sorted({f"{h.kind} {'to' if h.kind == 'send' else 'from'} rank {h.peer}"

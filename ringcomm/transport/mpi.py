@@ -13,6 +13,7 @@ healthy transfer, and only then naps with exponential backoff up to
 """
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -70,6 +71,78 @@ def _locked_testall(reqs: list, statuses: list) -> bool:
         return _testall(reqs, statuses)
 
 
+# -- MPI's own collectives: the "native" algorithm ------------------------------------
+# Non-blocking forms (Iallreduce, ...) polled like point-to-point, so the group's
+# deadline holds; the library cannot cancel a collective, so after a timeout the
+# buffers stay referenced for good (``_abandoned``).
+_MPI_TYPES = {torch.float32: "FLOAT", torch.float64: "DOUBLE", torch.int8: "INT8_T",
+              torch.uint8: "UINT8_T", torch.int16: "INT16_T", torch.int32: "INT32_T",
+              torch.int64: "INT64_T", torch.bool: "UINT8_T"}
+if MPI.FLOAT16_T != MPI.DATATYPE_NULL:  # MPICH 4 has it; nobody has bfloat16 yet
+    _MPI_TYPES[torch.float16] = "FLOAT16_T"
+_MPI_OPS = {"SUM": "SUM", "AVG": "SUM", "PRODUCT": "PROD", "MIN": "MIN", "MAX": "MAX",
+            "BAND": "BAND", "BOR": "BOR", "BXOR": "BXOR"}
+# bool travels as bytes 0/1: torch's sum/max of bools is "or", product/min is "and"
+_BOOL_OPS = {"SUM": "BOR", "AVG": "BOR", "MAX": "BOR", "BOR": "BOR", "PRODUCT": "BAND",
+             "MIN": "BAND", "BAND": "BAND", "BXOR": "BXOR"}
+
+
+def _op_name(op) -> str:
+    return str(op).rsplit(".", 1)[-1]
+
+
+def _packed(chunks: list) -> tuple[int, list[int], list[int]] | None:
+    """(base address, byte counts, byte displacements) when 1-D ``chunks`` lie back
+    to back in memory, else None."""
+    counts = [c.numel() * c.element_size() for c in chunks]
+    base = next((c.data_ptr() for c in chunks if c.numel()), 0)
+    displs, off = [], 0
+    for c, n in zip(chunks, counts):
+        if n and c.data_ptr() != base + off:
+            return None
+        displs.append(off)
+        off += n
+    return base, counts, displs
+
+
+def _vector(chunks: list, fill: bool) -> tuple[list, torch.Tensor | None]:
+    """An MPI ``[buffer, counts, displs, BYTE]`` over 1-D byte ``chunks``; when they
+    are not back to back, over a temporary (filled from them when ``fill``), which is
+    returned so the caller can copy results out of it."""
+    packed = _packed(chunks)
+    tmp = None
+    if packed is None:
+        counts = [c.numel() for c in chunks]
+        tmp = torch.empty(sum(counts), dtype=torch.uint8)
+        if fill and tmp.numel():
+            torch.cat(chunks, out=tmp)
+        displs = [sum(counts[:i]) for i in range(len(counts))]
+        packed = (tmp.data_ptr(), counts, displs)
+    base, counts, displs = packed
+    return [_fromaddress(base, sum(counts)), counts, displs, _BYTE], tmp
+
+
+def _unstage(tmp: torch.Tensor | None, chunks: list) -> None:
+    if tmp is not None:
+        off = 0
+        for c in chunks:
+            c.copy_(tmp[off:off + c.numel()])
+            off += c.numel()
+
+
+def _locked_test(req) -> bool:
+    with _mpi_lock:
+        return req.Test()
+
+
+class _AnySource:
+    """A user receive from any rank, not yet matched to a message."""
+    __slots__ = ("tag", "mem")
+
+    def __init__(self, tag: int, mem):
+        self.tag, self.mem = tag, mem
+
+
 class MPITransport(Transport):
     """Transport over an MPI intracommunicator whose ranks are the group's ranks.
 
@@ -88,6 +161,7 @@ class MPITransport(Transport):
         self.max_sleep_s = _env_float("RINGCOMM_MAX_SLEEP_US", 500.0) * 1e-6
         self._inflight: list[Handle] = []
         self._abandoned: list[Handle] = []
+        self._any_source: dict[int, collections.deque] = {}
 
     @staticmethod
     def _mem(buf: torch.Tensor):
@@ -153,21 +227,50 @@ class MPITransport(Transport):
 
     def p2p_irecv(self, buf: torch.Tensor, peer: int | None, tag: int) -> Handle:
         self._check_tag(tag)
-        src = MPI.ANY_SOURCE if peer is None else peer
         mem = self._mem(buf)
+        if peer is None:
+            # An MPI_ANY_SOURCE receive posted ahead never matched on worlds joined
+            # through ports (torchrun) with MPICH 4.3.2, while the message sat in the
+            # unexpected queue. A matched probe finds it there; pending any-source
+            # receives of one tag take messages in the order they were posted.
+            h = Handle(None, buf, -1, "recv", MPI.Status())
+            h.req = _AnySource(tag, mem)
+            self._any_source.setdefault(tag, collections.deque()).append(h)
+            return h
         with _mpi_lock:
-            req = self.p2p_comm.Irecv(mem, src, tag)
-        return Handle(req, buf, -1 if peer is None else peer, "recv", MPI.Status())
+            req = self.p2p_comm.Irecv(mem, peer, tag)
+        return Handle(req, buf, peer, "recv", MPI.Status())
 
     def p2p_wait(self, handle: Handle, deadline: float) -> bool:
         return poll(lambda: self.p2p_done(handle), deadline, self.spin_s, self.max_sleep_s)
 
     def p2p_done(self, handle: Handle) -> bool:
-        # Test with a status: an any-source receive learns its sender here.
+        if isinstance(handle.req, _AnySource):
+            self._match_any_source(handle.req.tag)
+            if isinstance(handle.req, _AnySource):
+                return False
+        # Test with a status: a receive learns its sender here.
         with _mpi_lock:
             return handle.req == MPI.REQUEST_NULL or handle.req.Test(handle.status)
 
+    def _match_any_source(self, tag: int) -> None:
+        waiting = self._any_source.get(tag)
+        while waiting:
+            h = waiting[0]
+            with _mpi_lock:
+                msg = self.p2p_comm.Improbe(MPI.ANY_SOURCE, tag, h.status)
+                if msg is None:
+                    return
+                h.req = msg.Irecv(h.req.mem)
+            h.peer = h.status.Get_source()
+            waiting.popleft()
+
     def p2p_cancel(self, handle: Handle) -> None:
+        if isinstance(handle.req, _AnySource):
+            waiting = self._any_source.get(handle.req.tag)
+            if waiting and handle in waiting:
+                waiting.remove(handle)
+            return
         try:
             with _mpi_lock:
                 if handle.kind == "recv" and not handle.req.Get_status():
@@ -177,7 +280,7 @@ class MPITransport(Transport):
         self._abandoned.append(handle)
 
     def p2p_source(self, handle: Handle) -> int:
-        return handle.peer if handle.peer >= 0 else handle.status.Get_source()
+        return handle.peer
 
     def end(self) -> None:
         super().end()
@@ -196,6 +299,89 @@ class MPITransport(Transport):
                 pass
             self._abandoned.append(h)  # MPI may still touch h.buf
         self._inflight.clear()
+
+    def check_native(self, collective: str, dtype: torch.dtype, op) -> None:
+        if collective in ("allreduce", "reduce", "reduce_scatter") and dtype not in _MPI_TYPES:
+            raise ValueError(f"ringcomm {collective}: algorithm 'native' (MPI's own) cannot reduce "
+                             f"{dtype}: MPI has no such type; use ring or tree")
+
+
+    def native(self, collective: str, bufs: list, layout: tuple, dtype: torch.dtype, op,
+                root: int) -> None:
+        comm, p, r = self.comm, self.size, self.rank
+        keep = list(bufs)  # referenced until the collective completes (or for good)
+        after = None
+        with _mpi_lock:
+            if collective in ("allreduce", "reduce", "reduce_scatter"):
+                name = _op_name(op)
+                mop = getattr(MPI, (_BOOL_OPS if dtype == torch.bool else _MPI_OPS)[name])
+                mtype = getattr(MPI, _MPI_TYPES[dtype])
+            if collective == "allreduce":
+                buf = bufs[0]
+                req = comm.Iallreduce(MPI.IN_PLACE, [_fromaddress(buf.data_ptr(), buf.nbytes),
+                                                     buf.numel(), mtype], mop)
+            elif collective == "reduce":
+                buf = bufs[0]
+                mem = [_fromaddress(buf.data_ptr(), buf.nbytes), buf.numel(), mtype]
+                req = (comm.Ireduce(MPI.IN_PLACE, mem, mop, root) if r == root
+                       else comm.Ireduce(mem, None, mop, root))
+            elif collective == "reduce_scatter":
+                chunks, out = bufs[:p], bufs[p]
+                base, counts, _ = _packed(chunks)  # the process group packs them
+                item = dtype.itemsize
+                req = comm.Ireduce_scatter(
+                    [_fromaddress(base, sum(counts)), sum(counts) // item, mtype],
+                    [_fromaddress(out.data_ptr(), out.nbytes), out.numel(), mtype],
+                    [c // item for c in counts], mop)
+            elif collective == "broadcast":
+                buf = bufs[0]
+                req = comm.Ibcast([_fromaddress(buf.data_ptr(), buf.nbytes), _BYTE], root)
+            elif collective == "allgather":
+                chunks, inp = bufs[:p], bufs[p]
+                vec, tmp = _vector(chunks, fill=False)
+                keep.append(tmp)
+                same = tmp is None and inp.numel() and inp.data_ptr() == chunks[r].data_ptr()
+                send = MPI.IN_PLACE if same else [_fromaddress(inp.data_ptr(), inp.nbytes), _BYTE]
+                req = comm.Iallgatherv(send, vec)
+                after = (tmp, chunks)
+            elif collective == "gather":
+                chunks, inp = bufs[:p], bufs[p]
+                send = [_fromaddress(inp.data_ptr(), inp.nbytes), _BYTE]
+                if r == root:
+                    vec, tmp = _vector(chunks, fill=False)
+                    keep.append(tmp)
+                    req = comm.Igatherv(send, vec, root)
+                    after = (tmp, chunks)
+                else:
+                    req = comm.Igatherv(send, None, root)
+            elif collective == "scatter":
+                chunks, out = bufs[:p], bufs[p]
+                recv = [_fromaddress(out.data_ptr(), out.nbytes), _BYTE]
+                if r == root:
+                    vec, tmp = _vector(chunks, fill=True)
+                    keep.append(tmp)
+                    req = comm.Iscatterv(vec, recv, root)
+                else:
+                    req = comm.Iscatterv(None, recv, root)
+            elif collective == "alltoall":
+                sends, recvs = bufs[:p], bufs[p:]
+                svec, stmp = _vector(sends, fill=True)
+                rvec, rtmp = _vector(recvs, fill=False)
+                keep += [stmp, rtmp]
+                req = comm.Ialltoallv(svec, rvec)
+                after = (rtmp, recvs)
+            elif collective == "barrier":
+                req = comm.Ibarrier()
+            else:
+                raise ValueError(f"ringcomm: MPI has no native {collective!r}")
+        h = Handle(req, keep, -1, "collective")
+        self._inflight.append(h)
+        done = poll(lambda: _locked_test(req), self._deadline, self.spin_s, self.max_sleep_s)
+        if not done:
+            raise TransportTimeout(f"waiting for MPI's own {collective} (MPI_I{collective}) to "
+                                   "complete on every rank")
+        if after is not None:
+            _unstage(*after)
 
     def close(self) -> None:
         if not self._abandoned:

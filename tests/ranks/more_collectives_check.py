@@ -168,6 +168,20 @@ def main() -> None:
             c.check(got == {q: float(q) for q in range(1, p)}, f"recv any source: {got}")
         else:
             dist.send(torch.full((2,), float(rank)), 0)
+        # every rank in turn receives twice from any source while the others each send
+        # to it twice (posted any-source receives once never matched under torchrun)
+        for root in range(p):
+            if rank == root:
+                srcs = []
+                for _ in range(2 * (p - 1)):
+                    t = torch.empty(3)
+                    srcs.append(dist.recv(t, tag=5))
+                    c.check(torch.all(t == srcs[-1]), f"any-source payload from {srcs[-1]}")
+                c.check(sorted(srcs) == sorted([q for q in range(p) if q != root] * 2),
+                        f"any-source senders at root {root}: {srcs}")
+            else:
+                for _ in range(2):
+                    dist.send(torch.full((3,), float(rank)), root, tag=5)
         # non-contiguous receive buffer
         if rank == 0:
             m = torch.zeros(4, 6)

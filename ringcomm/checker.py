@@ -1,0 +1,404 @@
+"""Check a schedule builder without running it (in the spirit of MSCCLang's ``Check()``).
+
+For one call shape, :func:`check` builds every rank's schedule and proves:
+
+* every region lies inside a buffer that exists on that rank, and a step never
+  receives into memory it sends from or receives into twice;
+* the steps run to the end under NCCL's group rules (:mod:`ringcomm.nccl_rules`):
+  every send has a receive of the same size on the peer, and no cycle of steps
+  waits on itself;
+* a symbolic run ends with the right contents: every element carries the
+  identity of the input element it came from and the set of ranks that
+  contributed to it, so a reduction that mixes different elements, counts a
+  rank twice or misses one, or a copy from the wrong place, is named with the
+  rank, buffer, element and step.
+
+It also counts what the cost model needs (:class:`Stats`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from .nccl_rules import Rules
+from .schedule import (REDUCING, BuildFn, Context, Copy, Reduce, Region, Schedule,
+                       ScheduleError, buffer_lengths)
+
+_UNDEF = -1
+_BIG = 1 << 40  # element ids: logical part * _BIG + element index
+MAX_RANKS = 62  # contributions are a bitmask in an int64
+
+
+@dataclasses.dataclass
+class Stats:
+    """What one call costs, counted from the schedules under NCCL's rules.
+
+    Attributes:
+        rounds: synchronous rounds with messages (latency terms on the critical path).
+        busiest: elements moved one after another by the busiest rank: per round, the
+            largest in- or outflow of any rank, summed over rounds.
+        sent_max: most elements any rank sends in total.
+        reduced_max: most elements any rank reduces locally.
+        steps_max: most steps in any rank's schedule.
+        messages: sends over all ranks.
+    """
+    rounds: int
+    busiest: int
+    sent_max: int
+    reduced_max: int
+    steps_max: int
+    messages: int
+
+
+def local_layout(collective: str, layout: tuple, rank: int, root: int) -> tuple:
+    """What ``rank`` knows of a global ``layout`` (gather and scatter non-roots know
+    only their own count)."""
+    if collective in ("gather", "scatter") and rank != root:
+        return tuple(c if i == rank else None for i, c in enumerate(layout))
+    if collective == "alltoall":
+        # global layout: matrix[i][j] = elements rank i sends to rank j
+        return (tuple(layout[rank]), tuple(row[rank] for row in layout))
+    return tuple(layout)
+
+
+def schedules(build: BuildFn, collective: str, size: int, layout: tuple, root: int = 0,
+              seg: int = 1 << 30) -> list[Schedule]:
+    """Every rank's schedule for a global ``layout``."""
+    out = []
+    for r in range(size):
+        ctx = Context(collective, size, r, local_layout(collective, layout, r, root), root, seg)
+        s = build(ctx)
+        if not isinstance(s, Schedule):
+            raise ScheduleError(f"{collective} builder returned {type(s).__name__} on rank {r}, "
+                                "expected a ringcomm.schedule.Schedule")
+        out.append(s)
+    return out
+
+
+def validate(s: Schedule) -> None:
+    """Structural checks of one rank's schedule.
+
+    Raises:
+        ScheduleError: naming the rank, step and region at fault.
+    """
+    ctx = s.ctx
+    lens = buffer_lengths(ctx)
+    nb = s.nbuffers + len(s.scratch)
+    reducing = ctx.collective in REDUCING
+
+    def where(i: int) -> str:
+        return f"{ctx.collective} rank {ctx.rank} step {i}"
+
+    def inside(i: int, rg: Region, what: str) -> None:
+        if not 0 <= rg.buf < nb:
+            raise ScheduleError(f"{where(i)}: {what} uses buffer {rg.buf}, which does not exist "
+                                f"(buffers 0..{nb - 1})")
+        ln = s.buffer_len(rg.buf, lens)
+        if ln is None:
+            raise ScheduleError(f"{where(i)}: {what} uses buffer {rg.buf}, which rank "
+                                f"{ctx.rank} does not have")
+        if rg.n < 0 or rg.off < 0 or rg.off + rg.n > ln:
+            raise ScheduleError(f"{where(i)}: {what} region {tuple(rg)} is outside buffer "
+                                f"{rg.buf} of {ln} elements")
+
+    for i, st in enumerate(s.steps):
+        for x in st.sends:
+            inside(i, x.region, f"send to rank {x.peer}")
+        for x in st.recvs:
+            inside(i, x.region, f"receive from rank {x.peer}")
+        for op in st.local:
+            name = type(op).__name__.lower()
+            if not isinstance(op, (Reduce, Copy)):
+                raise ScheduleError(f"{where(i)}: unknown local op {op!r}")
+            if isinstance(op, Reduce) and not reducing:
+                raise ScheduleError(f"{where(i)}: {ctx.collective} does not reduce, but the step "
+                                    "has a reduce")
+            inside(i, op.dst, f"{name} destination")
+            inside(i, op.src, f"{name} source")
+            if op.dst.n != op.src.n:
+                raise ScheduleError(f"{where(i)}: {name} of {op.src.n} elements into "
+                                    f"{op.dst.n}")
+        written = [x.region for x in st.recvs]
+        for a in range(len(written)):
+            for b in range(a + 1, len(written)):
+                if _overlap(written[a], written[b]):
+                    raise ScheduleError(f"{where(i)}: two receives write region "
+                                        f"{tuple(written[a])} and {tuple(written[b])}")
+        for x in st.sends:
+            for w in written:
+                if _overlap(x.region, w):
+                    raise ScheduleError(f"{where(i)}: sends region {tuple(x.region)} while "
+                                        f"receiving into {tuple(w)} in the same step")
+
+
+def _overlap(a: Region, b: Region) -> bool:
+    return a.buf == b.buf and a.n > 0 and b.n > 0 and a.off < b.off + b.n and b.off < a.off + a.n
+
+
+# -- symbolic contents --------------------------------------------------------------
+def _initial(collective: str, p: int, layout: tuple, r: int, root: int, lens: list):
+    """Per caller buffer of rank ``r``: (ids, masks) before the call, and the expected
+    (ids, masks) after it (None: not checked)."""
+    me = np.int64(1) << np.int64(r)
+    everyone = np.int64((1 << p) - 1)
+    init, want = [], []
+
+    def ids(logical: int, n: int) -> np.ndarray:
+        return np.arange(n, dtype=np.int64) + logical * _BIG
+
+    def undef(n: int):
+        return (np.full(n, _UNDEF, np.int64), np.zeros(n, np.int64))
+
+    def val(logical: int, n: int, mask) -> tuple:
+        return (ids(logical, n), np.full(n, mask, np.int64))
+
+    for b, n in enumerate(lens):
+        n = n or 0
+        c = collective
+        if c == "allreduce":
+            init.append(val(0, n, me))
+            want.append(val(0, n, everyone))
+        elif c == "broadcast":
+            init.append(val(0, n, me) if r == root else undef(n))
+            want.append(val(0, n, np.int64(1) << np.int64(root)))
+        elif c == "reduce":
+            init.append(val(0, n, me))
+            want.append(val(0, n, everyone) if r == root else None)
+        elif c == "allgather":
+            if b < p:
+                init.append(undef(n))
+                want.append(val(b, n, np.int64(1) << np.int64(b)))
+            else:
+                init.append(val(r, n, me))
+                want.append(None)
+        elif c == "reduce_scatter":
+            if b < p:
+                init.append(val(b, n, me))
+                want.append(None)
+            else:
+                init.append(undef(n))
+                want.append(val(r, n, everyone))
+        elif c == "gather":
+            if b < p:
+                init.append(undef(n))
+                want.append(val(b, n, np.int64(1) << np.int64(b)) if r == root else None)
+            else:
+                init.append(val(r, n, me))
+                want.append(None)
+        elif c == "scatter":
+            rootm = np.int64(1) << np.int64(root)
+            if b < p:
+                init.append(val(b, n, rootm))
+                want.append(None)
+            else:
+                init.append(undef(n))
+                want.append(val(r, n, rootm))
+        elif c == "barrier":
+            init.append(val(0, n, me))
+            want.append(None)
+        elif c == "alltoall":
+            if b < p:  # send chunk for rank b
+                init.append(val(r * p + b, n, me))
+                want.append(None)
+            else:  # receive chunk from rank b - p
+                src = b - p
+                init.append(undef(n))
+                want.append(val(src * p + r, n, np.int64(1) << np.int64(src)))
+        else:
+            raise ScheduleError(f"checker: no symbolic model for {collective!r}")
+    return init, want
+
+
+def _describe_id(collective: str, p: int, ident: int) -> str:
+    if ident == _UNDEF:
+        return "undefined data"
+    logical, e = divmod(int(ident), _BIG)
+    if collective in ("allreduce", "broadcast", "reduce"):
+        return f"element {e}"
+    if collective == "alltoall":
+        return f"element {e} of rank {logical // p}'s chunk for rank {logical % p}"
+    return f"element {e} of chunk {logical}"
+
+
+def _ranks(mask: int) -> str:
+    return "{" + ", ".join(str(i) for i in range(64) if (int(mask) >> i) & 1) + "}"
+
+
+def check(build: BuildFn, collective: str, size: int, layout: tuple, *, root: int = 0,
+          seg: int = 1 << 30, symbolic: bool = True) -> Stats:
+    """Prove ``build`` right for one call shape, and count its cost.
+
+    Args:
+        build: the schedule builder.
+        collective: which collective it implements.
+        size: world size (at most 62 with ``symbolic``).
+        layout: the global layout: as :data:`ringcomm.schedule.BUFFERS` says, except
+            alltoall, which takes the matrix ``layout[i][j]`` = elements rank i sends to j.
+        root: root rank of rooted collectives.
+        seg: elements per pipeline segment.
+        symbolic: also track contents (False: structure, matching and counts only).
+    Raises:
+        ScheduleError: the schedule is malformed, deadlocks, or computes a wrong result;
+            the message names the rank, step and element.
+    """
+    if symbolic and size > MAX_RANKS:
+        raise ValueError(f"checker: symbolic runs support at most {MAX_RANKS} ranks")
+    scheds = schedules(build, collective, size, layout, root, seg)
+    for s in scheds:
+        validate(s)
+    rules = Rules(size)
+    reduced = [0] * size
+    state: list[list] = []
+    wants: list[list] = []
+    for r, s in enumerate(scheds):
+        lens = buffer_lengths(s.ctx)
+        if symbolic:
+            init, want = _initial(collective, size, layout, r, root, lens)
+            for n in s.scratch:
+                init.append((np.full(n, _UNDEF, np.int64), np.zeros(n, np.int64)))
+            state.append(init)
+            wants.append(want)
+        for i, st in enumerate(s.steps):
+            label = f"step {i}"
+            ops = []
+            for x in st.sends:
+                ops.append(("send", x.peer, x.region.n, _reader(state, r, x.region, symbolic)))
+            for x in st.recvs:
+                ops.append(("recv", x.peer, x.region.n, _writer(state, r, x.region, symbolic)))
+            rules.add_group(r, ops, label)
+            for op in st.local:
+                if isinstance(op, Reduce):
+                    reduced[r] += op.dst.n
+                if symbolic:
+                    rules.add_local(r, _local_fn(state, r, op, collective, size, i), label)
+    try:
+        rules.drain()
+    except ScheduleError as e:
+        raise ScheduleError(f"{collective} on {size} ranks, layout {_short(layout)}: {e}") from None
+    if symbolic and collective == "barrier":
+        # A rank may leave only once it holds data (so: causally after) every rank's
+        # entry token; only data dependencies order the steps on every executor.
+        for r in range(size):
+            know = 0
+            for _, masks in state[r]:
+                know |= int(np.bitwise_or.reduce(masks)) if masks.size else 0
+            if know != (1 << size) - 1:
+                missing = sorted(i for i in range(size) if not know >> i & 1)
+                raise ScheduleError(f"barrier on {size} ranks: rank {r} leaves without having "
+                                    f"heard (directly or not) from ranks {missing}")
+    if symbolic:
+        for r in range(size):
+            for b, want in enumerate(wants[r]):
+                if want is None:
+                    continue
+                ids, masks = state[r][b]
+                bad = np.nonzero((ids != want[0]) | (masks != want[1]))[0]
+                if bad.size:
+                    e = int(bad[0])
+                    raise ScheduleError(
+                        f"{collective} on {size} ranks, layout {_short(layout)}: rank {r} "
+                        f"buffer {b} element {e} ends as {_describe_id(collective, size, ids[e])}"
+                        f" from ranks {_ranks(masks[e])}, expected "
+                        f"{_describe_id(collective, size, want[0][e])} from ranks "
+                        f"{_ranks(want[1][e])} ({bad.size} wrong elements)")
+    return Stats(rounds=rules.rounds, busiest=rules.busiest_bytes, sent_max=max(rules.sent),
+                 reduced_max=max(reduced), steps_max=max(len(s.steps) for s in scheds),
+                 messages=sum(len(st.sends) for s in scheds for st in s.steps))
+
+
+def _short(layout) -> str:
+    text = str(layout)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _reader(state, r: int, rg: Region, symbolic: bool):
+    if not symbolic:
+        return lambda: None
+    ids, masks = state[r][rg.buf]
+    a, b = rg.off, rg.off + rg.n
+    return lambda: (ids[a:b].copy(), masks[a:b].copy())
+
+
+def _writer(state, r: int, rg: Region, symbolic: bool):
+    if not symbolic:
+        return lambda data: None
+    ids, masks = state[r][rg.buf]
+    a, b = rg.off, rg.off + rg.n
+
+    def put(data):
+        ids[a:b], masks[a:b] = data
+    return put
+
+
+def _local_fn(state, r: int, op, collective: str, p: int, step: int):
+    dids, dmasks = state[r][op.dst.buf]
+    sids, smasks = state[r][op.src.buf]
+    da, db = op.dst.off, op.dst.off + op.dst.n
+    sa, sb = op.src.off, op.src.off + op.src.n
+    where = f"{collective} rank {r} step {step}"
+
+    if isinstance(op, Copy):
+        def copy():
+            src = (sids[sa:sb].copy(), smasks[sa:sb].copy())
+            dids[da:db], dmasks[da:db] = src
+        return copy
+
+    def reduce():
+        di, dm, si, sm = dids[da:db], dmasks[da:db], sids[sa:sb], smasks[sa:sb]
+        undef = np.nonzero((di == _UNDEF) | (si == _UNDEF))[0]
+        if undef.size:
+            e = int(undef[0])
+            raise ScheduleError(f"{where}: reduces undefined data (buffer {op.dst.buf} element "
+                                f"{da + e} with buffer {op.src.buf} element {sa + e})")
+        mixed = np.nonzero(di != si)[0]
+        if mixed.size:
+            e = int(mixed[0])
+            raise ScheduleError(f"{where}: reduces {_describe_id(collective, p, di[e])} with "
+                                f"{_describe_id(collective, p, si[e])}")
+        twice = np.nonzero(dm & sm)[0]
+        if twice.size:
+            e = int(twice[0])
+            raise ScheduleError(f"{where}: {_describe_id(collective, p, di[e])} would count "
+                                f"ranks {_ranks(dm[e] & sm[e])} twice")
+        dmasks[da:db] = dm | sm
+    return reduce
+
+
+def check_all(build: BuildFn, collective: str, sizes: Sequence[int],
+              segments_per_chunk: Sequence[int] = (1, 2, 5, 17), roots: str = "all") -> int:
+    """Check ``build`` at every world size in ``sizes`` and pipeline depth in
+    ``segments_per_chunk`` (with uneven and empty chunks). Returns the number of
+    shapes checked."""
+    count = 0
+    for p in sizes:
+        for k in segments_per_chunk:
+            for layout, seg in shapes(collective, p, k):
+                rts = range(p) if roots == "all" and collective in ROOTED else [0]
+                for root in rts:
+                    check(build, collective, p, layout, root=root, seg=seg)
+                    count += 1
+    return count
+
+
+ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
+
+
+def shapes(collective: str, p: int, k: int):
+    """Layouts with about ``k`` segments per chunk: even, uneven, with empty chunks."""
+    seg = 3
+    if collective in ("broadcast", "reduce"):  # the whole buffer is the one chunk
+        return [((seg * k,), seg), ((seg * k - 1,), seg), ((1,), seg)]
+    if collective == "allreduce":  # p chunks (the ring's); a tree pipelines all of them
+        n = p * seg * k
+        return [((n,), seg), ((n + p - 1,), seg), ((max(p - 1, 0),), seg)]
+    if collective == "barrier":
+        return [((1,), seg)]
+    if collective == "alltoall":
+        even = tuple(tuple(seg * k for _ in range(p)) for _ in range(p))
+        uneven = tuple(tuple((i + 2 * j) % 4 * k for j in range(p)) for i in range(p))
+        return [(even, seg), (uneven, seg)]
+    even = tuple(seg * k for _ in range(p))
+    uneven = tuple(seg * k + (i % 3) - 1 if i % 4 else 0 for i in range(p))
+    return [(even, seg), (uneven, seg)]

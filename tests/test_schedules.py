@@ -1,0 +1,199 @@
+"""Every built-in schedule, three ways: proved by the checker (world sizes 1-16),
+run under the NCCL-rules simulator and on in-process point-to-point ranks (world
+sizes 1-8), at 1, 2, 5 and 17 segments per chunk, with even, uneven and empty
+chunks, against a single-process computation."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ringcomm import checker, ops
+from ringcomm.algorithms import NATIVE, REGISTRY, common
+from ringcomm.executors import Plan, run_p2p
+from ringcomm.schedule import Context
+from ringcomm.testing import run_ranks, run_schedule
+
+BUILTIN = sorted((c, n) for c, algos in REGISTRY.items() for n, b in algos.items()
+                 if b is not NATIVE)
+DEPTHS = (1, 2, 5, 17)
+
+
+def ids(pairs):
+    return [f"{c}-{n}" for c, n in pairs]
+
+
+@pytest.mark.parametrize("collective,name", BUILTIN, ids=ids(BUILTIN))
+def test_checker_proves_every_builtin(collective, name):
+    build = REGISTRY[collective][name]
+    n = 0
+    for p in range(1, 17):
+        # rooted collectives: every root up to 5 ranks, then the first, one inside, the last
+        roots = range(p) if p <= 5 else sorted({0, p // 2, p - 1})
+        for k in DEPTHS:
+            for layout, seg in checker.shapes(collective, p, k):
+                for root in roots if collective in checker.ROOTED else [0]:
+                    checker.check(build, collective, p, layout, root=root, seg=seg)
+                    n += 1
+    assert n >= 64
+
+
+def _inputs(collective: str, p: int, layout, root: int, seed: int):
+    """Per rank: the caller's buffers, and what each must hold afterwards (None: any)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(n):
+        return torch.randint(-50, 50, (n,), generator=g, dtype=torch.int64)
+
+    def junk(n):
+        return torch.full((n,), -7777, dtype=torch.int64)
+
+    bufs, want = [], []
+    if collective in ("allreduce", "broadcast", "reduce"):
+        xs = [rnd(layout[0]) for _ in range(p)]
+        total = torch.stack(xs).sum(0) if p else None
+        for r in range(p):
+            bufs.append([xs[r].clone()])
+            if collective == "allreduce":
+                want.append([total])
+            elif collective == "broadcast":
+                want.append([xs[root]])
+            else:
+                want.append([total if r == root else None])
+    elif collective == "allgather":
+        xs = [rnd(n) for n in layout]
+        for r in range(p):
+            bufs.append([junk(n) for n in layout] + [xs[r].clone()])
+            want.append(list(xs) + [None])
+    elif collective == "reduce_scatter":
+        blocks = [[rnd(n) for n in layout] for _ in range(p)]
+        for r in range(p):
+            bufs.append([b.clone() for b in blocks[r]] + [junk(layout[r])])
+            want.append([None] * p + [sum(blocks[q][r] for q in range(p))])
+    elif collective in ("gather", "scatter"):
+        xs = [rnd(n) for n in layout]
+        for r in range(p):
+            if collective == "gather":
+                chunks = [junk(n) for n in layout] if r == root else [None] * p
+                bufs.append(chunks + [xs[r].clone()])
+                want.append((list(xs) if r == root else [None] * p) + [None])
+            else:
+                chunks = [x.clone() for x in xs] if r == root else [None] * p
+                bufs.append(chunks + [junk(layout[r])])
+                want.append([None] * p + [xs[r]])
+    elif collective == "alltoall":
+        sent = [[rnd(layout[i][j]) for j in range(p)] for i in range(p)]
+        for r in range(p):
+            bufs.append([s.clone() for s in sent[r]] + [junk(layout[i][r]) for i in range(p)])
+            want.append([None] * p + [sent[i][r] for i in range(p)])
+    elif collective == "barrier":
+        for r in range(p):
+            bufs.append([torch.ones(1, dtype=torch.int64)])
+            want.append([None])
+    return bufs, want
+
+
+@pytest.mark.parametrize("executor", ["threads", "nccl-sim"])
+@pytest.mark.parametrize("collective,name", BUILTIN, ids=ids(BUILTIN))
+def test_runs_match_single_process(collective, name, executor):
+    build = REGISTRY[collective][name]
+    runs = 0
+    for p in range(1, 9):
+        for k in DEPTHS:
+            for layout, seg in checker.shapes(collective, p, k):
+                roots = sorted({0, p - 1}) if collective in checker.ROOTED else [0]
+                for root in roots:
+                    bufs, want = _inputs(collective, p, layout, root, seed=p * 1000 + k)
+                    run_schedule(build, collective, p, layout, bufs, root=root, seg=seg,
+                                 executor=executor, timeout_s=20)
+                    for r in range(p):
+                        for b, w in enumerate(want[r]):
+                            if w is not None:
+                                assert torch.equal(bufs[r][b], w), (p, k, layout, root, r, b)
+                    runs += 1
+    assert runs >= 32
+
+
+@pytest.mark.parametrize("executor", ["threads", "nccl-sim"])
+@pytest.mark.parametrize("op", [ops.MAX, ops.MIN, ops.PRODUCT, ops.BXOR])
+def test_reduce_ops(op, executor):
+    p = 5
+    xs = [torch.randint(1, 4, (50,), generator=torch.Generator().manual_seed(r)) for r in range(p)]
+    wide = torch.stack(xs)
+    want = {ops.MAX: wide.amax(0), ops.MIN: wide.amin(0), ops.PRODUCT: wide.prod(0),
+            ops.BXOR: xs[0] ^ xs[1] ^ xs[2] ^ xs[3] ^ xs[4]}[op]
+    for name in REGISTRY["allreduce"]:
+        if REGISTRY["allreduce"][name] is NATIVE:
+            continue
+        bufs = [[x.clone()] for x in xs]
+        run_schedule(REGISTRY["allreduce"][name], "allreduce", p, (50,), bufs, op=op, seg=4,
+                     executor=executor)
+        assert all(torch.equal(b[0], want) for b in bufs), (name, op)
+
+
+def test_bf16_and_fp16_bit_identical_on_every_rank():
+    for dtype in (torch.bfloat16, torch.float16):
+        xs = [torch.randint(-50, 50, (77,), generator=torch.Generator().manual_seed(r))
+              .to(dtype) for r in range(5)]
+        want = torch.stack([x.double() for x in xs]).sum(0).to(dtype)
+        for name, build in REGISTRY["allreduce"].items():
+            if build is NATIVE:
+                continue
+            bufs = [[x.clone()] for x in xs]
+            run_schedule(build, "allreduce", 5, (77,), bufs, seg=16)
+            assert all(torch.equal(b[0], want) for b in bufs), (dtype, name)
+
+
+def test_barrier_waits_for_everyone():
+    for p in range(1, 9):
+        arrived = []
+        lock = threading.Lock()
+        plans = [Plan(REGISTRY["barrier"]["dissemination"](Context("barrier", p, r, (1,))))
+                 for r in range(p)]
+
+        def body(tp):
+            with lock:
+                arrived.append(tp.rank)
+            token = torch.ones(1, dtype=torch.uint8)
+            plan = plans[tp.rank]
+            run_p2p(plan, tp, plan.bind([token], lambda i, n: torch.empty(n, dtype=torch.uint8)),
+                    None)
+            with lock:
+                return len(arrived)
+
+        assert run_ranks(p, body) == [p] * p
+
+
+def test_mismatched_sizes_fail_instead_of_hanging():
+    # rank 0 believes in 10 elements, rank 1 in 20: the transfer fails loudly
+    plans = [Plan(REGISTRY["allreduce"]["tree"](Context("allreduce", 2, r, (n,))))
+             for r, n in ((0, 10), (1, 20))]
+    bufs = [torch.ones(10), torch.ones(20)]
+    with pytest.raises(RuntimeError):
+        run_ranks(2, lambda tp: run_p2p(plans[tp.rank], tp, plans[tp.rank].bind(
+            [bufs[tp.rank]], lambda i, n: torch.empty(n)), ops.SUM), timeout_s=2)
+
+
+def test_tree_shapes():
+    for p in range(1, 20):
+        for root in range(p):
+            edges = {}
+            for r in range(p):
+                parent, kids = common.binomial(r, p, root)
+                assert (parent is None) == (r == root)
+                for k in kids:
+                    assert common.binomial(k, p, root)[0] == r
+                edges[r] = parent
+            for r in range(p):  # every rank reaches the root in at most log2 p hops
+                hops, x = 0, r
+                while edges[x] is not None:
+                    x, hops = edges[x], hops + 1
+                assert x == root and hops <= max(p - 1, 0).bit_length()
+
+
+def test_split_even():
+    parts = common.split_even(common.whole(0, 10), 4)
+    assert [x.n for x in parts] == [3, 3, 2, 2]
+    assert [x.off for x in parts] == [0, 3, 6, 8]
+    assert [x.n for x in common.split_even(common.whole(0, 2), 5)] == [1, 1, 0, 0, 0]
