@@ -15,13 +15,13 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from . import bootstrap
+from . import bootstrap, checker, schedule
 from .algorithms import REGISTRY, register_algorithm
 from .process_group import Options, ProcessGroupRingcomm
 
 __version__ = "0.1.0"
 __all__ = ["Options", "ProcessGroupRingcomm", "register_algorithm", "set_algorithm",
-           "algorithm", "get_group", "REGISTRY", "__version__"]
+           "algorithm", "get_group", "REGISTRY", "checker", "schedule", "__version__"]
 
 log = logging.getLogger("ringcomm")
 _level = os.environ.get("RINGCOMM_DEBUG", "").upper()

@@ -35,7 +35,7 @@ class Engine:
     def __init__(self, tp: Transport, describe: Callable[[], str]):
         self.tp = tp
         self._describe = describe
-        self._cv = threading.Condition()
+        self._cv = threading.Condition(threading.Lock())  # the default RLock is slower
         self._queue: collections.deque = collections.deque()
         self._busy = False
         self._stopped = False

@@ -161,6 +161,9 @@ class Plan:
             best = max(best, j, must)
             upto.append(best)
         self.recv_upto = upto
+        #: per step, what run_p2p needs, in one tuple
+        self.p2p_steps = [(self.send_upto[i], self.recv_upto[i], self.step_recvs[i],
+                           self.step_send_waits[i], st[2]) for i, st in enumerate(self.steps)]
 
     def bind(self, bufs: Sequence[torch.Tensor | None], scratch) -> list:
         """Tensor views of every region, for ``bufs`` (the caller's 1-D buffers) and
@@ -191,34 +194,29 @@ def _prefix_upto(ready: list[int], nsteps: int) -> list[int]:
 
 def run_p2p(plan: Plan, tp, views: list, op) -> None:
     """Run ``plan`` over point-to-point transport ``tp`` (waits honour its deadline)."""
-    sends, recvs = plan.send_list, plan.recv_list
+    sends, recvs, recv_waits = plan.send_list, plan.recv_list, plan.recv_waits
     sreq: list = [None] * len(sends)
     rreq: list = [None] * len(recvs)
     ns = nr = 0
     isend, irecv, wait_all = tp.isend, tp.irecv, tp.wait_all
-    for i, (_, _, local) in enumerate(plan.steps):
-        upto = plan.send_upto[i]
-        while ns < upto:
+    reduce_ = ops.reducer(op) if op is not None else None
+    for send_upto, recv_upto, mine, send_waits, local in plan.p2p_steps:
+        while ns < send_upto:
             peer, v = sends[ns]
             sreq[ns] = isend(views[v], peer)
             ns += 1
-        upto = plan.recv_upto[i]
-        while nr < upto:
-            waits = plan.recv_waits[nr]
+        while nr < recv_upto:
+            waits = recv_waits[nr]
             if waits:
                 wait_all([sreq[k] for k in waits])
             peer, v = recvs[nr]
             rreq[nr] = irecv(views[v], peer)
             nr += 1
-        handles = [rreq[j] for j in plan.step_recvs[i]]
-        waits = plan.step_send_waits[i]
-        if waits:
-            handles += [sreq[k] for k in waits]
-        if handles:
-            wait_all(handles)
+        if mine or send_waits:
+            wait_all([rreq[j] for j in mine] + [sreq[k] for k in send_waits])
         for is_reduce, d, s in local:
             if is_reduce:
-                ops.reduce_(views[d], views[s], op)
+                reduce_(views[d], views[s])
             else:
                 views[d].copy_(views[s])
     if ns:

@@ -46,7 +46,9 @@ def resolve(reduce_op, dtype: torch.dtype, collective: str) -> RedOpType:
             for ``dtype`` (bitwise ops on floating types, AVG on bool).
     """
     op = getattr(reduce_op, "op", reduce_op)
-    if (op, dtype) in _resolved:  # every call of a training loop asks the same question
+    # Every call of a training loop asks the same question. Keyed by the enum's
+    # value: torch hands out a new enum object per call, and comparing them is slow.
+    if (getattr(op, "value", None), dtype) in _resolved:
         return op
     if not isinstance(op, RedOpType):
         raise ValueError(f"ringcomm {collective}: unknown reduce op {reduce_op!r}")
@@ -61,28 +63,38 @@ def resolve(reduce_op, dtype: torch.dtype, collective: str) -> RedOpType:
                          f"or bool tensor, got {dtype}")
     if op == AVG and dtype == torch.bool:
         raise ValueError(f"ringcomm {collective}: ReduceOp.AVG is not defined for bool tensors")
-    _resolved[(op, dtype)] = True
+    _resolved[(op.value, dtype)] = True
     return op
 
 
-def reduce_(dst: torch.Tensor, src: torch.Tensor, op: RedOpType) -> None:
-    """dst = dst (op) src, elementwise and in place. AVG reduces as SUM (see finalize_)."""
-    if op == SUM or op == AVG:
-        dst.add_(src)
-    elif op == PRODUCT:
-        dst.mul_(src)
-    elif op == MIN:
-        torch.minimum(dst, src, out=dst)
-    elif op == MAX:
-        torch.maximum(dst, src, out=dst)
-    elif op == BAND:
-        dst.bitwise_and_(src)
-    elif op == BOR:
-        dst.bitwise_or_(src)
-    elif op == BXOR:
-        dst.bitwise_xor_(src)
-    else:  # resolve() keeps other ops out
+def _minimum(dst: torch.Tensor, src: torch.Tensor) -> None:
+    torch.minimum(dst, src, out=dst)
+
+
+def _maximum(dst: torch.Tensor, src: torch.Tensor) -> None:
+    torch.maximum(dst, src, out=dst)
+
+
+#: op value -> in-place reduction (AVG reduces as SUM; finalize_ divides)
+_REDUCE = {SUM.value: torch.Tensor.add_, AVG.value: torch.Tensor.add_,
+           PRODUCT.value: torch.Tensor.mul_, MIN.value: _minimum, MAX.value: _maximum,
+           BAND.value: torch.Tensor.bitwise_and_, BOR.value: torch.Tensor.bitwise_or_,
+           BXOR.value: torch.Tensor.bitwise_xor_}
+_AVG = AVG.value
+
+
+def reducer(op: RedOpType):
+    """The in-place reduction ``fn(dst, src)`` of ``op`` (AVG reduces as SUM; see
+    finalize_)."""
+    fn = _REDUCE.get(op.value)
+    if fn is None:  # resolve() keeps other ops out
         raise ValueError(f"ringcomm: no local reduction for {op!r}")
+    return fn
+
+
+def reduce_(dst: torch.Tensor, src: torch.Tensor, op: RedOpType) -> None:
+    """dst = dst (op) src, elementwise and in place."""
+    reducer(op)(dst, src)
 
 
 def finalize_(buf: torch.Tensor, op: RedOpType, world_size: int) -> None:
@@ -90,10 +102,9 @@ def finalize_(buf: torch.Tensor, op: RedOpType, world_size: int) -> None:
 
     AVG divides the sum; integer tensors truncate toward zero, as NCCL's ncclAvg does.
     """
-    if op != AVG or world_size == 1:
+    if op.value != _AVG or world_size == 1:
         return
     if buf.dtype.is_floating_point or buf.dtype.is_complex:
         buf.div_(world_size)
     else:
         buf.copy_(torch.div(buf, world_size, rounding_mode="trunc"))
-

@@ -102,6 +102,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def __init__(self, rank: int, size: int, transport: Transport, timeout: timedelta,
                  options: Options | None = None, group_id: str = ""):
         super().__init__(rank, size)
+        # plain ints: rank() and size() cross into C++ on every call
+        self._rank, self._size = rank, size
         self._tp = transport
         self._timeout_s = timeout.total_seconds()
         self._group_name = group_id
@@ -125,6 +127,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self.segment_bytes = seg
         self._tuning = select.load_tuning(options.tuning_file)
         self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._prepared: dict = {}
         self._plans_lock = threading.Lock()
         self._token = torch.zeros(1, dtype=torch.uint8, device=transport.device)
         self._logged_choices: set = set()
@@ -152,7 +155,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return f"group '{self._group_desc or self._group_name or '?'}'"
 
     def __repr__(self) -> str:
-        return f"<ringcomm.ProcessGroup {self._describe()} rank {self.rank()}/{self.size()}>"
+        return f"<ringcomm.ProcessGroup {self._describe()} rank {self._rank}/{self._size}>"
 
     # -- algorithm choice -----------------------------------------------------
     def set_algorithm(self, collective: str, name: str) -> None:
@@ -170,13 +173,13 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """The algorithm a ``collective`` of ``nbytes`` per rank runs on this group."""
         name = self._algos[collective]
         if name == "auto":
-            name = select.choose(self._tuning, collective, nbytes, self.size())
+            name = select.choose(self._tuning, collective, nbytes, self._size)
             if log.isEnabledFor(logging.INFO):
                 key = (collective, name, max(nbytes, 1).bit_length())
                 if key not in self._logged_choices:
                     self._logged_choices.add(key)
                     log.info("ringcomm auto: %s of %d B on %d ranks -> %s",
-                             collective, nbytes, self.size(), name)
+                             collective, nbytes, self._size, name)
         return name
 
     def _prepare(self, collective: str, layout: tuple, dtype: torch.dtype, *, nbytes: int,
@@ -188,7 +191,24 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         Runs on the caller's thread, so a schedule a user's builder gets wrong is
         refused here, on every rank alike, before anything is sent.
         """
-        name = name or self.algorithm_for(collective, nbytes)
+        key = None
+        if name is None:
+            # A training loop repeats the same calls: skip choosing and looking up.
+            key = (collective, layout, dtype, op, root, self._algos[collective],
+                   self.segment_bytes, algorithms.generation)
+            hit = self._prepared.get(key)
+            if hit is not None:
+                return hit
+            name = self.algorithm_for(collective, nbytes)
+        prepared = self._prepare_named(collective, name, layout, dtype, root, op)
+        if key is not None:
+            if len(self._prepared) >= PLAN_CACHE_SIZE:
+                self._prepared.clear()
+            self._prepared[key] = prepared
+        return prepared
+
+    def _prepare_named(self, collective: str, name: str, layout: tuple, dtype: torch.dtype,
+                       root: int, op: Any) -> tuple[str, Callable[[list], None]]:
         build = REGISTRY[collective].get(name)
         if build is None:
             raise ValueError(f"ringcomm {collective}: algorithm {name!r} is not registered "
@@ -199,8 +219,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             return name, lambda bufs: tp.native(collective, bufs, layout, dtype, op, root)
         plan = self._plan(collective, name, build, layout, root, dtype)
 
+        def scratch(i: int, n: int) -> torch.Tensor:
+            return tp.scratch(i, n, dtype)
+
         def run(bufs: list) -> None:
-            run_p2p(plan, tp, plan.bind(bufs, lambda i, n: tp.scratch(i, n, dtype)), op)
+            run_p2p(plan, tp, plan.bind(bufs, scratch), op)
 
         return name, run
 
@@ -215,7 +238,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             if plan is not None:
                 self._plans.move_to_end(key)
                 return plan
-        ctx = Context(collective, self.size(), self.rank(), layout, root, seg)
+        ctx = Context(collective, self._size, self._rank, layout, root, seg)
         if (collective, name) not in algorithms.BUILTIN:
             _check_user_schedule(build, ctx, name)
         schedule = build(ctx)
@@ -261,24 +284,24 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def _consistency_check(self, op: str, fields: list[int]) -> None:
         """RINGCOMM_DEBUG=DETAIL: every rank must run the same collective with the same
         sizes; compare a fixed-length fingerprint across ranks before running it."""
-        if not self._check_consistency or self.size() == 1:
+        if not self._check_consistency or self._size == 1:
             return
         mine = torch.zeros(1 + _FINGERPRINT_FIELDS, dtype=torch.int64)
         mine[0] = zlib.crc32(op.encode())
         mine[1:1 + len(fields)] = torch.tensor(fields[:_FINGERPRINT_FIELDS], dtype=torch.int64)
-        rows = torch.empty(self.size(), mine.numel(), dtype=torch.int64)
+        rows = torch.empty(self._size, mine.numel(), dtype=torch.int64)
         width = mine.numel() * mine.element_size()
         # Always the built-in ring: the user's choice of algorithm is what may be wrong.
-        plan = self._plan("allgather", "ring", _ring.allgather, (width,) * self.size(), 0,
+        plan = self._plan("allgather", "ring", _ring.allgather, (width,) * self._size, 0,
                           torch.uint8)
         bufs = [*(_bytes(r) for r in rows.unbind(0)), _bytes(mine)]
         run_p2p(plan, self._tp, plan.bind(bufs, lambda i, n: self._tp.scratch(i, n, torch.uint8)),
                 None)
-        bad = [r for r in range(self.size()) if not torch.equal(rows[r], mine)]
+        bad = [r for r in range(self._size) if not torch.equal(rows[r], mine)]
         if bad:
             theirs = "; ".join(f"rank {r} runs {_FINGERPRINT_NAMES.get(rows[r, 0].item(), '?')} "
                                f"{rows[r, 1:].tolist()}" for r in bad)
-            raise RuntimeError(f"collective mismatch: rank {self.rank()} runs {op} "
+            raise RuntimeError(f"collective mismatch: rank {self._rank} runs {op} "
                                f"{mine[1:].tolist()}, but {theirs}")
 
     # -- collectives ----------------------------------------------------------
@@ -291,14 +314,14 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         op = ops.resolve(opts.reduceOp, t.dtype, "allreduce")
         name, algo = self._prepare("allreduce", (t.numel(),), t.dtype, op=op,
                                    nbytes=t.numel() * t.element_size())
-        size = self.size()
+        size = self._size
 
         def run():
             if self._check_consistency:
                 self._consistency_check("allreduce", [t.numel(), int(op), _dtype_code(t.dtype)])
             # The hot path of small messages: no context manager for the common case.
             contiguous = t.is_contiguous()
-            flat = t.view(-1) if contiguous else t.contiguous().view(-1)
+            flat = t if contiguous and t.dim() == 1 else t.contiguous().view(-1)
             if flat.numel():
                 algo([flat])
                 ops.finalize_(flat, op, size)
@@ -391,7 +414,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             n = sum(t.numel() for t in members)
             plan.append((members, op, self._prepare("allreduce", (n,), dtype, op=op,
                                                     nbytes=n * dtype.itemsize)[1]))
-        size = self.size()
+        size = self._size
 
         def run():
             for members, op, algo in plan:
@@ -419,7 +442,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         root = self._root(opts.rootRank, "reduce")
         name, algo = self._prepare("reduce", (t.numel(),), t.dtype, op=op, root=root,
                                    nbytes=t.numel() * t.element_size())
-        size, me = self.size(), self.rank()
+        size, me = self._size, self._rank
 
         def run():
             self._consistency_check("reduce", [t.numel(), int(op), root])
@@ -464,12 +487,12 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._check(inp, op, "input")
         if out.dtype != inp.dtype:
             raise ValueError(f"ringcomm {op}: output dtype {out.dtype} != input dtype {inp.dtype}")
-        if out.numel() != inp.numel() * self.size():
+        if out.numel() != inp.numel() * self._size:
             raise ValueError(f"ringcomm {op}: output has {out.numel()} elements, expected "
-                             f"{self.size()} x {inp.numel()} (world size x input)")
+                             f"{self._size} x {inp.numel()} (world size x input)")
 
     def _gather_into_plan(self, pairs: list, value: Any = None) -> Callable[[], Any]:
-        p = self.size()
+        p = self._size
         algos = []
         for _, i in pairs:
             nbytes = i.numel() * i.element_size()
@@ -521,7 +544,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             self._consistency_check("gather", [t.numel(), root])
             with contextlib.ExitStack() as stack:
                 src = _bytes(stack.enter_context(_flat(t)))
-                chunks = [None] * self.size()
+                chunks = [None] * self._size
                 if outs is not None:
                     chunks = [_bytes(stack.enter_context(_flat(o, copy_in=False))) for o in outs]
                 algo([*chunks, src])
@@ -545,7 +568,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             self._consistency_check("scatter", [t.numel(), root])
             with contextlib.ExitStack() as stack:
                 dst = _bytes(stack.enter_context(_flat(t, copy_in=False)))
-                chunks = [None] * self.size()
+                chunks = [None] * self._size
                 if ins is not None:
                     chunks = [_bytes(stack.enter_context(_flat(i))) for i in ins]
                 algo([*chunks, dst])
@@ -597,11 +620,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._check(inp, op, "input")
         if out.dtype != inp.dtype:
             raise ValueError(f"ringcomm {op}: output dtype {out.dtype} != input dtype {inp.dtype}")
-        if inp.numel() != out.numel() * self.size():
+        if inp.numel() != out.numel() * self._size:
             raise ValueError(f"ringcomm {op}: input has {inp.numel()} elements, expected "
-                             f"{self.size()} x {out.numel()} (world size x output)")
-        return out, list(inp.reshape(-1).view(self.size(), -1).unbind(0)) if out.numel() else \
-            [inp.reshape(-1)[:0]] * self.size()
+                             f"{self._size} x {out.numel()} (world size x output)")
+        return out, list(inp.reshape(-1).view(self._size, -1).unbind(0)) if out.numel() else \
+            [inp.reshape(-1)[:0]] * self._size
 
     def _reduce_scatter_request(self, name: str, jobs: list, opts: Any, value: Any) -> dist.Work:
         out0 = jobs[0][0]
@@ -611,7 +634,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         algos = [self._prepare("reduce_scatter", tuple(i.numel() for i in ins), out.dtype, op=op,
                                nbytes=sum(i.numel() for i in ins) * out.element_size())[1]
                  for out, ins in jobs]
-        size = self.size()
+        size = self._size
 
         def run():
             for (out, ins), algo in zip(jobs, algos):
@@ -633,7 +656,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                  opts: Any = None) -> dist.Work:
         """``dist.all_to_all``: ``inputs[j]`` of rank i lands in ``outputs[i]`` of rank j."""
         opts = _options(opts, dist.AllToAllOptions)
-        p = self.size()
+        p = self._size
         for what, lst in (("output", outputs), ("input", inputs)):
             if len(lst) != p:
                 raise ValueError(f"ringcomm all_to_all: {len(lst)} {what} tensors, expected one "
@@ -643,10 +666,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             self._check(x, "all_to_all", f"input {i}")
             if o.dtype != inputs[0].dtype or x.dtype != inputs[0].dtype:
                 raise ValueError("ringcomm all_to_all: all tensors must share one dtype")
-        if outputs[self.rank()].numel() != inputs[self.rank()].numel():
-            raise ValueError(f"ringcomm all_to_all: output {self.rank()} has "
-                             f"{outputs[self.rank()].numel()} elements but input "
-                             f"{self.rank()} has {inputs[self.rank()].numel()}")
+        if outputs[self._rank].numel() != inputs[self._rank].numel():
+            raise ValueError(f"ringcomm all_to_all: output {self._rank} has "
+                             f"{outputs[self._rank].numel()} elements but input "
+                             f"{self._rank} has {inputs[self._rank].numel()}")
         layout = (tuple(x.numel() * x.element_size() for x in inputs),
                   tuple(o.numel() * o.element_size() for o in outputs))
         name, algo = self._prepare("alltoall", layout, torch.uint8,
@@ -692,7 +715,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._submit(f"{op}[{name}]", run, opts)
 
     def _split_rows(self, t: torch.Tensor, splits: list[int], what: str) -> list[tuple[int, int]]:
-        p = self.size()
+        p = self._size
         rows = t.shape[0] if t.dim() else 1
         if not splits:
             if rows % p:
@@ -736,10 +759,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return P2PWork("recv", self._engine, self._tp, h, self._timeout_s, on_done)
 
     def _peer(self, peer: int, op: str) -> None:
-        if not 0 <= peer < self.size():
+        if not 0 <= peer < self._size:
             raise ValueError(f"ringcomm {op}: peer rank {peer} is out of range for a group "
-                             f"of {self.size()}")
-        if peer == self.rank():
+                             f"of {self._size}")
+        if peer == self._rank:
             raise ValueError(f"ringcomm {op}: rank {peer} cannot {op} to/from itself")
 
     # -- helpers --------------------------------------------------------------
@@ -747,7 +770,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                    what: str) -> list[torch.Tensor] | None:
         """The root's tensor list of gather/scatter (None on other ranks, which must
         pass none)."""
-        if self.rank() == root:
+        if self._rank == root:
             if len(lists) != 1:
                 raise ValueError(f"ringcomm {op}: the root needs one {what} list, got {len(lists)}")
             return self._check_list(lists[0], like, op)
@@ -756,17 +779,17 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return None
 
     def _check_list(self, lst: list, like: torch.Tensor, op: str) -> list[torch.Tensor]:
-        if len(lst) != self.size():
+        if len(lst) != self._size:
             raise ValueError(f"ringcomm {op}: the tensor list has {len(lst)} tensors, "
-                             f"expected one per rank ({self.size()})")
+                             f"expected one per rank ({self._size})")
         for i, x in enumerate(lst):
             self._check(x, op, f"tensor {i} of the list")
             if x.dtype != like.dtype:
                 raise ValueError(f"ringcomm {op}: tensor {i} of the list has dtype {x.dtype}, "
                                  f"expected {like.dtype}")
-        if lst[self.rank()].numel() != like.numel():
-            raise ValueError(f"ringcomm {op}: tensor {self.rank()} of the list has "
-                             f"{lst[self.rank()].numel()} elements, this rank's tensor has "
+        if lst[self._rank].numel() != like.numel():
+            raise ValueError(f"ringcomm {op}: tensor {self._rank} of the list has "
+                             f"{lst[self._rank].numel()} elements, this rank's tensor has "
                              f"{like.numel()}")
         return lst
 
@@ -775,12 +798,12 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         if chunks is not None:
             return tuple(c.numel() * c.element_size() for c in chunks)
         own = mine.numel() * mine.element_size()
-        return tuple(own if i == self.rank() else None for i in range(self.size()))
+        return tuple(own if i == self._rank else None for i in range(self._size))
 
     def _root(self, root: int, op: str) -> int:
-        if not 0 <= root < self.size():
+        if not 0 <= root < self._size:
             raise ValueError(f"ringcomm {op}: root rank {root} is out of range for a group "
-                             f"of {self.size()}")
+                             f"of {self._size}")
         return root
 
     # -- lifecycle ------------------------------------------------------------

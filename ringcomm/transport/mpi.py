@@ -165,11 +165,11 @@ class MPITransport(Transport):
 
     @staticmethod
     def _mem(buf: torch.Tensor):
-        if buf.device.type != "cpu":
+        if not buf.is_cpu:
             raise ValueError(f"ringcomm MPI transport: tensor on {buf.device}; only CPU tensors")
         if not buf.is_contiguous():
             raise ValueError("ringcomm MPI transport: buffers must be contiguous")
-        return [_fromaddress(buf.data_ptr(), buf.numel() * buf.element_size()), _BYTE]
+        return [_fromaddress(buf.data_ptr(), buf.nbytes), _BYTE]
 
     def isend(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> Handle:
         mem = self._mem(buf)
@@ -193,8 +193,11 @@ class MPITransport(Transport):
         reqs = [h.req for h in handles]
         statuses = [MPI.Status() for _ in reqs]
         try:
-            done = poll(lambda: _locked_testall(reqs, statuses), self._deadline, self.spin_s,
-                        self.max_sleep_s)
+            with _mpi_lock:  # small messages are often done already: no poll set-up
+                done = _testall(reqs, statuses)
+            if not done:
+                done = poll(lambda: _locked_testall(reqs, statuses), self._deadline,
+                            self.spin_s, self.max_sleep_s)
         except MPI.Exception as e:
             if e.Get_error_class() in (MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
                 raise RuntimeError(
@@ -207,7 +210,7 @@ class MPITransport(Transport):
             raise TransportTimeout(self.timeout_message(pending))
         for h, st in zip(handles, statuses):
             if h.kind == "recv":
-                want = h.buf.numel() * h.buf.element_size()
+                want = h.buf.nbytes
                 got = st.Get_count(_BYTE)
                 if got != want:
                     raise RuntimeError(f"received {got} bytes from rank {h.peer} where {want} "
