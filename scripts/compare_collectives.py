@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Compare collective algorithms side by side: ringcomm's ring, tree and auto,
-the MPI library's own collective (through mpi4py), torch's gloo, and NCCL when
-CUDA is present, in one run.
+"""Compare collective algorithms side by side: ringcomm's algorithms (ring, tree,
+auto, ..., and ``native``, ringcomm's own dispatch into the MPI library's
+collective), the MPI library's collective called directly (through mpi4py),
+torch's gloo, and NCCL when CUDA is present, in one run.
 
 Run it under a launcher::
 
@@ -18,6 +19,15 @@ measured ring/tree crossovers into a tuning file for ringcomm's ``auto``.
 ``--model-from a.json [b.json ...]`` refits the model from saved results
 (several world sizes let it separate per-call overhead from per-message
 latency) without launching anything.
+
+The ``floor`` column (allreduce only) is the lower bound for a backend written in
+Python over MPI, measured in the same run: the time of ``dist.all_reduce`` into
+a process group that does nothing (it returns a completed Work at once) plus the
+time of MPI's own Allreduce of the same buffer (the ``mpi`` column), per rank.
+
+The report checks the speed targets listed in ``scripts/targets.json`` (or the
+file ``--targets`` names) and says, for each, the measured ratio and whether it
+was met; they are in the JSON output too (``analysis.targets``).
 """
 from __future__ import annotations
 
@@ -56,11 +66,17 @@ DTYPE_ALIASES = {"char": "int8", "int": "int32", "long": "int64", "float16": "ha
                  "fp16": "half", "float32": "float", "fp32": "float", "float64": "double",
                  "fp64": "double", "bf16": "bfloat16"}
 OP_NAMES = ("sum", "prod", "max", "min", "avg")
-PEER_NAMES = ("mpi", "gloo", "nccl")
+PEER_NAMES = ("mpi", "gloo", "nccl", "floor")
+#: the do-nothing backend the floor column dispatches into
+NULL_BACKEND = "ccnull"
+DEFAULT_TARGETS = str(Path(__file__).resolve().parent / "targets.json")
+TARGETS_SCHEMA = "ringcomm.compare_collectives.targets/1"
 #: the ProcessGroup method torch's functional API calls for each collective
 TORCH_PG_METHOD = {"allreduce": "allreduce", "broadcast": "broadcast", "allgather": "allgather",
                    "reduce_scatter": "reduce_scatter_single", "alltoall": "all_to_all_single"}
 DEFAULT_ALGOS = "ring,tree,auto"
+#: ringcomm algorithms that are not ringcomm's own schedules (left out of tuning)
+NOT_SCHEDULES = ("auto", "native")
 LAUNCH_HINT = ("launch it with `mpiexec -n N python scripts/compare_collectives.py ...` or "
                "`torchrun --nproc-per-node N scripts/compare_collectives.py ...`")
 
@@ -176,11 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-c", "--check", type=int, nargs="?", const=1, default=0, choices=(0, 1),
                    help="check results (-c or -c 1) and count wrong elements")
     g.add_argument("--algos", default=DEFAULT_ALGOS,
-                   help="ringcomm algorithms to compare (ring, tree, auto, any registered "
-                        "name), or all")
+                   help="ringcomm algorithms to compare (ring, tree, auto, native, any "
+                        "registered name), or all")
     g.add_argument("--peers", default=",".join(PEER_NAMES),
                    help="other implementations to compare: mpi (the MPI library's own "
-                        "collective), gloo, nccl (only with CUDA); 'none' for none")
+                        "collective), gloo, nccl (only with CUDA), floor (allreduce: "
+                        "dispatch into a do-nothing process group + mpi's time; needs mpi); "
+                        "'none' for none")
     g = p.add_argument_group("ringcomm settings")
     g.add_argument("--segment-bytes", type=parse_size, default=None,
                    help="ringcomm pipeline segment size (default: ringcomm's)")
@@ -203,11 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tuning-tolerance", type=float, default=0.05,
                    help="the written tuning switches algorithm only where another is "
                         "faster by more than this fraction (noise is not a crossover)")
-    g.add_argument("--predict-ranks", default="8,64,256",
-                   help="world sizes to predict with the cost model ('' for none)")
+    g.add_argument("--predict-ranks", default="8,64",
+                   help="world sizes to predict with the cost model ('' for none); the "
+                        "features are simulated from the schedules, which takes about a "
+                        "second per size at 64 ranks and a minute in all at 256")
     g.add_argument("--predict-sizes", default="4K,1M,64M",
                    help="message sizes shown in the predictions")
     g.add_argument("--no-model", action="store_true", help="skip the cost-model fit")
+    g.add_argument("--targets", metavar="JSON", default=DEFAULT_TARGETS,
+                   help="speed targets to check (see scripts/targets.json); 'none' for none")
     g.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="progress on rank 0's stderr (auto: when it is a terminal)")
     g.add_argument("--model-from", nargs="+", metavar="JSON",
@@ -270,6 +292,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--predict-ranks must be world sizes of at least 2")
     if not 0 <= a.tuning_tolerance < 1:
         parser.error("--tuning-tolerance must be in [0, 1)")
+    if a.targets.strip().lower() in ("", "none"):
+        a.targets = None
+    elif not os.path.isfile(a.targets):
+        parser.error(f"--targets file {a.targets!r} does not exist")
+    else:
+        try:
+            load_targets(a.targets)
+        except ValueError as e:
+            parser.error(str(e))
     if a.tuning and not os.path.isfile(a.tuning):
         parser.error(f"--tuning file {a.tuning!r} does not exist")
     if a.model_from:
@@ -327,16 +358,20 @@ def auto_nbytes(collective: str, shape: Shape, esize: int) -> int:
 class Column:
     """One contender: a ringcomm algorithm or another library's collective."""
 
-    name: str            # table heading: ring, tree, auto, mpi, gloo, nccl, rc-nccl
-    kind: str            # ringcomm | mpi | gloo | nccl | ringcomm-cuda
+    name: str            # table heading: ring, tree, auto, native, mpi, gloo, nccl, rc-nccl, floor
+    kind: str            # ringcomm | mpi | gloo | nccl | ringcomm-cuda | floor
     algo: str | None     # ringcomm algorithm name (auto included)
     device: str = "cpu"
     skipped: str | None = None  # why this column does not run at all
 
     def describe(self) -> str:
+        if self.kind == "ringcomm" and self.algo == "native":
+            return "ringcomm native (its dispatch into the MPI library's collective)"
         return {"ringcomm": f"ringcomm {self.algo}", "mpi": "MPI library collective (mpi4py)",
                 "gloo": "torch gloo", "nccl": "torch NCCL",
-                "ringcomm-cuda": f"ringcomm {self.algo} on CUDA tensors"}[self.kind]
+                "ringcomm-cuda": f"ringcomm {self.algo} on CUDA tensors",
+                "floor": "dist.all_reduce into a do-nothing process group + mpi's time "
+                         "(the lower bound of a Python backend)"}[self.kind]
 
 
 @dataclasses.dataclass
@@ -355,6 +390,7 @@ class Point:
     rank_q75_us: list | None = None
     auto_choice: str | None = None
     reason: str | None = None
+    dispatch_us: float | None = None  # floor only: its do-nothing dist.all_reduce part
 
 
 # ----------------------------------------------------------------------------
@@ -394,6 +430,11 @@ class Bench:
         self.nccl = None
         if any(c.kind == "nccl" and not c.skipped for c in self.columns):
             self.nccl = dist.new_group(backend="nccl")
+        self.null = None
+        if any(c.kind == "floor" and not c.skipped for c in self.columns):
+            self.null = dist.new_group(backend=register_null_backend())
+        self.pick_width = max([5] + [len(n) for coll in args.collectives
+                                     for n in self.ringcomm.REGISTRY.get(coll, {})])
         self._unsupported: dict[tuple, str] = {}
         self._ran: set[tuple] = set()
         self._rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -443,6 +484,13 @@ class Bench:
                            "GPU(s); NCCL needs one GPU per rank")
                 cols.append(Column("nccl", "nccl", None, device="cuda", skipped=why))
                 cols.append(Column("rc-nccl", "ringcomm-cuda", "auto", device="cuda", skipped=why))
+        if "floor" in args.peer_list:
+            why = None
+            if "allreduce" not in args.collectives:
+                why = "measured for allreduce only"
+            elif "mpi" not in args.peer_list:
+                why = "needs the mpi column (add mpi to --peers)"
+            cols.append(Column("floor", "floor", None, skipped=why))
         # Every rank must agree on which columns run (they all call the same collectives).
         mine = [(c.name, c.skipped) for c in cols]
         if self.comm.allgather(mine) != [mine] * self.p:
@@ -507,7 +555,7 @@ class Bench:
         if col.kind == "mpi":
             return self._mpi_call(coll, bufs, op)
         dist = self.dist
-        group = {"gloo": self.gloo, "nccl": self.nccl}.get(col.kind)
+        group = {"gloo": self.gloo, "nccl": self.nccl, "floor": self.null}.get(col.kind)
         rop, root = self.reduce_op(op), self.args.root
         inp, out = bufs["inp"], bufs["out"]
         if coll == "allreduce":
@@ -685,7 +733,7 @@ class Bench:
         try:
             self._select(col, coll)
             call = self.make_call(col, coll, bufs, op)
-            if self.args.check:
+            if self.args.check and col.kind != "floor":  # the floor computes nothing
                 wrong = self.check(col, coll, shape, dtype_name, op, bufs, call, sync)
             else:
                 call()
@@ -808,6 +856,10 @@ class Bench:
                 self._select(col, coll)  # algorithm_for answers for the current setting
                 pt.auto_choice = self.pg.algorithm_for(coll, auto_nbytes(coll, shape, esize))
             row[name] = pt
+        for col in self.columns:
+            if col.kind == "floor" and row[col.name].status == "ok":
+                row[col.name] = floor_point(row[col.name], row.get("mpi"), coll, shape.size,
+                                            self.p)
         return {c.name: row[c.name] for c in self.columns}
 
     def static_unsupported(self, col: Column, coll: str, dtype_name: str) -> str | None:
@@ -819,8 +871,10 @@ class Bench:
                         f"(has: {', '.join(['auto', *algos])})")
             if algos is None:
                 return f"ringcomm has no {coll} algorithms"
-        if col.kind == "mpi" and coll in REDUCING and dtype_name == "bfloat16":
+        if col.kind in ("mpi", "floor") and coll in REDUCING and dtype_name == "bfloat16":
             return "MPI has no bfloat16 reduction"
+        if col.kind == "floor" and coll != "allreduce":
+            return "the floor is measured for allreduce only"
         return None
 
     def gamma_for(self, dtype_name: str, op: str) -> float:
@@ -960,11 +1014,13 @@ class Bench:
     def table_heading(self, coll: str, dt: str, op: str) -> str:
         cols = [c for c in self.columns if not c.skipped]
         left = f"{'':>12} {'':>12} {'':>8} {'':>6} {'':>5} "
-        groups = "".join(f" {c.name + (' (pick)' if c.algo == 'auto' else ''):^{_width(c)}}" for c in cols)
+        pw = self.pick_width
+        groups = "".join(f" {c.name + (' (pick)' if c.algo == 'auto' else ''):^{_width(c, pw)}}"
+                         for c in cols)
         sub1 = "".join(f" {'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}" +
-                       (f" {'pick':>5}" if c.algo == "auto" else "") for c in cols)
+                       (f" {'pick':>{pw}}" if c.algo == "auto" else "") for c in cols)
         sub2 = "".join(f" {'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}" +
-                       (f" {'':>5}" if c.algo == "auto" else "") for c in cols)
+                       (f" {'':>{pw}}" if c.algo == "auto" else "") for c in cols)
         return "\n".join([
             f"#\n# {coll}  dtype {dt}  op {op}  ({self.p} ranks)",
             "#" + left[1:] + groups,
@@ -987,7 +1043,7 @@ class Bench:
                 label = {"unsupported": "unsupp", "error": "ERROR"}.get(pt.status, pt.status)
                 out += f" {label:>10} {'--':>7} {'--':>7} {'--':>6}"
             if c.algo == "auto":
-                out += f" {(pt.auto_choice or '--'):>5}"
+                out += f" {(pt.auto_choice or '--'):>{self.pick_width}}"
         return out
 
     def points(self, coll: str, dt: str, op: str, column: str) -> list[dict]:
@@ -1033,8 +1089,69 @@ class Bench:
         return {"schema": SCHEMA, "meta": self.meta(), "results": self.results}
 
 
-def _width(c: Column) -> int:
-    return 10 + 1 + 7 + 1 + 7 + 1 + 6 + (6 if c.algo == "auto" else 0)
+def _width(c: Column, pick_width: int = 5) -> int:
+    return 10 + 1 + 7 + 1 + 7 + 1 + 6 + (pick_width + 1 if c.algo == "auto" else 0)
+
+
+def floor_point(null: Point, mpi: Point | None, coll: str, size: int, p: int) -> Point:
+    """The floor column's point: on each rank, its median time of ``dist.all_reduce``
+    into the do-nothing group (``null``) plus its median of MPI's own collective
+    (the ``mpi`` column); the time is the maximum over ranks, as for every column."""
+    if mpi is None or mpi.status != "ok":
+        why = mpi.reason if mpi is not None else "no mpi column"
+        return Point(null.column, mpi.status if mpi is not None else "unsupported",
+                     reason=f"no mpi time at this size ({why})")
+
+    def add(a, b):
+        return [x + y for x, y in zip(a, b)] if a and b else None
+
+    meds = add(null.rank_median_us, mpi.rank_median_us)
+    t_us = max(meds)
+    algbw = size / (t_us * 1e-6) / 1e9
+    return Point(null.column, "ok", t_us, algbw, algbw * BUSBW_FACTOR[coll](p), None,
+                 null.iters, meds, add(null.rank_q25_us, mpi.rank_q25_us),
+                 add(null.rank_q75_us, mpi.rank_q75_us), dispatch_us=null.time_us)
+
+
+def register_null_backend() -> str:
+    """Register (once) a torch backend whose process group does nothing: every
+    allreduce returns an already completed Work. Returns its name.
+
+    It is created like ringcomm's own group (an extended-API backend whose creator
+    returns a ``dist.ProcessGroup`` subclass), so ``dist.all_reduce`` takes the
+    same path through torch up to the backend's Python method.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if hasattr(dist.Backend, NULL_BACKEND.upper()):
+        return NULL_BACKEND
+
+    class _DoneWork(dist.Work):
+        def __init__(self, result):
+            super().__init__()
+            self._result = result
+
+        def wait(self, timeout=None) -> bool:
+            return True
+
+        def get_future(self):
+            fut = torch.futures.Future()
+            fut.set_result(self._result)
+            return fut
+
+    class _NullGroup(dist.ProcessGroup):
+        def getBackendName(self) -> str:
+            return NULL_BACKEND
+
+        def allreduce(self, tensors, opts=None):
+            return _DoneWork(tensors)
+
+    def create(dist_opts, pg_options):
+        return _NullGroup(dist_opts.group_rank, dist_opts.group_size)
+
+    dist.Backend.register_backend(NULL_BACKEND, create, extended_api=True, devices=["cpu"])
+    return NULL_BACKEND
 
 
 def _noop() -> None:
@@ -1129,13 +1246,23 @@ def fit_models(docs: list[dict]) -> list[dict]:
     fits = []
     for (coll, dt, op, column), samples in by_key.items():
         kind = kinds.get(column, column)
-        if kind == "auto" or len(samples) < 2:
-            continue  # auto is ring or tree by size: its own curve has no single model
+        if kind in ("auto", "floor") or len(samples) < 2:
+            # auto is one algorithm or another by size: its own curve has no single
+            # model; the floor is a bound made of two measurements, not an implementation
+            continue
         algo = column if kind in ("ringcomm", "ringcomm-cuda") else None
         gamma = gammas.get((coll, dt, op, column)) if coll in REDUCING else None
-        f = costmodel.fit(coll, algo, samples, segment_bytes=seg[(coll, dt, op, column)],
-                          gamma=gamma)
-        fits.append({**f.as_dict(), "column": column, "dtype": dt, "redop": op})
+        note = None
+        try:
+            f = costmodel.fit(coll, algo, samples, segment_bytes=seg[(coll, dt, op, column)],
+                              gamma=gamma)
+        except ValueError as e:  # e.g. a user's builder the checker refuses at this shape
+            if algo is None:
+                raise
+            note = f"no structural model ({e}); black box instead"
+            f = costmodel.fit(coll, None, samples, segment_bytes=seg[(coll, dt, op, column)])
+        fits.append({**f.as_dict(), "column": column, "dtype": dt, "redop": op,
+                     **({"note": note} if note else {})})
     return fits
 
 
@@ -1162,26 +1289,31 @@ def model_report(fits: list[dict], predict_ranks: Sequence[int],
     for (coll, dt, op), fs in groups.items():
         lines.append(f"# {coll} {dt} {op}: fitted on world sizes "
                      f"{', '.join(str(p) for p in sorted({p for f in fs for p in f['world_sizes']}))}")
-        lines.append(f"#   {'column':<8} {'o(us)':>8} {'alpha(us)':>10} {'beta(ns/B)':>11} "
+        w = max([8] + [len(f["column"]) for f in fs])
+        lines.append(f"#   {'column':<{w}} {'o(us)':>8} {'alpha(us)':>10} {'beta(ns/B)':>11} "
                      f"{'=GB/s':>7} {'gamma(ns/B)':>12} {'rms err':>8}  fitted")
         for f in fs:
             bw = 1e-9 / f["beta"] if f["beta"] > 0 else float("inf")
-            lines.append(f"#   {f['column']:<8} {f['o'] * 1e6:8.2f} {f['alpha'] * 1e6:10.2f} "
+            lines.append(f"#   {f['column']:<{w}} {f['o'] * 1e6:8.2f} {f['alpha'] * 1e6:10.2f} "
                          f"{f['beta'] * 1e9:11.4f} {bw:7.2f} {f['gamma'] * 1e9:12.4f} "
-                         f"{f['rms_rel_err']:7.1%}  {','.join(f['fitted'])}")
+                         f"{f['rms_rel_err']:7.1%}  {','.join(f['fitted'])}"
+                         + (f"  ({f['note']})" if f.get("note") else ""))
         models = {f["column"]: _fit_obj(f) for f in fs
                   if f["algorithm"] and costmodel.has_model(coll, f["algorithm"])}
         if models and predict_ranks:
             names = list(models)
-            lines.append("#   predicted time (us) at larger world sizes:")
-            lines.append(f"#   {'ranks':>6} {'size':>10} " + " ".join(f"{n:>12}" for n in names)
-                         + "   best")
+            widths = {k: max(12, len(k)) for k in names}
+            lines.append("#   predicted time (us) at larger world sizes (features counted "
+                         "from the schedules):")
+            lines.append(f"#   {'ranks':>6} {'size':>10} " +
+                         " ".join(f"{n:>{widths[n]}}" for n in names) + "   best")
             for p in predict_ranks:
                 for n in predict_sizes:
                     ts = {name: m.predict(p, n) for name, m in models.items()}
                     best = min(ts, key=ts.get)
                     lines.append(f"#   {p:>6} {format_size(n):>10} " +
-                                 " ".join(f"{ts[k] * 1e6:12.1f}" for k in names) + f"   {best}")
+                                 " ".join(f"{ts[k] * 1e6:{widths[k]}.1f}" for k in names)
+                                 + f"   {best}")
                     out["predictions"].append({"collective": coll, "dtype": dt, "redop": op,
                                                "world_size": p, "size": n,
                                                "time_us": {k: v * 1e6 for k, v in ts.items()},
@@ -1210,7 +1342,7 @@ def model_report(fits: list[dict], predict_ranks: Sequence[int],
 
 def measured_tuning(docs: list[dict], tolerance: float) -> dict[str, dict[str, list]]:
     """Tuning rows per collective and world size from the measured ringcomm
-    algorithms (auto excluded), in ringcomm's tuning-file shape.
+    algorithms (auto and native excluded), in ringcomm's tuning-file shape.
 
     Uses float/sum timings when present (else the first dtype/op measured); sizes
     are converted to what ``auto`` is asked with (one rank's block for allgather
@@ -1220,8 +1352,10 @@ def measured_tuning(docs: list[dict], tolerance: float) -> dict[str, dict[str, l
     for doc in docs:
         meta = doc["meta"]
         p = int(meta["world_size"])
+        # ringcomm's own schedules only: auto is their mix, and native is MPI's
+        # collective (which cannot reduce every dtype ringcomm can)
         algos = [c["name"] for c in meta["columns"]
-                 if c["kind"] == "ringcomm" and c["algo"] != "auto"]
+                 if c["kind"] == "ringcomm" and c["algo"] not in NOT_SCHEDULES]
         colls = []
         for r in doc["results"]:
             if r["collective"] not in colls:
@@ -1328,87 +1462,132 @@ def tuning_text(table: dict[str, dict[str, list]]) -> str:
     return "\n".join(lines)
 
 
-def targets(results: list[dict], p: int) -> tuple[str, list[dict]]:
-    """The speed targets of issue 5 for allreduce (float/sum when measured), as text
-    and records. Ratios use this run's numbers only."""
-    recs: list[dict] = []
-    combos = [(r["dtype"], r["redop"]) for r in results if r["collective"] == "allreduce"]
-    if not combos:
-        return "", recs
-    dt, op = ("float", "sum") if ("float", "sum") in combos else combos[0]
+_TARGET_KEYS = {"name": str, "collective": str, "dtype": str, "redop": str, "min_bytes": int,
+                "max_bytes": int, "metric": str, "of": list, "bound": str, "goal": (int, float)}
 
-    def at(column: str, size: int) -> dict | None:
+
+def load_targets(path: str) -> list[dict]:
+    """The targets listed in the JSON file at ``path`` (see scripts/targets.json).
+
+    Raises:
+        ValueError: unreadable, or a target lacks a field or has a bad one (named).
+    """
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--targets {path!r}: cannot read it: {e}") from e
+    if not isinstance(doc, dict) or doc.get("schema") != TARGETS_SCHEMA:
+        raise ValueError(f"--targets {path!r}: not a targets file (schema must be "
+                         f"{TARGETS_SCHEMA!r})")
+    out = []
+    for i, t in enumerate(doc.get("targets", [])):
+        where = f"--targets {path!r}, target {i}"
+        if not isinstance(t, dict):
+            raise ValueError(f"{where}: not an object")
+        for k, typ in _TARGET_KEYS.items():
+            if not isinstance(t.get(k), typ) or isinstance(t.get(k), bool):
+                raise ValueError(f"{where} ({t.get('name', '?')}): field {k!r} is missing or "
+                                 f"not a {typ.__name__ if isinstance(typ, type) else 'number'}")
+        if t["metric"] not in ("time_us", "busbw"):
+            raise ValueError(f"{where}: metric must be time_us or busbw, got {t['metric']!r}")
+        if t["bound"] not in ("<=", ">="):
+            raise ValueError(f"{where}: bound must be '<=' or '>=', got {t['bound']!r}")
+        if not t["of"] or not all(isinstance(c, str) for c in t["of"]):
+            raise ValueError(f"{where}: 'of' must list column names")
+        if t.get("versus") is not None and not isinstance(t["versus"], str):
+            raise ValueError(f"{where}: 'versus' must be a column name or null")
+        if t["min_bytes"] > t["max_bytes"]:
+            raise ValueError(f"{where}: min_bytes is above max_bytes")
+        out.append(t)
+    return out
+
+
+def _range_text(t: dict) -> str:
+    lo, hi = format_size(t["min_bytes"]), format_size(t["max_bytes"])
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def targets(results: list[dict], p: int, spec: list[dict] | None = None,
+            ) -> tuple[str, list[dict]]:
+    """Check the speed targets ``spec`` (default: scripts/targets.json) against one
+    run's results, as text and records. Ratios use this run's numbers only.
+
+    Each record: the target's fields plus ``value`` (the worst measured ratio, or
+    the worst measured value when the target has no ``versus``), ``ratio`` (value
+    over goal for an absolute target, else the same as ``value``), ``met`` (True,
+    False, or None when no size in its range was measured with every column it
+    needs), ``sizes`` (per size: the best column, its value and the ratio).
+    """
+    if spec is None:
+        spec = load_targets(DEFAULT_TARGETS)
+    recs: list[dict] = []
+    if not spec:
+        return "", recs
+    lines = ["#", f"# speed targets on {p} ranks (met when true at every measured size in "
+                  "its range)"]
+
+    def ok(coll, dt, op, column, size):
         for r in results:
             if (r["collective"], r["dtype"], r["redop"], r["column"], r["size"]) == \
-                    ("allreduce", dt, op, column, size) and r["status"] == "ok":
+                    (coll, dt, op, column, size) and r["status"] == "ok":
                 return r
         return None
 
-    def verdict(ok: bool) -> str:
-        return "MET" if ok else "MISSED"
-
-    lines = ["#", f"# speed targets (issue 5), allreduce {dt} {op} on {p} ranks"
-             + ("" if (p, dt) == (2, "float") else " (targets are stated for 2 ranks, fp32)")]
-    algos = sorted({r["column"] for r in results if r["collective"] == "allreduce"
-                    and r["column"] in ("ring", "tree")})
-    big = 64 << 20
-    best = [at(a, big) for a in algos]
-    best = [b for b in best if b]
-    if best:
-        b = max(best, key=lambda r: r["busbw"])
-        for peer, goal, cmp in (("gloo", 1.5, ">="), ("mpi", 0.9, ">=")):
-            o = at(peer, big)
-            if o:
-                ratio = b["busbw"] / o["busbw"]
-                lines.append(f"#   64 MiB busbw: ringcomm {b['column']} {b['busbw']:.3f} GB/s vs "
-                             f"{peer} {o['busbw']:.3f} GB/s = {ratio:.2f}x (target {cmp} {goal}x) "
-                             f"{verdict(ratio >= goal)}")
-                recs.append({"target": f"64MiB busbw best/{peer}", "ratio": ratio, "goal": goal,
-                             "met": ratio >= goal})
-    a4 = at("auto", 4096)
-    if a4:
-        for peer, goal in (("gloo", 0.25), ("mpi", 3.0)):
-            o = at(peer, 4096)
-            if o:
-                ratio = a4["time_us"] / o["time_us"]
-                lines.append(f"#   4 KiB latency: auto {a4['time_us']:.1f} us vs {peer} "
-                             f"{o['time_us']:.1f} us = {ratio:.2f}x (target <= {goal}x) "
-                             f"{verdict(ratio <= goal)}")
-                recs.append({"target": f"4KiB latency auto/{peer}", "ratio": ratio, "goal": goal,
-                             "met": ratio <= goal})
-    sizes = sorted({r["size"] for r in results if r["collective"] == "allreduce"
-                    and r["dtype"] == dt and r["redop"] == op})
-    # Two readings of "auto within 10% of the best": the auto column's own time (which
-    # carries its own share of noise), and the time of the algorithm auto chose as
-    # measured in that algorithm's column (the quality of the choice alone).
-    stats = {"own time": [None, 0, 0], "its choice": [None, 0, 0]}
-    for s in sizes:
-        a = at("auto", s)
-        cands = [c for c in (at(x, s) for x in algos) if c]
-        if not a or not cands:
+    for t in spec:
+        coll, dt, op, metric = t["collective"], t["dtype"], t["redop"], t["metric"]
+        versus, goal, bound = t.get("versus"), float(t["goal"]), t["bound"]
+        lower_better = metric == "time_us"
+        unit = "us" if lower_better else "GB/s"
+        sizes = sorted({r["size"] for r in results if (r["collective"], r["dtype"], r["redop"])
+                        == (coll, dt, op) and t["min_bytes"] <= r["size"] <= t["max_bytes"]})
+        per_size, missing = [], []
+        for size in sizes:
+            cands = [x for x in (ok(coll, dt, op, c, size) for c in t["of"]) if x]
+            if not cands:
+                missing.append(size)
+                continue
+            best = (min if lower_better else max)(cands, key=lambda r: r[metric])
+            entry = {"size": size, "best": best["column"], "value": best[metric]}
+            if versus:
+                other = ok(coll, dt, op, versus, size)
+                if not other:
+                    missing.append(size)
+                    continue
+                entry["versus_value"] = other[metric]
+                entry["ratio"] = best[metric] / other[metric]
+            else:
+                entry["ratio"] = best[metric] / goal
+            per_size.append(entry)
+        rec = {**t, "sizes": per_size, "unmeasured_sizes": missing}
+        stated = f" (stated for {t['ranks']} ranks)" if t.get("ranks") not in (None, p) else ""
+        head = f"#   {t['name']} ({coll} {dt} {op}{stated}): "
+        if not per_size:
+            need = ", ".join(t["of"]) + (f" and {versus}" if versus else "")
+            rec.update(value=None, ratio=None, met=None)
+            recs.append(rec)
+            lines.append(head + f"NOT MEASURED (needs {need} at {_range_text(t)}, "
+                         f"-d {dt}" + (f" -o {op}" if op != "none" else "") + ")")
             continue
-        bst = min(cands, key=lambda r: r["time_us"])
-        picked = at(a.get("auto_choice") or "", s)
-        for name, t in (("own time", a["time_us"]),
-                        ("its choice", picked["time_us"] if picked else a["time_us"])):
-            st = stats[name]
-            ratio = t / bst["time_us"]
-            st[2] += 1
-            st[1] += ratio <= 1.10
-            if st[0] is None or ratio > st[0][0]:
-                st[0] = (ratio, s, a.get("auto_choice"), bst["column"])
-    missing = [format_size(s) for s in (4096, big) if s not in sizes]
-    if missing:
-        lines.append(f"#   (sizes {', '.join(missing)} were not measured: run -b 4 -e 64M -f 2 "
-                     "for every target)")
-    for name, (worst, n_ok, n_all) in stats.items():
-        if not worst:
-            continue
-        lines.append(f"#   auto ({name}) within 10% of the best of {'/'.join(algos)}: {n_ok} of "
-                     f"{n_all} sizes; worst {worst[0]:.2f}x at {format_size(worst[1])} (auto ran "
-                     f"{worst[2]}, best {worst[3]}) {verdict(n_ok == n_all)}")
-        recs.append({"target": f"auto ({name}) within 10% of best", "ratio": worst[0],
-                     "goal": 1.10, "met": n_ok == n_all, "sizes_ok": n_ok, "sizes": n_all})
+        key = "ratio" if versus else "value"
+        worst = (max if bound == "<=" else min)(per_size, key=lambda e: e[key])
+        value = worst[key]
+        met = all(e[key] <= goal if bound == "<=" else e[key] >= goal for e in per_size)
+        rec.update(value=value, ratio=worst["ratio"], met=met, worst_size=worst["size"])
+        recs.append(rec)
+        at = f"worst at {format_size(worst['size'])}: " if len(per_size) > 1 else ""
+        n_ok = sum(1 for e in per_size if (e[key] <= goal if bound == "<=" else e[key] >= goal))
+        count = f", {n_ok} of {len(per_size)} sizes" if len(per_size) > 1 else ""
+        if missing:
+            count += f"; no data at {', '.join(format_size(m) for m in missing)}"
+        if versus:
+            lines.append(head + f"{at}{worst['best']} {worst['value']:.3f} {unit} vs "
+                         f"{versus} {worst['versus_value']:.3f} {unit} = {value:.2f}x "
+                         f"(target {bound} {goal:g}x{count}) {'MET' if met else 'MISSED'}")
+        else:
+            lines.append(head + f"{at}{worst['best']} {value:.3f} {unit} = "
+                         f"{worst['ratio']:.2f}x the goal (target {bound} {goal:g} {unit}"
+                         f"{count}) {'MET' if met else 'MISSED'}")
     return "\n".join(lines), recs
 
 
@@ -1512,11 +1691,11 @@ def analyse(docs: list[dict], args: argparse.Namespace, out: Callable[[str], Non
     analysis: dict = {}
     results = docs[-1]["results"]
     p = int(docs[-1]["meta"]["world_size"])
-    if not args.model_from:  # targets are about one run's side-by-side numbers
-        text, recs = targets(results, p)
+    if not args.model_from and args.targets:  # one run's side-by-side numbers
+        text, recs = targets(results, p, load_targets(args.targets))
         if text:
             out(text)
-            analysis["targets"] = recs
+        analysis["targets"] = recs
     if not args.no_model:
         try:
             fits = fit_models(docs)

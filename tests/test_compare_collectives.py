@@ -1,6 +1,8 @@
 """scripts/compare_collectives.py: a quick run on 2 ranks (results checked, JSON schema),
-the cost-model fit against synthetic timings with known parameters, and tuning files
-that ringcomm's ``auto`` accepts and follows."""
+the floor column, ringcomm's native algorithm and the speed targets file; the cost
+model (features counted from the schedules) against textbook counts and synthetic
+timings with known parameters; and tuning files that ringcomm's ``auto`` accepts
+and follows."""
 from __future__ import annotations
 
 import importlib.util
@@ -34,7 +36,8 @@ RESULT_FIELDS = {"collective": str, "size": int, "count": int, "dtype": str, "re
                  "root": int, "column": str, "status": str}
 OPTIONAL_FIELDS = {"time_us": float, "algbw": float, "busbw": float, "wrong": int,
                    "iters": int, "auto_choice": str, "reason": str,
-                   "rank_median_us": list, "rank_q25_us": list, "rank_q75_us": list}
+                   "rank_median_us": list, "rank_q25_us": list, "rank_q75_us": list,
+                   "dispatch_us": float}
 
 
 # ---------------------------------------------------------------------------
@@ -60,9 +63,10 @@ def quick_run(tmp_path_factory):
 def test_quick_run_checks_every_result_and_finds_nothing_wrong(quick_run):
     proc, doc, _ = quick_run
     results = doc["results"]
-    ok = [r for r in results if r["status"] == "ok"]
+    ok = [r for r in results if r["status"] == "ok" and r["column"] != "floor"]
     assert ok, "no measurement succeeded"
-    # -c was on: every measured point was checked, and against the expected values.
+    # -c was on: every measured point was checked, and against the expected values
+    # (except the floor's, which computes nothing: see the floor test).
     assert all(r["wrong"] == 0 for r in ok), [r for r in ok if r["wrong"] != 0]
     assert "wrong values in total: 0 OK" in proc.stdout
     # What ringcomm has today must run; MPI and gloo run every collective.
@@ -78,6 +82,24 @@ def test_quick_run_checks_every_result_and_finds_nothing_wrong(quick_run):
             assert r["reason"], r
     assert any(r["column"] == "tree" and r["collective"] == "allgather" and
                r["status"] == "unsupported" for r in results)
+
+
+def test_quick_run_floor_is_dispatch_plus_mpi_for_allreduce_only(quick_run):
+    _, doc, _ = quick_run
+    cells = {(r["collective"], r["column"], r["size"]): r for r in doc["results"]}
+    floors = [r for r in doc["results"] if r["column"] == "floor"]
+    assert floors
+    for fl in floors:
+        if fl["collective"] != "allreduce":
+            assert fl["status"] == "unsupported" and "allreduce only" in fl["reason"], fl
+            continue
+        mpi = cells[("allreduce", "mpi", fl["size"])]
+        assert fl["status"] == "ok" and mpi["status"] == "ok", (fl, mpi)
+        assert fl["wrong"] is None  # computes nothing, so nothing to check
+        assert fl["dispatch_us"] > 0
+        # per rank: do-nothing dispatch + that rank's MPI median; time = max over ranks
+        assert fl["time_us"] == pytest.approx(max(fl["rank_median_us"]))
+        assert mpi["time_us"] < fl["time_us"] <= fl["dispatch_us"] + mpi["time_us"] + 1e-6
 
 
 def test_quick_run_table_has_a_row_per_size(quick_run):
@@ -146,7 +168,7 @@ def test_quick_run_writes_csv_plot_and_a_tuning_file_ringcomm_accepts(quick_run)
     with open(files["md"]) as f:
         md = f.read()
     assert "#### allreduce, float, sum, 2 ranks" in md
-    assert "| size | auto us | tree us | ring us | mpi us | gloo us |" in md
+    assert "| size | auto us | tree us | ring us | mpi us | gloo us | floor us |" in md
     table = select.load_tuning(files["tuning"])
     with open(files["tuning"]) as f:
         written = json.load(f)
@@ -169,6 +191,144 @@ def test_torchrun_launch():
     assert "wrong values in total: 0 OK" in proc.stdout
 
 
+def _targets_file(path, targets):
+    path.write_text(json.dumps({"schema": cc.TARGETS_SCHEMA, "targets": targets}))
+    return str(path)
+
+
+def _target(name, **kw):
+    t = {"name": name, "collective": "allreduce", "dtype": "float", "redop": "sum",
+         "ranks": 2, "min_bytes": 4096, "max_bytes": 4096, "metric": "time_us", "of": ["auto"],
+         "versus": None, "bound": "<=", "goal": 1.0}
+    t.update(kw)
+    return t
+
+
+def test_floor_native_and_a_targets_file_in_one_run(tmp_path):
+    # Targets whose outcome is certain: the floor includes MPI's time (so it is never
+    # below it, and its busbw never above); 64 MiB is not measured here.
+    tfile = _targets_file(tmp_path / "t.json", [
+        _target("floor at least mpi", of=["floor"], versus="mpi", bound=">=", goal=1.0),
+        _target("floor busbw at least mpi's", of=["floor"], versus="mpi", metric="busbw",
+                bound=">=", goal=1.0),
+        _target("not measured here", min_bytes=64 << 20, max_bytes=64 << 20, of=["native"]),
+    ])
+    out = str(tmp_path / "out.json")
+    proc = mpirun(2, SCRIPT, "-b", "4K", "-e", "4K", "-n", "3", "-w", "0", "--min-time", "0",
+                  "--rounds", "1", "-c", "--coll", "allreduce", "-d", "float,bf16",
+                  "--algos", "auto,native", "--peers", "mpi,floor", "--no-model",
+                  "--targets", tfile, "--json", out, timeout=120)
+    with open(out) as f:
+        doc = json.load(f)
+    cell = {(r["dtype"], r["column"]): r for r in doc["results"]}
+    # native: ringcomm's own dispatch into MPI's Allreduce, checked like any column
+    assert cell[("float", "native")]["status"] == "ok"
+    assert cell[("float", "native")]["wrong"] == 0
+    # ... which cannot reduce bfloat16: unsupported, with ringcomm's reason, not an error
+    nb = cell[("bfloat16", "native")]
+    assert nb["status"] == "unsupported" and "bfloat16" in nb["reason"], nb
+    assert cell[("bfloat16", "auto")]["status"] == "ok"
+    fl = cell[("float", "floor")]
+    assert fl["status"] == "ok" and fl["dispatch_us"] > 0
+    assert cell[("bfloat16", "floor")]["status"] == "unsupported"
+    assert "ERROR" not in proc.stdout and "FAILED" not in proc.stdout
+    assert "native: unsupported:" in proc.stdout
+    recs = {r["name"]: r for r in doc["analysis"]["targets"]}
+    assert list(recs) == ["floor at least mpi", "floor busbw at least mpi's", "not measured here"]
+    assert recs["floor at least mpi"]["met"] is True
+    assert recs["floor at least mpi"]["ratio"] == pytest.approx(
+        fl["time_us"] / cell[("float", "mpi")]["time_us"])
+    assert recs["floor busbw at least mpi's"]["met"] is False
+    assert recs["not measured here"]["met"] is None
+    assert "floor at least mpi (allreduce float sum): floor" in proc.stdout
+    assert proc.stdout.count(" MET") == 1 and proc.stdout.count(" MISSED") == 1
+    assert "not measured here (allreduce float sum): NOT MEASURED" in proc.stdout
+
+
+def test_null_backend_registers_once():
+    name = cc.register_null_backend()
+    assert cc.register_null_backend() == name == cc.NULL_BACKEND
+
+
+# ---------------------------------------------------------------------------
+# cost model: features counted from the registered schedules
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8, 64])
+def test_ring_allreduce_features_are_the_textbook_counts(p):
+    fn = costmodel.features_for("allreduce", "ring")
+    u = p * SEG  # one segment per chunk
+    sizes = [p * 1024, u, 3 * u, 1000 * u] if p <= costmodel.EXACT_RANKS else [4096]
+    for n in sizes:
+        k = max(1, -(-n // (p * SEG)))  # segments per chunk
+        A, B, G = fn(p, n, SEG)
+        assert A == 2 * (p - 1) * k, (p, n)
+        assert B == pytest.approx(2 * (p - 1) / p * n), (p, n)
+        assert G == pytest.approx((p - 1) / p * n), (p, n)
+
+
+def test_every_registered_schedule_has_a_model_and_native_does_not():
+    from ringcomm.algorithms import NATIVE, REGISTRY
+
+    for coll in cc.COLLECTIVES:
+        for name, build in REGISTRY[coll].items():
+            assert costmodel.has_model(coll, name) == (build is not NATIVE), (coll, name)
+    assert costmodel.has_model("allreduce", "recursive_doubling")
+    assert not costmodel.has_model("allreduce", "auto")
+    assert not costmodel.has_model("allreduce", "pairwise")
+    # recursive doubling: log2 p whole-buffer exchanges, each reduced
+    rd = costmodel.features_for("allreduce", "recursive_doubling")
+    assert rd(2, 4096, SEG) == (1, 4096, 4096)
+    assert rd(8, 4096, SEG) == (3, 3 * 4096, 3 * 4096)
+    # native is a black box: fitted as o + beta * n
+    f = costmodel.fit("allreduce", "native", [(2, n, 1e-5 + n * 1e-9) for n in SIZES],
+                      segment_bytes=SEG)
+    assert f.algorithm is None and f.fitted == ("o", "beta")
+
+
+def test_a_user_registered_builder_gets_a_model(monkeypatch):
+    from ringcomm.algorithms import REGISTRY
+    from ringcomm.schedule import Builder, Reduce
+
+    def swap_sum(ctx):  # two ranks: exchange the whole buffer and add
+        b = Builder(ctx)
+        n = ctx.layout[0]
+        tmp = b.scratch(n)
+        peer = 1 - ctx.rank
+        b.step(sends=[(peer, (0, 0, n))], recvs=[(peer, (tmp, 0, n))],
+               local=[Reduce((0, 0, n), (tmp, 0, n))])
+        return b.build()
+
+    monkeypatch.setitem(REGISTRY["allreduce"], "swap_sum", swap_sum)
+    assert costmodel.has_model("allreduce", "swap_sum")
+    assert costmodel.features_for("allreduce", "swap_sum")(2, 1000, SEG) == (1, 1000, 1000)
+    samples = synth("allreduce", "swap_sum", (0.0, 30e-6, 0.5e-9, 0.1e-9))
+    f = costmodel.fit("allreduce", "swap_sum", samples, segment_bytes=SEG, gamma=0.1e-9)
+    assert (f.alpha, f.beta) == pytest.approx((30e-6, 0.5e-9), rel=1e-6)
+
+
+def test_features_are_cached_and_bounded_on_many_ranks():
+    # Above EXACT_RANKS a whole crossover scan from 1 B to 64 GiB simulates each
+    # algorithm only at the anchor sizes (powers of 16, p*seg and 2*p*seg); the rest
+    # is interpolated or extrapolated from those.
+    seg = SEG
+    p = 2 * costmodel.EXACT_RANKS
+    fits = {a: costmodel.Fit("allreduce", a, 0.0, 50e-6, 0.5e-9, 0.1e-9, ("alpha", "beta"),
+                             0.0, 2, (2,), seg) for a in ("ring", "tree")}
+    before = costmodel._simulate.cache_info()
+    xs = costmodel.crossovers(fits["tree"], fits["ring"], p)
+    after = costmodel._simulate.cache_info()
+    anchors = costmodel._anchors(seg, p * seg)
+    assert after.misses - before.misses <= 2 * len(anchors)
+    assert [x[1:] for x in xs] == [("tree", "ring")]
+    # interpolation is exact where the counts are linear in n (ring: one segment per chunk)
+    n = 3 * 4096 * p
+    A, B, G = costmodel.features_for("allreduce", "ring")(p, n, seg)
+    assert (A, B, G) == pytest.approx((2 * (p - 1), 2 * (p - 1) / p * n, (p - 1) / p * n))
+    again = costmodel._simulate.cache_info()
+    costmodel.features_for("allreduce", "ring")(p, n, seg)
+    assert costmodel._simulate.cache_info().misses == again.misses
+
+
 # ---------------------------------------------------------------------------
 # cost model on synthetic timings (the oracle: the parameters that generated them)
 # ---------------------------------------------------------------------------
@@ -178,7 +338,8 @@ SIZES = [4 << i for i in range(25)]  # 4 B .. 64 MiB
 def synth(collective, algo, params, world_sizes=(2,), noise=0.0, seed=0):
     o, alpha, beta, gamma = params
     rng = np.random.default_rng(seed)
-    fn = costmodel.MODELS[(collective, algo)]
+    fn = costmodel.features_for(collective, algo)
+    assert fn is not costmodel.features_for(collective, None), f"{collective}/{algo} has no model"
     out = []
     for p in world_sizes:
         for n in SIZES:
@@ -189,11 +350,13 @@ def synth(collective, algo, params, world_sizes=(2,), noise=0.0, seed=0):
 
 
 @pytest.mark.parametrize("collective,algo", [("allreduce", "ring"), ("allreduce", "tree"),
+                                             ("allreduce", "recursive_doubling"),
                                              ("broadcast", "tree"), ("broadcast", "ring"),
-                                             ("allgather", "ring")])
+                                             ("allgather", "ring"), ("reduce_scatter", "ring"),
+                                             ("alltoall", "linear")])
 def test_fit_recovers_alpha_beta_at_one_world_size(collective, algo):
     alpha, beta = 35e-6, 0.4e-9                  # 35 us per message, 2.5 GB/s
-    gamma = 0.1e-9 if collective == "allreduce" else 0.0
+    gamma = 0.1e-9 if collective in ("allreduce", "reduce_scatter") else 0.0
     samples = synth(collective, algo, (0.0, alpha, beta, gamma))
     f = costmodel.fit(collective, algo, samples, segment_bytes=SEG,
                       gamma=gamma if gamma else None)
@@ -362,28 +525,75 @@ def test_model_from_saved_results_of_several_world_sizes(tmp_path, capsys):
     assert "ring/tree crossover at 64 ranks" in text
 
 
-def test_speed_targets_are_the_ratios_of_the_issue():
-    def r(column, size, t_us, choice=None):
-        factor = 1.0  # 2 ranks: allreduce busbw factor 2(n-1)/n = 1
-        return {"collective": "allreduce", "dtype": "float", "redop": "sum", "column": column,
-                "size": size, "status": "ok", "time_us": t_us,
-                "busbw": size / t_us / 1e3 * factor, "auto_choice": choice}
-    big = 64 << 20
-    res = [r("ring", big, 20_000), r("tree", big, 40_000), r("gloo", big, 40_000),
-           r("mpi", big, 16_000), r("auto", big, 30_000, "ring"),
-           r("ring", 4096, 120), r("tree", 4096, 100), r("auto", 4096, 105, "tree"),
-           r("gloo", 4096, 300), r("mpi", 4096, 5)]
+def _res(column, size, t_us, choice=None):
+    # 2 ranks: allreduce busbw factor 2(n-1)/n = 1
+    return {"collective": "allreduce", "dtype": "float", "redop": "sum", "column": column,
+            "size": size, "status": "ok", "time_us": t_us, "busbw": size / t_us / 1e3,
+            "auto_choice": choice}
+
+
+def test_the_targets_file_states_the_speed_targets():
+    spec = {t["name"]: t for t in cc.load_targets(cc.DEFAULT_TARGETS)}
+    assert len(spec) == 3
+    lat, mid, big = spec.values()
+    assert (lat["metric"], lat["of"], lat["versus"], lat["bound"], lat["goal"]) == \
+        ("time_us", ["auto"], "floor", "<=", 3.0)
+    assert lat["min_bytes"] == lat["max_bytes"] == 4096
+    assert (mid["metric"], sorted(mid["of"]), mid["versus"], mid["bound"], mid["goal"]) == \
+        ("busbw", ["auto", "recursive_doubling", "ring", "tree"], "mpi", ">=", 0.9)
+    assert (mid["min_bytes"], mid["max_bytes"]) == (256 << 10, 16 << 20)
+    assert (big["metric"], big["of"], big["versus"], big["bound"], big["goal"]) == \
+        ("busbw", ["ring"], None, ">=", 2.3)
+    assert big["min_bytes"] == big["max_bytes"] == 64 << 20
+    for t in spec.values():
+        assert (t["collective"], t["dtype"], t["redop"], t["ranks"]) == \
+            ("allreduce", "float", "sum", 2)
+
+
+def test_speed_targets_are_the_ratios_of_the_targets_file():
+    MiB = 1 << 20
+    res = [_res("auto", 4096, 105, "recursive_doubling"), _res("floor", 4096, 30),
+           _res("ring", 4096, 120), _res("mpi", 4096, 10)]
+    # 256 KiB .. 16 MiB: MPI at 1 GB/s; ringcomm's best at 0.95x, except 0.8x at 1 MiB
+    for size, best in ((256 << 10, 0.95), (MiB, 0.8), (16 * MiB, 0.95)):
+        t_mpi = size / 1e3  # us at 1 GB/s
+        res += [_res("mpi", size, t_mpi), _res("ring", size, t_mpi / best),
+                _res("tree", size, t_mpi / best * 2), _res("auto", size, t_mpi / best * 1.5)]
+    res.append(_res("ring", 64 * MiB, 64 * MiB / 2.76e3))  # 2.76 GB/s = 1.2x the goal
+    res.append({**_res("ring", 8 * MiB, 1.0), "status": "error", "busbw": None})
     text, recs = cc.targets(res, 2)
-    got = {x["target"]: (round(x["ratio"], 6), x["met"]) for x in recs}
-    assert got["64MiB busbw best/gloo"] == (2.0, True)      # ring 2x gloo's busbw
-    assert got["64MiB busbw best/mpi"] == (0.8, False)      # 0.8x MPI's, goal 0.9x
-    assert got["4KiB latency auto/gloo"] == (0.35, False)   # 105/300, goal 0.25x
-    assert got["4KiB latency auto/mpi"] == (21.0, False)    # 105/5, goal 3x
-    # auto's own column: 30 ms where ring took 20 ms at 64 MiB -> 1.5x, missed;
-    # its choice (ring, as measured in ring's column) is the best: 1.0x at both sizes.
-    assert got["auto (own time) within 10% of best"] == (1.5, False)
-    assert got["auto (its choice) within 10% of best"] == (1.0, True)
-    assert "MISSED" in text and "MET" in text
+    got = {r["name"]: r for r in recs}
+    lat = got["4 KiB latency: auto <= 3x floor"]
+    assert (round(lat["ratio"], 6), lat["met"]) == (3.5, False)        # 105 / 30
+    mid = got["256 KiB-16 MiB busbw: best >= 0.9x mpi"]
+    assert (round(mid["ratio"], 6), mid["met"], mid["worst_size"]) == (0.8, False, MiB)
+    assert [e["best"] for e in mid["sizes"]] == ["ring"] * 3          # the best of four
+    assert mid["unmeasured_sizes"] == [8 * MiB]                       # ring failed there
+    big = got["64 MiB busbw: ring >= 2.3 GB/s"]
+    assert big["value"] == pytest.approx(2.76) and big["met"] is True
+    assert big["ratio"] == pytest.approx(1.2)
+    assert "= 3.50x (target <= 3x) MISSED" in text
+    assert "worst at 1 MiB: ring" in text and "2 of 3 sizes" in text
+    assert "ring 2.760 GB/s = 1.20x the goal (target >= 2.3 GB/s) MET" in text
+    # other world sizes are reported, with a note
+    text4, _ = cc.targets(res, 4)
+    assert "stated for 2 ranks" in text4
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"metric": "speed"}, "metric must be time_us or busbw"),
+    ({"bound": "<"}, "bound must be"),
+    ({"goal": "3"}, "field 'goal'"),
+    ({"of": []}, "'of' must list column names"),
+    ({"min_bytes": 10, "max_bytes": 5}, "min_bytes is above max_bytes"),
+])
+def test_bad_targets_files_are_refused_naming_the_field(tmp_path, change, message, capsys):
+    path = _targets_file(tmp_path / "t.json", [_target("x", **change)])
+    with pytest.raises(ValueError, match=message):
+        cc.load_targets(path)
+    with pytest.raises(SystemExit):
+        cc.parse_args(["--targets", path])
+    assert message in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------
