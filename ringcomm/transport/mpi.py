@@ -26,7 +26,6 @@ from .base import Handle, Transport, TransportTimeout
 
 _monotonic = time.monotonic
 _yield = os.sched_yield
-_testall = MPI.Request.Testall
 _fromaddress = MPI.buffer.fromaddress
 _BYTE = MPI.BYTE
 # One thread in MPI at a time, process-wide. MPI_THREAD_MULTIPLE is requested, but
@@ -45,19 +44,25 @@ def _env_float(name: str, default: float) -> float:
                          f"got {os.environ[name]!r}") from e
 
 
+#: spin this long before yielding the core: a peer on another core answers within it
+_BUSY_S = 100e-6
+#: tests per hold of the MPI lock while spinning (the lock costs as much as a test)
+_BATCH = 32
+
+
 def poll(test, deadline: float, spin_s: float, max_sleep_s: float) -> bool:
     """Call ``test()`` until it returns True (then True) or ``deadline`` passes (False)."""
     if test():
         return True
     start = _monotonic()
-    busy_until, spin_until = start + 20e-6, start + spin_s
+    busy_until, spin_until = start + _BUSY_S, start + spin_s
     nap = 20e-6
     while not test():
         now = _monotonic()
         if now >= deadline:
             return False
         if now < busy_until:
-            continue  # a peer on another core answers within microseconds
+            continue
         if now < spin_until:
             _yield()  # lets co-located ranks run when cores are oversubscribed
         else:
@@ -66,9 +71,37 @@ def poll(test, deadline: float, spin_s: float, max_sleep_s: float) -> bool:
     return True
 
 
-def _locked_testall(reqs: list, statuses: list) -> bool:
-    with _mpi_lock:
-        return _testall(reqs, statuses)
+def complete(reqs: list, statuses: list, deadline: float, spin_s: float,
+             max_sleep_s: float) -> bool:
+    """Drive MPI requests to completion, in order, until ``deadline`` (then False).
+
+    One request is tested at a time, several tests per hold of the lock: a 512 KiB
+    shared-memory exchange measured 69 us this way, 93 us with ``Testall`` on both
+    requests and 117 us with the lock taken for every test (``MPI_Waitall``: 63 us,
+    but it cannot time out). ``statuses[i]`` (None for sends) receives request i's.
+    """
+    n, i = len(reqs), 0
+    start = None
+    nap = 20e-6
+    while True:
+        with _mpi_lock:
+            for _ in range(_BATCH):
+                while i < n and reqs[i].Test(statuses[i]):
+                    i += 1
+                if i == n:
+                    return True
+        now = _monotonic()
+        if start is None:
+            start = now
+        if now >= deadline:
+            return False
+        if now - start < _BUSY_S:
+            continue
+        if now - start < spin_s:
+            _yield()  # lets co-located ranks run when cores are oversubscribed
+        else:
+            time.sleep(nap)
+            nap = min(nap * 2, max_sleep_s)
 
 
 # -- MPI's own collectives: the "native" algorithm ------------------------------------
@@ -130,11 +163,6 @@ def _unstage(tmp: torch.Tensor | None, chunks: list) -> None:
             off += c.numel()
 
 
-def _locked_test(req) -> bool:
-    with _mpi_lock:
-        return req.Test()
-
-
 class _AnySource:
     """A user receive from any rank, not yet matched to a message."""
     __slots__ = ("tag", "mem")
@@ -191,13 +219,9 @@ class MPITransport(Transport):
         """Also checks that every receive got exactly its buffer's size: MPI reports
         only messages that are too long, and a short one would leave stale data."""
         reqs = [h.req for h in handles]
-        statuses = [MPI.Status() for _ in reqs]
+        statuses = [MPI.Status() if h.kind == "recv" else None for h in handles]
         try:
-            with _mpi_lock:  # small messages are often done already: no poll set-up
-                done = _testall(reqs, statuses)
-            if not done:
-                done = poll(lambda: _locked_testall(reqs, statuses), self._deadline,
-                            self.spin_s, self.max_sleep_s)
+            done = complete(reqs, statuses, self._deadline, self.spin_s, self.max_sleep_s)
         except MPI.Exception as e:
             if e.Get_error_class() in (MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
                 raise RuntimeError(
@@ -209,7 +233,7 @@ class MPITransport(Transport):
                 pending = [h for h in handles if not h.req.Get_status()]
             raise TransportTimeout(self.timeout_message(pending))
         for h, st in zip(handles, statuses):
-            if h.kind == "recv":
+            if st is not None:
                 want = h.buf.nbytes
                 got = st.Get_count(_BYTE)
                 if got != want:
@@ -379,7 +403,9 @@ class MPITransport(Transport):
                 raise ValueError(f"ringcomm: MPI has no native {collective!r}")
         h = Handle(req, keep, -1, "collective")
         self._inflight.append(h)
-        done = poll(lambda: _locked_test(req), self._deadline, self.spin_s, self.max_sleep_s)
+        # MPI's collectives progress only inside MPI calls: never nap (as its blocking
+        # calls never do); a 64 MiB Iallreduce took 1.4 s with naps after 50 ms.
+        done = complete([req], [None], self._deadline, float("inf"), self.max_sleep_s)
         if not done:
             raise TransportTimeout(f"waiting for MPI's own {collective} (MPI_I{collective}) to "
                                    "complete on every rank")
