@@ -161,6 +161,10 @@ class Plan:
             best = max(best, j, must)
             upto.append(best)
         self.recv_upto = upto
+        #: sends no step waits for: run_p2p waits for them at the end
+        waited = {k for ws in self.step_send_waits for k in ws}
+        waited.update(k for ws in self.recv_waits for k in ws)
+        self.tail_sends = [k for k in range(len(self.send_list)) if k not in waited]
         #: per step, what run_p2p needs, in one tuple
         self.p2p_steps = [(self.send_upto[i], self.recv_upto[i], self.step_recvs[i],
                            self.step_send_waits[i], st[2]) for i, st in enumerate(self.steps)]
@@ -219,8 +223,8 @@ def run_p2p(plan: Plan, tp, views: list, op) -> None:
                 reduce_(views[d], views[s])
             else:
                 views[d].copy_(views[s])
-    if ns:
-        wait_all(sreq)
+    if plan.tail_sends:
+        wait_all([sreq[k] for k in plan.tail_sends])
 
 
 class GroupComm(Protocol):
