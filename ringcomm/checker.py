@@ -120,6 +120,9 @@ def validate(s: Schedule) -> None:
             if op.dst.n != op.src.n:
                 raise ScheduleError(f"{where(i)}: {name} of {op.src.n} elements into "
                                     f"{op.dst.n}")
+            if _overlap(op.dst, op.src):  # torch refuses or is undefined for these
+                raise ScheduleError(f"{where(i)}: {name} destination {tuple(op.dst)} overlaps "
+                                    f"its source {tuple(op.src)}")
         written = [x.region for x in st.recvs]
         for a in range(len(written)):
             for b in range(a + 1, len(written)):
@@ -170,9 +173,9 @@ def _initial(collective: str, p: int, layout: tuple, r: int, root: int, lens: li
             if b < p:
                 init.append(undef(n))
                 want.append(val(b, n, np.int64(1) << np.int64(b)))
-            else:
+            else:  # the caller's input: read only
                 init.append(val(r, n, me))
-                want.append(None)
+                want.append(val(r, n, me))
         elif c == "reduce_scatter":
             if b < p:
                 init.append(val(b, n, me))
@@ -184,14 +187,14 @@ def _initial(collective: str, p: int, layout: tuple, r: int, root: int, lens: li
             if b < p:
                 init.append(undef(n))
                 want.append(val(b, n, np.int64(1) << np.int64(b)) if r == root else None)
-            else:
+            else:  # the caller's input: read only
                 init.append(val(r, n, me))
-                want.append(None)
+                want.append(val(r, n, me))
         elif c == "scatter":
             rootm = np.int64(1) << np.int64(root)
-            if b < p:
+            if b < p:  # the root's inputs: read only
                 init.append(val(b, n, rootm))
-                want.append(None)
+                want.append(val(b, n, rootm))
             else:
                 init.append(undef(n))
                 want.append(val(r, n, rootm))
@@ -199,9 +202,9 @@ def _initial(collective: str, p: int, layout: tuple, r: int, root: int, lens: li
             init.append(val(0, n, me))
             want.append(None)
         elif c == "alltoall":
-            if b < p:  # send chunk for rank b
+            if b < p:  # send chunk for rank b: read only
                 init.append(val(r * p + b, n, me))
-                want.append(None)
+                want.append(val(r * p + b, n, me))
             else:  # receive chunk from rank b - p
                 src = b - p
                 init.append(undef(n))
@@ -227,7 +230,8 @@ def _ranks(mask: int) -> str:
 
 
 def check(build: BuildFn, collective: str, size: int, layout: tuple, *, root: int = 0,
-          seg: int = 1 << 30, symbolic: bool = True) -> Stats:
+          seg: int = 1 << 30, symbolic: bool = True,
+          built: Sequence[Schedule] | None = None) -> Stats:
     """Prove ``build`` right for one call shape, and count its cost.
 
     Args:
@@ -239,13 +243,16 @@ def check(build: BuildFn, collective: str, size: int, layout: tuple, *, root: in
         root: root rank of rooted collectives.
         seg: elements per pipeline segment.
         symbolic: also track contents (False: structure, matching and counts only).
+        built: every rank's schedule, already built with ``build`` for this shape (so
+            that what is checked is exactly what will run).
     Raises:
         ScheduleError: the schedule is malformed, deadlocks, or computes a wrong result;
             the message names the rank, step and element.
     """
     if symbolic and size > MAX_RANKS:
         raise ValueError(f"checker: symbolic runs support at most {MAX_RANKS} ranks")
-    scheds = schedules(build, collective, size, layout, root, seg)
+    scheds = list(built) if built is not None else schedules(build, collective, size, layout,
+                                                              root, seg)
     for s in scheds:
         validate(s)
     rules = Rules(size)

@@ -232,7 +232,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """The compiled schedule for this call shape, from the cache or built (and, for
         an algorithm that did not ship with ringcomm, checked) now."""
         seg = max(1, self.segment_bytes // dtype.itemsize)
-        key = (collective, name, layout, root, seg, algorithms.generation)
+        key = (collective, name, build, layout, root, seg, algorithms.generation)
         with self._plans_lock:
             plan = self._plans.get(key)
             if plan is not None:
@@ -240,8 +240,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 return plan
         ctx = Context(collective, self._size, self._rank, layout, root, seg)
         if (collective, name) not in algorithms.BUILTIN:
-            _check_user_schedule(build, ctx, name)
-        schedule = build(ctx)
+            schedule = _check_user_schedule(build, ctx, name)
+        else:
+            schedule = build(ctx)
         plan = Plan(schedule)
         with self._plans_lock:
             self._plans[key] = plan
@@ -840,16 +841,23 @@ _FINGERPRINT_NAMES = {zlib.crc32(n.encode()): n for n in (
     "reduce_scatter_tensor_coalesced", "all_to_all", "all_to_all_single", "barrier")}
 
 
-def _check_user_schedule(build: Callable, ctx: Context, name: str) -> None:
-    """Run the checker on a user's builder for this call shape (every rank does the
-    same, so every rank refuses a wrong schedule alike).
+def _check_user_schedule(build: Callable, ctx: Context, name: str):
+    """Check a user's builder for this call shape and return this rank's schedule,
+    the very one that was checked (every rank checks the same, so every rank
+    refuses a wrong schedule alike).
+
+    At the real shape: bounds, matching and freedom from deadlock always, contents
+    too up to ``CHECK_ELEMENTS`` elements over all ranks (and 62 ranks); above that
+    the contents are checked at a proportionally smaller shape with the same
+    number of segments per chunk.
 
     Raises:
         ScheduleError: (a ValueError) naming the algorithm, step and element at fault.
     """
     coll, p, r, lay = ctx.collective, ctx.size, ctx.rank, ctx.layout
     # The checker needs every rank's view; where a rank knows only its own sizes
-    # (gather/scatter non-roots, alltoall) a consistent global layout stands in.
+    # (gather/scatter non-roots, alltoall) a consistent global layout stands in;
+    # this rank's part of it is exactly its own layout.
     if coll in ("gather", "scatter"):
         own = lay[r]
         layout = tuple(own if c is None else c for c in lay)
@@ -859,18 +867,19 @@ def _check_user_schedule(build: Callable, ctx: Context, name: str) -> None:
                              for j in range(p)) for i in range(p))
     else:
         layout = lay
-    flat = [c for c in _leaves(layout)]
-    total = sum(flat) * max(p, 1)
-    seg = ctx.seg
-    if total > CHECK_ELEMENTS:  # same segments per chunk, fewer elements in each
-        f = -(-total // CHECK_ELEMENTS)
-        layout = _scaled(layout, f)
-        seg = max(1, seg // f)
+    total = sum(_leaves(layout)) * max(p, 1)
+    small = total <= CHECK_ELEMENTS and p <= checker.MAX_RANKS
     try:
-        checker.check(build, coll, p, layout, root=ctx.root, seg=seg,
-                      symbolic=p <= checker.MAX_RANKS)
+        scheds = checker.schedules(build, coll, p, layout, ctx.root, ctx.seg)
+        checker.check(build, coll, p, layout, root=ctx.root, seg=ctx.seg, symbolic=small,
+                      built=scheds)
+        if not small and p <= checker.MAX_RANKS:  # same segments per chunk, fewer elements
+            f = -(-total // CHECK_ELEMENTS)
+            checker.check(build, coll, p, _scaled(layout, f), root=ctx.root,
+                          seg=max(1, ctx.seg // f))
     except ScheduleError as e:
         raise ScheduleError(f"ringcomm: algorithm {name!r} is wrong: {e}") from None
+    return scheds[r]
 
 
 def _leaves(layout) -> list[int]:

@@ -191,3 +191,38 @@ def test_p2p_executor_sums_under_simulated_and_threaded_runs():
     bufs = [[torch.arange(6.0) * (r + 1)] for r in range(2)]
     run_schedule(swap_sum, "allreduce", 2, (6,), bufs, op=ops.SUM)
     assert all(torch.equal(b[0], torch.arange(6.0) * 3) for b in bufs)
+
+
+def test_inputs_must_survive():
+    def clobbers_input(ctx):  # allgather that receives the peer's block into its input
+        b = Builder(ctx)
+        r, peer = ctx.rank, 1 - ctx.rank
+        b.local(Copy((r, 0, 3), (2, 0, 3)))
+        b.step(sends=[(peer, (2, 0, 3))], recvs=[(peer, (peer, 0, 3))])
+        b.step(sends=[(peer, (r, 0, 3))], recvs=[(peer, (2, 0, 3))])
+        return b.build()
+    with pytest.raises(ScheduleError, match=r"rank 0 buffer 2 element 0 ends as element 0 of "
+                                            r"chunk 1 from ranks \{1\}, expected element 0 "
+                                            r"of chunk 0"):
+        checker.check(clobbers_input, "allgather", 2, (3, 3))
+
+
+def test_local_op_overlapping_itself_is_refused():
+    def shifts(ctx):
+        b = Builder(ctx)
+        b.local(Copy((0, 0, 3), (0, 1, 3)))
+        return b.build()
+    with pytest.raises(ScheduleError, match=r"copy destination \(0, 0, 3\) overlaps its source"):
+        checker.check(shifts, "broadcast", 1, (4,))
+
+
+def test_checked_schedule_is_the_one_that_runs():
+    calls = []
+
+    def fickle(ctx):  # a builder with hidden state: right the first time only
+        calls.append(ctx.rank)
+        return swap_sum(ctx, reduce_twice=len(calls) > 2)
+    ctx = Context("allreduce", 2, 0, (4,), 0, 1 << 16)
+    sched = _check_user_schedule(fickle, ctx, "fickle")
+    assert len(calls) == 2  # built once per rank, for the check; that schedule is returned
+    assert len(sched.steps[0].local) == 1

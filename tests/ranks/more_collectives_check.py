@@ -143,6 +143,26 @@ def main() -> None:
                      chunks if rank == root else None, src=root) is None:
                 c.check(same(out, chunks[rank]), f"scatter root={root} n={n}")
 
+    # native (MPI's own) gather/scatter where the root's list is views of one tensor
+    # and its own slot is its input/output (MPI forbids aliased buffers: in place)
+    for coll in ("gather", "scatter"):
+        ringcomm.set_algorithm(coll, "native")
+    for root in range(p):
+        whole = torch.arange(3.0 * p) + 100 * root
+        slots = list(whole.view(p, 3).unbind(0))
+        mine = slots[root] if rank == root else slots[rank].clone()
+        if c.run(f"native gather root={root}", dist.gather, mine,
+                 slots if rank == root else None, dst=root) is None:
+            c.check(rank != root or torch.equal(whole, torch.arange(3.0 * p) + 100 * root),
+                    f"native gather root={root}: {whole.tolist()}")
+        mine = slots[rank] if rank == root else torch.empty(3)
+        if c.run(f"native scatter root={root}", dist.scatter, mine,
+                 slots if rank == root else None, src=root) is None:
+            c.check(torch.equal(mine, torch.arange(3.0) + 3 * rank + 100 * root),
+                    f"native scatter root={root}: {mine.tolist()}")
+    for coll in ("gather", "scatter"):
+        ringcomm.set_algorithm(coll, "auto")
+
     # send/recv: tags, out-of-order receives, any source, rings of large isends
     if p > 1:
         right, left = (rank + 1) % p, (rank - 1) % p
@@ -168,6 +188,29 @@ def main() -> None:
             c.check(got == {q: float(q) for q in range(1, p)}, f"recv any source: {got}")
         else:
             dist.send(torch.full((2,), float(rank)), 0)
+        # a large any-source receive posted before a collective completes while this
+        # rank is inside the collective (the sender is blocked until it is matched)
+        if rank == 0:
+            buf = torch.zeros(1 << 18)
+            w = dist.irecv(buf, tag=6)
+            dist.barrier()
+            w.wait()
+            c.check(torch.all(buf == 1.0).item(), "large any-source receive across a barrier")
+        else:
+            if rank == 1:
+                dist.send(torch.ones(1 << 18), 0, tag=6)
+            dist.barrier()
+        # several pending any-source receives, each driven by its own future's thread
+        if rank == 0:
+            bufs = [torch.zeros(4) for _ in range(p - 1) for _ in range(2)]
+            futs = [dist.irecv(b, tag=8).get_future() for b in bufs]
+            for f in futs:
+                c.run("any-source receive future", f.wait)
+            c.check(sorted(b[0].item() for b in bufs) == sorted(
+                [float(q) for q in range(1, p)] * 2), "any-source futures got every message")
+        else:
+            for _ in range(2):
+                dist.send(torch.full((4,), float(rank)), 0, tag=8)
         # every rank in turn receives twice from any source while the others each send
         # to it twice (posted any-source receives once never matched under torchrun)
         for root in range(p):
