@@ -373,22 +373,6 @@ def _local_fn(state, r: int, op, collective: str, p: int, step: int):
     return reduce
 
 
-def check_all(build: BuildFn, collective: str, sizes: Sequence[int],
-              segments_per_chunk: Sequence[int] = (1, 2, 5, 17), roots: str = "all") -> int:
-    """Check ``build`` at every world size in ``sizes`` and pipeline depth in
-    ``segments_per_chunk`` (with uneven and empty chunks). Returns the number of
-    shapes checked."""
-    count = 0
-    for p in sizes:
-        for k in segments_per_chunk:
-            for layout, seg in shapes(collective, p, k):
-                rts = range(p) if roots == "all" and collective in ROOTED else [0]
-                for root in rts:
-                    check(build, collective, p, layout, root=root, seg=seg)
-                    count += 1
-    return count
-
-
 ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
 
 

@@ -160,9 +160,6 @@ class Rules:
             if not self.step_round():
                 raise ScheduleError(self.stuck_report())
 
-    def idle(self) -> bool:
-        return not any(self.queues)
-
     # -- diagnosis --------------------------------------------------------------
     def _find_match(self, op: _Op) -> str | None:
         """Where ``op``'s partner sits in the peer's stream, or None if nowhere."""

@@ -64,9 +64,6 @@ class Copy(NamedTuple):
     src: Region
 
 
-LocalOp = "Reduce | Copy"
-
-
 class Step(NamedTuple):
     """Messages that progress together, then local work once they completed."""
     sends: tuple[Xfer, ...]
@@ -111,9 +108,6 @@ class Schedule:
             return caller_lens[buf]
         return self.scratch[buf - self.nbuffers]
 
-    def messages(self) -> int:
-        return sum(len(s.sends) + len(s.recvs) for s in self.steps)
-
 
 def _region(r) -> Region:
     if isinstance(r, Region):
@@ -152,22 +146,6 @@ class Builder:
     def local(self, *ops) -> None:
         """Append local work only (no messages), e.g. copying the input into place."""
         self.step(local=ops)
-
-    def extend(self, other: "Schedule") -> None:
-        """Append another schedule's steps (same context; its scratch buffers are
-        renumbered after this builder's)."""
-        shift = len(self._scratch)
-        self._scratch.extend(other.scratch)
-        nb = self._nbuf
-
-        def mv(rg: Region) -> Region:
-            return Region(rg.buf + shift, rg.off, rg.n) if rg.buf >= nb else rg
-
-        for st in other.steps:
-            self._steps.append(Step(
-                tuple(Xfer(x.peer, mv(x.region)) for x in st.sends),
-                tuple(Xfer(x.peer, mv(x.region)) for x in st.recvs),
-                tuple(type(op)(mv(op.dst), mv(op.src)) for op in st.local)))
 
     def build(self) -> Schedule:
         return Schedule(self.ctx, self._nbuf, tuple(self._scratch), tuple(self._steps))
