@@ -217,7 +217,12 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         if build is NATIVE:
             tp.check_native(collective, dtype, op)
             return name, lambda bufs: tp.native(collective, bufs, layout, dtype, op, root)
-        plan = self._plan(collective, name, build, layout, root, dtype)
+        return name, self._runner(self._plan(collective, name, build, layout, root, dtype),
+                                  dtype, op)
+
+    def _runner(self, plan: Plan, dtype: torch.dtype, op: Any) -> Callable[[list], None]:
+        """``run(bufs)``: ``plan`` on the caller's buffers, scratch from the transport."""
+        tp = self._tp
 
         def scratch(i: int, n: int) -> torch.Tensor:
             return tp.scratch(i, n, dtype)
@@ -225,7 +230,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         def run(bufs: list) -> None:
             run_p2p(plan, tp, plan.bind(bufs, scratch), op)
 
-        return name, run
+        return run
 
     def _plan(self, collective: str, name: str, build: Callable, layout: tuple, root: int,
               dtype: torch.dtype) -> Plan:
@@ -295,9 +300,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         # Always the built-in ring: the user's choice of algorithm is what may be wrong.
         plan = self._plan("allgather", "ring", _ring.allgather, (width,) * self._size, 0,
                           torch.uint8)
-        bufs = [*(_bytes(r) for r in rows.unbind(0)), _bytes(mine)]
-        run_p2p(plan, self._tp, plan.bind(bufs, lambda i, n: self._tp.scratch(i, n, torch.uint8)),
-                None)
+        self._runner(plan, torch.uint8, None)([*(_bytes(r) for r in rows.unbind(0)), _bytes(mine)])
         bad = [r for r in range(self._size) if not torch.equal(rows[r], mine)]
         if bad:
             theirs = "; ".join(f"rank {r} runs {_FINGERPRINT_NAMES.get(rows[r, 0].item(), '?')} "
