@@ -13,6 +13,7 @@ import os
 import weakref
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
 
 from . import bootstrap, checker, schedule
@@ -40,12 +41,24 @@ def _create(dist_opts, pg_options) -> ProcessGroupRingcomm:
     if pg_options is not None and not isinstance(pg_options, Options):
         raise TypeError(f"ringcomm: pg_options must be ringcomm.Options, got "
                         f"{type(pg_options).__name__}")
-    from .transport.mpi import MPITransport
-
-    comm = bootstrap.group_comm(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                                list(dist_opts.global_ranks_in_group), dist_opts.timeout)
-    pg = ProcessGroupRingcomm(dist_opts.group_rank, dist_opts.group_size, MPITransport(comm),
-                              dist_opts.timeout, pg_options, str(dist_opts.group_id))
+    transport, cpu_error = None, None
+    try:
+        from .transport.mpi import MPITransport
+    except (ImportError, RuntimeError, OSError) as e:
+        # A GPU-only machine may lack the MPI library: CUDA tensors still run over
+        # NCCL, CPU tensors get this reason.
+        if not torch.cuda.is_available():
+            raise
+        cpu_error = f"{type(e).__name__}: {e}"
+        log.warning("ringcomm: MPI is not available (%s); only CUDA tensors can be used",
+                    cpu_error)
+    else:
+        comm = bootstrap.group_comm(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+                                    list(dist_opts.global_ranks_in_group), dist_opts.timeout)
+        transport = MPITransport(comm)
+    pg = ProcessGroupRingcomm(dist_opts.group_rank, dist_opts.group_size, transport,
+                              dist_opts.timeout, pg_options, str(dist_opts.group_id),
+                              store=dist_opts.store, cpu_error=cpu_error)
     _groups.add(pg)
     return pg
 
@@ -53,7 +66,7 @@ def _create(dist_opts, pg_options) -> ProcessGroupRingcomm:
 def _shutdown_all() -> None:
     # Before mpi4py finalizes MPI: no progress thread may be inside MPI then.
     for pg in list(_groups):
-        pg._engine.shutdown(wait_s=1.0)
+        pg._stop_threads(wait_s=1.0)
 
 
 def get_group(group=None) -> ProcessGroupRingcomm:

@@ -21,9 +21,9 @@ from .algorithms import NATIVE, REGISTRY, select
 from .algorithms import names as algorithm_names
 from .algorithms import ring as _ring
 from .engine import Engine
-from .executors import Plan, run_p2p
+from .executors import Plan
 from .schedule import Context, ScheduleError
-from .transport import Transport
+from .transport import Channel, Transport
 from .work import P2PWork
 
 log = logging.getLogger("ringcomm")
@@ -92,19 +92,61 @@ def _check_algo(collective: str, name: str) -> None:
                          f"{algorithm_names(collective)}")
 
 
+class _Lane:
+    """What runs one device's collectives: its channel (MPI transport or NCCL
+    communicator) and its engine (progress thread or stream)."""
+
+    __slots__ = ("tp", "engine", "key", "token", "on_stream")
+
+    def __init__(self, tp: Channel, engine: Any, on_stream: bool):
+        self.tp = tp
+        self.engine = engine
+        self.key = str(tp.device)
+        #: the barrier's one byte
+        self.token = torch.zeros(1, dtype=torch.uint8, device=tp.device)
+        #: collectives are enqueued on a stream (NCCL), not run to completion (MPI)
+        self.on_stream = on_stream
+
+
 class ProcessGroupRingcomm(dist.ProcessGroup):
-    """A torch process group whose collectives run ringcomm's algorithms.
+    """A torch process group whose collectives run ringcomm's algorithms: over MPI
+    for CPU tensors, over NCCL (through CuPy) for CUDA tensors, chosen per call by
+    the tensors' device.
 
     Created by torch through the registered backend creator; users get it from
     ``dist.init_process_group("ringcomm")`` or ``dist.new_group(..., backend="ringcomm")``.
+
+    Args:
+        rank, size: this process's rank in the group and the group size.
+        transport: the MPI transport for CPU tensors; None where MPI cannot be loaded
+            (``cpu_error`` says why), so CPU tensors are refused.
+        timeout: default time limit of every collective.
+        options: per-group settings.
+        group_id: torch's name of the group.
+        store: the group's c10d store; NCCL communicators exchange their ids through it.
+        nccl: the ``cupy.cuda.nccl`` module or a stand-in (default: loaded on the
+            first CUDA tensor).
+        nccl_device_type: tensors of this device type run over NCCL. Tests pass
+            ``"cpu"`` with :class:`ringcomm.testing.FakeNccl` to run the NCCL path
+            on CPU tensors.
     """
 
-    def __init__(self, rank: int, size: int, transport: Transport, timeout: timedelta,
-                 options: Options | None = None, group_id: str = ""):
+    def __init__(self, rank: int, size: int, transport: Transport | None, timeout: timedelta,
+                 options: Options | None = None, group_id: str = "", *, store: Any = None,
+                 cpu_error: str | None = None, nccl: Any = None,
+                 nccl_device_type: str = "cuda"):
         super().__init__(rank, size)
         # plain ints: rank() and size() cross into C++ on every call
         self._rank, self._size = rank, size
         self._tp = transport
+        self._cpu_error = cpu_error
+        self._store = store
+        self._nccl_lib = nccl
+        self._nccl_type = nccl_device_type
+        self._lanes: dict[str, _Lane] = {}
+        self._pair_lanes: dict[tuple, _Lane] = {}
+        self._nccl_count = 0
+        self._lanes_lock = threading.Lock()
         self._timeout_s = timeout.total_seconds()
         self._group_name = group_id
         self._group_desc = ""
@@ -129,10 +171,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._plans: collections.OrderedDict = collections.OrderedDict()
         self._prepared: dict = {}
         self._plans_lock = threading.Lock()
-        self._token = torch.zeros(1, dtype=torch.uint8, device=transport.device)
         self._logged_choices: set = set()
         self._check_consistency = os.environ.get("RINGCOMM_DEBUG", "").upper() == "DETAIL"
-        self._engine = Engine(transport, self._describe)
+        self._engine = Engine(transport, self._describe) if transport is not None else None
+        self._cpu = _Lane(transport, self._engine, False) if transport is not None else None
         self._seq = 0
 
     # -- identity -------------------------------------------------------------
@@ -182,11 +224,12 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                              collective, nbytes, self._size, name)
         return name
 
-    def _prepare(self, collective: str, layout: tuple, dtype: torch.dtype, *, nbytes: int,
-                 root: int = 0, op: Any = None,
+    def _prepare(self, lane: _Lane, collective: str, layout: tuple, dtype: torch.dtype, *,
+                 nbytes: int, root: int = 0, op: Any = None,
                  name: str | None = None) -> tuple[str, Callable[[list], None]]:
         """Choose the algorithm for one call and return ``(name, run)``; ``run(bufs)``
-        executes it on the caller's buffers (ordered as ``schedule.BUFFERS`` says).
+        executes it on the caller's buffers (ordered as ``schedule.BUFFERS`` says)
+        over ``lane``.
 
         Runs on the caller's thread, so a schedule a user's builder gets wrong is
         refused here, on every rank alike, before anything is sent.
@@ -194,41 +237,40 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         key = None
         if name is None:
             # A training loop repeats the same calls: skip choosing and looking up.
-            key = (collective, layout, dtype, op, root, self._algos[collective],
+            key = (lane.key, collective, layout, dtype, op, root, self._algos[collective],
                    self.segment_bytes, algorithms.generation)
             hit = self._prepared.get(key)
             if hit is not None:
                 return hit
             name = self.algorithm_for(collective, nbytes)
-        prepared = self._prepare_named(collective, name, layout, dtype, root, op)
+        prepared = self._prepare_named(lane.tp, collective, name, layout, dtype, root, op)
         if key is not None:
             if len(self._prepared) >= PLAN_CACHE_SIZE:
                 self._prepared.clear()
             self._prepared[key] = prepared
         return prepared
 
-    def _prepare_named(self, collective: str, name: str, layout: tuple, dtype: torch.dtype,
-                       root: int, op: Any) -> tuple[str, Callable[[list], None]]:
+    def _prepare_named(self, tp: Channel, collective: str, name: str, layout: tuple,
+                       dtype: torch.dtype, root: int, op: Any) -> tuple[str, Callable[[list], None]]:
         build = REGISTRY[collective].get(name)
         if build is None:
             raise ValueError(f"ringcomm {collective}: algorithm {name!r} is not registered "
                              f"(available: {algorithm_names(collective)})")
-        tp = self._tp
         if build is NATIVE:
             tp.check_native(collective, dtype, op)
             return name, lambda bufs: tp.native(collective, bufs, layout, dtype, op, root)
-        return name, self._runner(self._plan(collective, name, build, layout, root, dtype),
+        return name, self._runner(tp, self._plan(collective, name, build, layout, root, dtype),
                                   dtype, op)
 
-    def _runner(self, plan: Plan, dtype: torch.dtype, op: Any) -> Callable[[list], None]:
-        """``run(bufs)``: ``plan`` on the caller's buffers, scratch from the transport."""
-        tp = self._tp
+    @staticmethod
+    def _runner(tp: Channel, plan: Plan, dtype: torch.dtype, op: Any) -> Callable[[list], None]:
+        """``run(bufs)``: ``plan`` on the caller's buffers over ``tp``, scratch from it."""
 
         def scratch(i: int, n: int) -> torch.Tensor:
             return tp.scratch(i, n, dtype)
 
         def run(bufs: list) -> None:
-            run_p2p(plan, tp, plan.bind(bufs, scratch), op)
+            tp.execute(plan, plan.bind(bufs, scratch), op)
 
         return run
 
@@ -255,6 +297,84 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 self._plans.popitem(last=False)
         return plan
 
+    # -- devices --------------------------------------------------------------
+    def _lane(self, t: torch.Tensor, op: str) -> _Lane:
+        """The lane that runs a call on ``t``'s device (created on first use).
+
+        Raises:
+            ValueError: the device is not supported, or the library it needs (MPI for
+                CPU tensors, CuPy with NCCL for CUDA tensors) is missing.
+        """
+        return self._device_lane(t.device, op)
+
+    def _device_lane(self, dev: torch.device, op: str) -> _Lane:
+        if dev.type == self._nccl_type:
+            lane = self._lanes.get(str(dev))
+            return lane if lane is not None else self._nccl_lane(dev, op)
+        if dev.type == "cpu":
+            if self._cpu is None:
+                raise ValueError(f"ringcomm {op}: CPU tensors run over MPI, which could not be "
+                                 f"loaded here ({self._cpu_error}); move the tensors to a CUDA "
+                                 "device, or install MPI (pip install mpich)")
+            return self._cpu
+        raise ValueError(f"ringcomm {op}: tensors on {dev} are not supported; ringcomm runs "
+                         f"CPU tensors over MPI and {self._nccl_type} tensors over NCCL")
+
+    def _nccl_library(self, op: str) -> Any:
+        if self._nccl_lib is None:
+            from .transport import nccl
+            try:
+                self._nccl_lib = nccl.load()
+            except nccl.NcclUnavailable as e:
+                raise ValueError(f"ringcomm {op}: {e}") from None
+        return self._nccl_lib
+
+    def _nccl_lane(self, device: torch.device, op: str) -> _Lane:
+        """A new NCCL communicator of this group on ``device``: every rank creates its
+        k-th at the same call, so the k-th communicators of all ranks are one."""
+        lib = self._nccl_library(op)
+        with self._lanes_lock:
+            lane = self._lanes.get(str(device))
+            if lane is None:
+                lane = self._new_nccl_lane(lib, device, f"ringcomm/nccl/{self._nccl_count}",
+                                           self._rank, self._size)
+                self._nccl_count += 1
+                self._lanes[str(device)] = lane
+        return lane
+
+    def _pair_lane(self, device: torch.device, peer: int, op: str) -> tuple[_Lane, int]:
+        """The two-rank NCCL communicator (and its own stream) this rank uses for
+        ``dist.send``/``dist.recv`` with ``peer`` on ``device``, as torch's NCCL backend
+        does: messages between a pair then never queue behind the group's collectives.
+        Returns the lane and the peer's rank in it."""
+        lib = self._nccl_library(op)
+        lo, hi = min(self._rank, peer), max(self._rank, peer)
+        key = (str(device), peer)
+        with self._lanes_lock:
+            lane = self._pair_lanes.get(key)
+            if lane is None:
+                # each side counts the pair communicators it made with the other
+                n = sum(1 for k in self._pair_lanes if k[1] == peer)
+                lane = self._new_nccl_lane(lib, device, f"ringcomm/nccl/p2p/{lo}-{hi}/{n}",
+                                           0 if self._rank == lo else 1, 2)
+                self._pair_lanes[key] = lane
+        return lane, 1 if self._rank == lo else 0
+
+    def _new_nccl_lane(self, lib: Any, device: torch.device, prefix: str, rank: int,
+                       size: int) -> _Lane:
+        from .streams import StreamEngine, streams_for
+        from .transport.nccl import NcclTransport, connect
+
+        if self._store is None:
+            raise ValueError("ringcomm: this group has no store to set up NCCL communicators")
+        streams = streams_for(device)
+        comm = connect(lib, self._store, prefix, rank, size, self._timeout_s,
+                       streams.device_context)
+        tp = NcclTransport(lib, comm, rank, size, device, streams.handle)
+        what = f"{self._describe()}" + ("" if size == self._size else f" (pair {prefix})")
+        engine = StreamEngine(tp, streams, lambda: what)
+        return _Lane(tp, engine, True)
+
     # -- plumbing -------------------------------------------------------------
     def _timeout(self, opts: Any) -> float:
         t = getattr(opts, "timeout", None)
@@ -262,32 +382,41 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             return t.total_seconds()
         return self._timeout_s
 
-    def _submit(self, op: str, fn: Callable[[], Any], opts: Any) -> dist.Work:
-        return self._engine.submit(op, fn, async_op=bool(getattr(opts, "asyncOp", True)),
-                                   timeout_s=self._timeout(opts),
-                                   tag=self._seq % self._tp.tag_limit)
+    def _submit(self, lane: _Lane, op: str, fn: Callable[[], Any], opts: Any,
+                keep: Any = (), blocking: bool = False) -> dist.Work:
+        """Run (MPI) or enqueue (NCCL) collective ``fn`` on ``lane``; ``keep``: the
+        tensors it touches (kept alive until it finished on a stream)."""
+        if lane.on_stream:
+            return lane.engine.submit(op, fn, async_op=True, timeout_s=self._timeout(opts),
+                                      keep=keep, blocking=blocking)
+        return lane.engine.submit(op, fn, async_op=bool(getattr(opts, "asyncOp", True)),
+                                  timeout_s=self._timeout(opts),
+                                  tag=self._seq % lane.tp.tag_limit)
 
-    def _check(self, t: Any, op: str, what: str = "tensor") -> torch.Tensor:
+    def _check(self, t: Any, op: str, what: str = "tensor",
+               like: torch.Tensor | None = None) -> torch.Tensor:
+        """Check one tensor argument; ``like``: a tensor of the same call it must share
+        a device with."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"ringcomm {op}: {what} must be a torch.Tensor, got {type(t).__name__}")
         if t.layout != torch.strided:
             raise ValueError(f"ringcomm {op}: {what} has layout {t.layout}; only dense tensors")
-        if t.device != self._tp.device and t.device.type != self._tp.device.type:
-            if t.device.type == "cuda":
-                raise ValueError(f"ringcomm {op}: {what} is on {t.device}, but CUDA tensors "
-                                 "need the NCCL transport, which this ringcomm build does not "
-                                 "have yet; move the tensor to the CPU")
-            raise ValueError(f"ringcomm {op}: {what} is on {t.device}; ringcomm supports "
-                             f"{self._tp.device.type} tensors")
+        if like is not None and t.device != like.device:
+            raise ValueError(f"ringcomm {op}: {what} is on {t.device} but the call's first "
+                             f"tensor is on {like.device}; one call takes tensors of one device")
+        if t.device.type == self._nccl_type and not t.is_contiguous():
+            raise ValueError(f"ringcomm {op}: {what} on {t.device} is not contiguous; NCCL "
+                             "needs contiguous tensors (pass t.contiguous())")
         return t
 
-    def _single(self, tensors: list, op: str) -> torch.Tensor:
+    def _single(self, tensors: list, op: str) -> tuple[torch.Tensor, _Lane]:
         if len(tensors) != 1:
             raise ValueError(f"ringcomm {op}: expected a list with exactly one tensor "
                              f"(one device per process), got {len(tensors)}")
-        return self._check(tensors[0], op)
+        t = self._check(tensors[0], op)
+        return t, self._lane(t, op)
 
-    def _consistency_check(self, op: str, fields: list[int]) -> None:
+    def _consistency_check(self, lane: _Lane, op: str, fields: list[int]) -> None:
         """RINGCOMM_DEBUG=DETAIL: every rank must run the same collective with the same
         sizes; compare a fixed-length fingerprint across ranks before running it."""
         if not self._check_consistency or self._size == 1:
@@ -295,12 +424,15 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         mine = torch.zeros(1 + _FINGERPRINT_FIELDS, dtype=torch.int64)
         mine[0] = zlib.crc32(op.encode())
         mine[1:1 + len(fields)] = torch.tensor(fields[:_FINGERPRINT_FIELDS], dtype=torch.int64)
-        rows = torch.empty(self._size, mine.numel(), dtype=torch.int64)
+        dev = lane.tp.device
+        rows = torch.empty(self._size, mine.numel(), dtype=torch.int64, device=dev)
         width = mine.numel() * mine.element_size()
         # Always the built-in ring: the user's choice of algorithm is what may be wrong.
         plan = self._plan("allgather", "ring", _ring.allgather, (width,) * self._size, 0,
                           torch.uint8)
-        self._runner(plan, torch.uint8, None)([*(_bytes(r) for r in rows.unbind(0)), _bytes(mine)])
+        self._runner(lane.tp, plan, torch.uint8, None)(
+            [*(_bytes(r) for r in rows.unbind(0)), _bytes(mine.to(dev))])
+        rows = rows.cpu()  # on a stream: waits for the exchange
         bad = [r for r in range(self._size) if not torch.equal(rows[r], mine)]
         if bad:
             theirs = "; ".join(f"rank {r} runs {_FINGERPRINT_NAMES.get(rows[r, 0].item(), '?')} "
@@ -314,15 +446,16 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """In-place allreduce of ``tensors[0]`` (torch's ``dist.all_reduce``)."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
         opts = _options(opts, dist.AllreduceOptions)
-        t = self._single(tensors, "allreduce")
+        t, lane = self._single(tensors, "allreduce")
         op = ops.resolve(opts.reduceOp, t.dtype, "allreduce")
-        name, algo = self._prepare("allreduce", (t.numel(),), t.dtype, op=op,
+        name, algo = self._prepare(lane, "allreduce", (t.numel(),), t.dtype, op=op,
                                    nbytes=t.numel() * t.element_size())
         size = self._size
 
         def run():
             if self._check_consistency:
-                self._consistency_check("allreduce", [t.numel(), int(op), _dtype_code(t.dtype)])
+                self._consistency_check(lane, "allreduce",
+                                        [t.numel(), int(op), _dtype_code(t.dtype)])
             # The hot path of small messages: no context manager for the common case.
             contiguous = t.is_contiguous()
             flat = t if contiguous and t.dim() == 1 else t.contiguous().view(-1)
@@ -333,28 +466,29 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                     t.copy_(flat.view_as(t))
             return tensors
 
-        return self._submit(f"allreduce[{name}]", run, opts)
+        return self._submit(lane, f"allreduce[{name}]", run, opts, tensors)
 
     @_collective
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """In-place broadcast of ``tensors[0]`` from ``opts.rootRank``."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
         opts = _options(opts, dist.BroadcastOptions)
-        t = self._single(tensors, "broadcast")
+        t, lane = self._single(tensors, "broadcast")
         root = self._root(opts.rootRank, "broadcast")
         if getattr(opts, "rootTensor", 0) != 0:
             raise ValueError(f"ringcomm broadcast: rootTensor must be 0, got {opts.rootTensor}")
         nbytes = t.numel() * t.element_size()
-        name, algo = self._prepare("broadcast", (nbytes,), torch.uint8, nbytes=nbytes, root=root)
+        name, algo = self._prepare(lane, "broadcast", (nbytes,), torch.uint8, nbytes=nbytes,
+                                   root=root)
 
         def run():
-            self._consistency_check("broadcast", [t.numel(), root])
+            self._consistency_check(lane, "broadcast", [t.numel(), root])
             with _flat(t, copy_in=True) as flat:
                 if flat.numel():
                     algo([_bytes(flat)])
             return tensors
 
-        return self._submit(f"broadcast[{name}]", run, opts)
+        return self._submit(lane, f"broadcast[{name}]", run, opts, tensors)
 
     @_collective
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -365,24 +499,25 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         if len(output_lists) != 1 or len(inputs) != 1:
             raise ValueError(f"ringcomm allgather: expected one output list and one input, got "
                              f"{len(output_lists)} and {len(inputs)}")
-        run = self._allgather_plan(output_lists[0], inputs[0], "allgather")
+        lane = self._lane(self._check(inputs[0], "allgather", "input"), "allgather")
+        run = self._allgather_plan(lane, output_lists[0], inputs[0], "allgather")
 
         def request():
             run()
             return output_lists
 
-        return self._submit("allgather", request, opts)
+        return self._submit(lane, "allgather", request, opts, [*output_lists[0], inputs[0]])
 
-    def _allgather_plan(self, outs: list[torch.Tensor], t: torch.Tensor,
+    def _allgather_plan(self, lane: _Lane, outs: list[torch.Tensor], t: torch.Tensor,
                         op: str) -> Callable[[], None]:
         self._check(t, op, "input")
         self._check_list(outs, t, op)
         # Sizes may differ across ranks; every rank knows all output sizes alike.
         layout = tuple(o.numel() * o.element_size() for o in outs)
-        algo = self._prepare("allgather", layout, torch.uint8, nbytes=max(layout))[1]
+        algo = self._prepare(lane, "allgather", layout, torch.uint8, nbytes=max(layout))[1]
 
         def run():
-            self._consistency_check(op, [t.numel()])
+            self._consistency_check(lane, op, [t.numel()])
             with contextlib.ExitStack() as stack:
                 flats = [_bytes(stack.enter_context(_flat(o, copy_in=False))) for o in outs]
                 algo([*flats, _bytes(t.reshape(-1).contiguous())])
@@ -391,15 +526,39 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     @_collective
     def barrier(self, opts: Any = None) -> dist.Work:
-        """Returns (or its Work completes) once every rank of the group has entered."""
-        name, algo = self._prepare("barrier", (1,), torch.uint8, nbytes=0)
+        """Returns (or its Work completes) once every rank of the group has entered.
+
+        Runs over MPI, or over NCCL when torch asks for a CUDA device
+        (``dist.barrier(device_ids=[i])``) or MPI is missing; waiting on it then
+        blocks the CPU until the barrier completed on the device, as torch's NCCL
+        backend does."""
+        opts = _options(opts, dist.BarrierOptions)
+        lane = self._barrier_lane(opts)
+        name, algo = self._prepare(lane, "barrier", (1,), torch.uint8, nbytes=0)
 
         def run():
-            self._consistency_check("barrier", [])
-            algo([self._token])
+            self._consistency_check(lane, "barrier", [])
+            algo([lane.token])
             return []
 
-        return self._submit(f"barrier[{name}]", run, opts)
+        return self._submit(lane, f"barrier[{name}]", run, opts, blocking=True)
+
+    def _barrier_lane(self, opts: Any) -> _Lane:
+        dev = getattr(opts, "device", None)
+        ids = list(getattr(opts, "device_ids", None) or [])
+        if ids and (dev is None or dev.type == "cpu") and self._nccl_type == "cuda":
+            dev = torch.device("cuda", ids[0])
+        if isinstance(dev, torch.device) and dev.type == self._nccl_type:
+            if dev.type == "cuda" and dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            return self._device_lane(dev, "barrier")
+        if self._cpu is not None:
+            return self._cpu
+        if self._lanes:  # no MPI: the first device this group used
+            return next(iter(self._lanes.values()))
+        if self._nccl_type == "cuda" and torch.cuda.is_available():
+            return self._device_lane(torch.device("cuda", torch.cuda.current_device()), "barrier")
+        return self._device_lane(torch.device("cpu"), "barrier")
 
     @_collective
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -408,7 +567,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         opts = _options(opts, dist.AllreduceCoalescedOptions)
         if not tensors:
             raise ValueError("ringcomm allreduce_coalesced: no tensors given")
-        ts = [self._check(t, "allreduce_coalesced", f"tensor {i}") for i, t in enumerate(tensors)]
+        ts = [self._check(t, "allreduce_coalesced", f"tensor {i}", like=tensors[0])
+              for i, t in enumerate(tensors)]
+        lane = self._lane(ts[0], "allreduce_coalesced")
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in ts:
             groups.setdefault(t.dtype, []).append(t)
@@ -416,14 +577,14 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         for dtype, members in groups.items():
             op = ops.resolve(opts.reduceOp, dtype, "allreduce_coalesced")
             n = sum(t.numel() for t in members)
-            plan.append((members, op, self._prepare("allreduce", (n,), dtype, op=op,
+            plan.append((members, op, self._prepare(lane, "allreduce", (n,), dtype, op=op,
                                                     nbytes=n * dtype.itemsize)[1]))
         size = self._size
 
         def run():
             for members, op, algo in plan:
                 flat = torch.cat([t.reshape(-1) for t in members])
-                self._consistency_check("allreduce_coalesced", [flat.numel(), int(op)])
+                self._consistency_check(lane, "allreduce_coalesced", [flat.numel(), int(op)])
                 if flat.numel():
                     algo([flat])
                     ops.finalize_(flat, op, size)
@@ -433,7 +594,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                     off += t.numel()
             return tensors
 
-        return self._submit("allreduce_coalesced", run, opts)
+        return self._submit(lane, "allreduce_coalesced", run, opts, tensors)
 
     @_collective
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -441,15 +602,15 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         other ranks' tensors are left unchanged."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
         opts = _options(opts, dist.ReduceOptions)
-        t = self._single(tensors, "reduce")
+        t, lane = self._single(tensors, "reduce")
         op = ops.resolve(opts.reduceOp, t.dtype, "reduce")
         root = self._root(opts.rootRank, "reduce")
-        name, algo = self._prepare("reduce", (t.numel(),), t.dtype, op=op, root=root,
+        name, algo = self._prepare(lane, "reduce", (t.numel(),), t.dtype, op=op, root=root,
                                    nbytes=t.numel() * t.element_size())
         size, me = self._size, self._rank
 
         def run():
-            self._consistency_check("reduce", [t.numel(), int(op), root])
+            self._consistency_check(lane, "reduce", [t.numel(), int(op), root])
             with _flat(t) as flat:
                 if flat.numel():
                     work = flat if me == root else flat.clone()  # partial sums stay private
@@ -458,16 +619,17 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                         ops.finalize_(flat, op, size)
             return tensors
 
-        return self._submit(f"reduce[{name}]", run, opts)
+        return self._submit(lane, f"reduce[{name}]", run, opts, tensors)
 
     @_collective
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> dist.Work:
         """``dist.all_gather_into_tensor``: rank i's input fills the i-th slice of output."""
         opts = _options(opts, _c10d.AllgatherOptions)
-        self._check_gather_single(output, input, "all_gather_into_tensor")
-        return self._submit("all_gather_into_tensor",
-                            self._gather_into_plan([(output, input)]), opts)
+        lane = self._check_gather_single(output, input, "all_gather_into_tensor")
+        return self._submit(lane, "all_gather_into_tensor",
+                            self._gather_into_plan(lane, [(output, input)]), opts,
+                            (output, input))
 
     _allgather_base = all_gather_single
 
@@ -479,32 +641,39 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         if len(outputs) != len(inputs):
             raise ValueError(f"ringcomm allgather_into_tensor_coalesced: {len(outputs)} outputs "
                              f"for {len(inputs)} inputs")
+        if not inputs:
+            raise ValueError("ringcomm allgather_into_tensor_coalesced: no tensors given")
+        lane = None
         for o, i in zip(outputs, inputs):
-            self._check_gather_single(o, i, "allgather_into_tensor_coalesced")
-        return self._submit("allgather_into_tensor_coalesced",
-                            self._gather_into_plan(list(zip(outputs, inputs)), outputs), opts)
+            lane = self._check_gather_single(o, i, "allgather_into_tensor_coalesced", inputs[0])
+        return self._submit(lane, "allgather_into_tensor_coalesced",
+                            self._gather_into_plan(lane, list(zip(outputs, inputs)), outputs),
+                            opts, [*outputs, *inputs])
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    def _check_gather_single(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
-        self._check(out, op, "output")
-        self._check(inp, op, "input")
+    def _check_gather_single(self, out: torch.Tensor, inp: torch.Tensor, op: str,
+                             like: torch.Tensor | None = None) -> _Lane:
+        self._check(inp, op, "input", like)
+        self._check(out, op, "output", inp)
         if out.dtype != inp.dtype:
             raise ValueError(f"ringcomm {op}: output dtype {out.dtype} != input dtype {inp.dtype}")
         if out.numel() != inp.numel() * self._size:
             raise ValueError(f"ringcomm {op}: output has {out.numel()} elements, expected "
                              f"{self._size} x {inp.numel()} (world size x input)")
+        return self._lane(inp, op)
 
-    def _gather_into_plan(self, pairs: list, value: Any = None) -> Callable[[], Any]:
+    def _gather_into_plan(self, lane: _Lane, pairs: list, value: Any = None) -> Callable[[], Any]:
         p = self._size
         algos = []
         for _, i in pairs:
             nbytes = i.numel() * i.element_size()
-            algos.append(self._prepare("allgather", (nbytes,) * p, torch.uint8, nbytes=nbytes)[1])
+            algos.append(self._prepare(lane, "allgather", (nbytes,) * p, torch.uint8,
+                                       nbytes=nbytes)[1])
 
         def run():
             for (out, inp), algo in zip(pairs, algos):
-                self._consistency_check("all_gather_into_tensor", [inp.numel()])
+                self._consistency_check(lane, "all_gather_into_tensor", [inp.numel()])
                 with _flat(out, copy_in=False) as flat:
                     if flat.numel():
                         # any input strides (a copy only if it must)
@@ -522,7 +691,12 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         if len(output_lists) != len(inputs):
             raise ValueError(f"ringcomm allgather_coalesced: {len(output_lists)} output lists "
                              f"for {len(inputs)} inputs")
-        runs = [self._allgather_plan(outs, inp, "allgather_coalesced")
+        if not inputs:
+            raise ValueError("ringcomm allgather_coalesced: no tensors given")
+        for i, x in enumerate(inputs):
+            self._check(x, "allgather_coalesced", f"input {i}", like=inputs[0])
+        lane = self._lane(inputs[0], "allgather_coalesced")
+        runs = [self._allgather_plan(lane, outs, inp, "allgather_coalesced")
                 for outs, inp in zip(output_lists, inputs)]
 
         def run():
@@ -530,7 +704,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 r()
             return output_lists
 
-        return self._submit("allgather_coalesced", run, opts)
+        return self._submit(lane, "allgather_coalesced", run, opts,
+                            [*inputs, *(o for outs in output_lists for o in outs)])
 
     @_collective
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -538,14 +713,14 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """``dist.gather``: on the root ``output_lists[0][i]`` receives rank i's input;
         other ranks pass ``output_lists == []``."""
         opts = _options(opts, dist.GatherOptions)
-        t = self._single(inputs, "gather")
+        t, lane = self._single(inputs, "gather")
         root = self._root(opts.rootRank, "gather")
         outs = self._root_list(output_lists, t, root, "gather", "output")
-        name, algo = self._prepare("gather", self._rooted_layout(outs, t), torch.uint8,
+        name, algo = self._prepare(lane, "gather", self._rooted_layout(outs, t), torch.uint8,
                                    nbytes=0, root=root)  # ranks may hold different sizes
 
         def run():
-            self._consistency_check("gather", [t.numel(), root])
+            self._consistency_check(lane, "gather", [t.numel(), root])
             with contextlib.ExitStack() as stack:
                 src = _bytes(stack.enter_context(_flat(t)))
                 chunks = [None] * self._size
@@ -554,7 +729,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 algo([*chunks, src])
             return output_lists
 
-        return self._submit(f"gather[{name}]", run, opts)
+        return self._submit(lane, f"gather[{name}]", run, opts, [t, *(outs or ())])
 
     @_collective
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
@@ -562,14 +737,14 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """``dist.scatter``: rank i's ``outputs[0]`` receives the root's
         ``input_lists[0][i]``; other ranks pass ``input_lists == []``."""
         opts = _options(opts, dist.ScatterOptions)
-        t = self._single(outputs, "scatter")
+        t, lane = self._single(outputs, "scatter")
         root = self._root(opts.rootRank, "scatter")
         ins = self._root_list(input_lists, t, root, "scatter", "input")
-        name, algo = self._prepare("scatter", self._rooted_layout(ins, t), torch.uint8,
+        name, algo = self._prepare(lane, "scatter", self._rooted_layout(ins, t), torch.uint8,
                                    nbytes=0, root=root)  # ranks may hold different sizes
 
         def run():
-            self._consistency_check("scatter", [t.numel(), root])
+            self._consistency_check(lane, "scatter", [t.numel(), root])
             with contextlib.ExitStack() as stack:
                 dst = _bytes(stack.enter_context(_flat(t, copy_in=False)))
                 chunks = [None] * self._size
@@ -578,7 +753,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 algo([*chunks, dst])
             return outputs
 
-        return self._submit(f"scatter[{name}]", run, opts)
+        return self._submit(lane, f"scatter[{name}]", run, opts, [t, *(ins or ())])
 
     @_collective
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
@@ -586,7 +761,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """``dist.reduce_scatter``: rank i's output is the reduction of everyone's
         ``input_lists[0][i]``. Inputs are not modified."""
         opts = _options(opts, dist.ReduceScatterOptions)
-        t = self._single(outputs, "reduce_scatter")
+        t = self._single(outputs, "reduce_scatter")[0]
         if len(input_lists) != 1:
             raise ValueError(f"ringcomm reduce_scatter: expected one input list, got "
                              f"{len(input_lists)}")
@@ -621,7 +796,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def _slices(self, out: torch.Tensor, inp: torch.Tensor) -> tuple:
         op = "reduce_scatter_tensor"
         self._check(out, op, "output")
-        self._check(inp, op, "input")
+        self._check(inp, op, "input", out)
         if out.dtype != inp.dtype:
             raise ValueError(f"ringcomm {op}: output dtype {out.dtype} != input dtype {inp.dtype}")
         if inp.numel() != out.numel() * self._size:
@@ -631,18 +806,24 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             [inp.reshape(-1)[:0]] * self._size
 
     def _reduce_scatter_request(self, name: str, jobs: list, opts: Any, value: Any) -> dist.Work:
+        if not jobs:
+            raise ValueError(f"ringcomm {name}: no tensors given")
         out0 = jobs[0][0]
         op = ops.resolve(opts.reduceOp, out0.dtype, name)
-        for out, _ in jobs:
+        for k, (out, ins) in enumerate(jobs):
             ops.resolve(opts.reduceOp, out.dtype, name)
-        algos = [self._prepare("reduce_scatter", tuple(i.numel() for i in ins), out.dtype, op=op,
+            self._check(out, name, f"output {k}", out0)
+            for i, x in enumerate(ins):
+                self._check(x, name, f"input {i} of output {k}", out0)
+        lane = self._lane(out0, name)
+        algos = [self._prepare(lane, "reduce_scatter", tuple(i.numel() for i in ins), out.dtype, op=op,
                                nbytes=sum(i.numel() for i in ins) * out.element_size())[1]
                  for out, ins in jobs]
         size = self._size
 
         def run():
             for (out, ins), algo in zip(jobs, algos):
-                self._consistency_check(name, [out.numel(), int(op)])
+                self._consistency_check(lane, name, [out.numel(), int(op)])
                 work = torch.cat([i.reshape(-1) for i in ins])  # the ring writes partial sums
                 chunks, off = [], 0
                 for i in ins:
@@ -653,7 +834,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                     ops.finalize_(flat, op, size)
             return value
 
-        return self._submit(name, run, opts)
+        return self._submit(lane, name, run, opts,
+                            [t for out, ins in jobs for t in (out, *ins)])
 
     @_collective
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -666,8 +848,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 raise ValueError(f"ringcomm all_to_all: {len(lst)} {what} tensors, expected one "
                                  f"per rank ({p})")
         for i, (o, x) in enumerate(zip(outputs, inputs)):
-            self._check(o, "all_to_all", f"output {i}")
-            self._check(x, "all_to_all", f"input {i}")
+            self._check(o, "all_to_all", f"output {i}", inputs[0])
+            self._check(x, "all_to_all", f"input {i}", inputs[0])
             if o.dtype != inputs[0].dtype or x.dtype != inputs[0].dtype:
                 raise ValueError("ringcomm all_to_all: all tensors must share one dtype")
         if outputs[self._rank].numel() != inputs[self._rank].numel():
@@ -676,18 +858,19 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                              f"{self._rank} has {inputs[self._rank].numel()}")
         layout = (tuple(x.numel() * x.element_size() for x in inputs),
                   tuple(o.numel() * o.element_size() for o in outputs))
-        name, algo = self._prepare("alltoall", layout, torch.uint8,
+        lane = self._lane(inputs[0], "all_to_all")
+        name, algo = self._prepare(lane, "alltoall", layout, torch.uint8,
                                    nbytes=0)  # ranks may hold different sizes
 
         def run():
-            self._consistency_check("all_to_all", [])
+            self._consistency_check(lane, "all_to_all", [])
             with contextlib.ExitStack() as stack:
                 sends = [_bytes(stack.enter_context(_flat(x))) for x in inputs]
                 recvs = [_bytes(stack.enter_context(_flat(o, copy_in=False))) for o in outputs]
                 algo([*sends, *recvs])
             return outputs
 
-        return self._submit(f"all_to_all[{name}]", run, opts)
+        return self._submit(lane, f"all_to_all[{name}]", run, opts, [*outputs, *inputs])
 
     @_collective
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
@@ -697,8 +880,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         lists are empty, else the given row counts, zeros allowed)."""
         opts = _options(opts, dist.AllToAllOptions)
         op = "all_to_all_single"
-        self._check(output, op, "output")
         self._check(input, op, "input")
+        self._check(output, op, "output", input)
+        lane = self._lane(input, op)
         if output.dtype != input.dtype:
             raise ValueError(f"ringcomm {op}: output dtype {output.dtype} != input dtype "
                              f"{input.dtype}")
@@ -706,17 +890,17 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         recvs = self._split_rows(output, list(output_split_sizes), "output")
         item = input.element_size()
         layout = (tuple((b - a) * item for a, b in sends), tuple((b - a) * item for a, b in recvs))
-        name, algo = self._prepare("alltoall", layout, torch.uint8,
+        name, algo = self._prepare(lane, "alltoall", layout, torch.uint8,
                                    nbytes=0)  # ranks may hold different sizes
 
         def run():
-            self._consistency_check(op, [])
+            self._consistency_check(lane, op, [])
             with _flat(input) as src, _flat(output, copy_in=False) as dst:
                 algo([*(_bytes(src[a:b]) for a, b in sends),
                       *(_bytes(dst[a:b]) for a, b in recvs)])
             return [output]
 
-        return self._submit(f"{op}[{name}]", run, opts)
+        return self._submit(lane, f"{op}[{name}]", run, opts, (output, input))
 
     def _split_rows(self, t: torch.Tensor, splits: list[int], what: str) -> list[tuple[int, int]]:
         p = self._size
@@ -739,28 +923,53 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     # -- point-to-point -------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:
         """``dist.send``/``isend``: posted at once (non-blocking), so rings of sends
-        cannot deadlock; the Work completes when the message left."""
-        t = self._single(tensors, "send")
+        cannot deadlock; the Work completes when the message left. CUDA tensors go
+        over a two-rank NCCL communicator of the pair, on its own stream (``tag`` is
+        ignored there: NCCL matches by order, as in torch's NCCL backend)."""
+        t, lane = self._single(tensors, "send")
         self._peer(dstRank, "send")
+        if lane.on_stream:
+            return self._pair_message("send", t, dstRank)
         buf = t if t.is_contiguous() else t.contiguous()
-        h = self._tp.p2p_isend(_bytes(buf.view(-1)), dstRank, tag)
-        return P2PWork("send", self._engine, self._tp, h, self._timeout_s)
+        h = lane.tp.p2p_isend(_bytes(buf.view(-1)), dstRank, tag)
+        return P2PWork("send", lane.engine, lane.tp, h, self._timeout_s)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
         """``dist.recv``/``irecv`` from ``srcRank``."""
-        t = self._single(tensors, "recv")
+        t, lane = self._single(tensors, "recv")
         self._peer(srcRank, "recv")
-        return self._post_recv(t, srcRank, tag)
+        if lane.on_stream:
+            return self._pair_message("recv", t, srcRank)
+        return self._post_recv(lane, t, srcRank, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         """``dist.recv`` without a source; the Work knows the sender (``_source_rank``)."""
-        return self._post_recv(self._single(tensors, "recv"), None, tag)
+        t, lane = self._single(tensors, "recv")
+        if lane.on_stream:
+            raise ValueError(f"ringcomm recv: a receive from any rank needs MPI; NCCL has "
+                             f"none, so a tensor on {t.device} needs the source rank")
+        return self._post_recv(lane, t, None, tag)
 
-    def _post_recv(self, t: torch.Tensor, src: int | None, tag: int) -> dist.Work:
+    def _pair_message(self, kind: str, t: torch.Tensor, peer: int) -> dist.Work:
+        lane, pair_peer = self._pair_lane(t.device, peer, kind)
+        tp = lane.tp
+        move = tp.send if kind == "send" else tp.recv
+        buf = _bytes(t.view(-1))
+
+        def run():
+            tp.group_start()  # a lone message is a group of its own, as in torch
+            move(buf, pair_peer)
+            tp.group_end(kind)
+            return [t]
+
+        return lane.engine.submit(f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}",
+                                  run, async_op=True, timeout_s=self._timeout_s, keep=[t])
+
+    def _post_recv(self, lane: _Lane, t: torch.Tensor, src: int | None, tag: int) -> dist.Work:
         buf = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
-        h = self._tp.p2p_irecv(_bytes(buf.view(-1)), src, tag)
+        h = lane.tp.p2p_irecv(_bytes(buf.view(-1)), src, tag)
         on_done = None if buf is t else (lambda: t.copy_(buf))
-        return P2PWork("recv", self._engine, self._tp, h, self._timeout_s, on_done)
+        return P2PWork("recv", lane.engine, lane.tp, h, self._timeout_s, on_done)
 
     def _peer(self, peer: int, op: str) -> None:
         if not 0 <= peer < self._size:
@@ -787,7 +996,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             raise ValueError(f"ringcomm {op}: the tensor list has {len(lst)} tensors, "
                              f"expected one per rank ({self._size})")
         for i, x in enumerate(lst):
-            self._check(x, op, f"tensor {i} of the list")
+            self._check(x, op, f"tensor {i} of the list", like)
             if x.dtype != like.dtype:
                 raise ValueError(f"ringcomm {op}: tensor {i} of the list has dtype {x.dtype}, "
                                  f"expected {like.dtype}")
@@ -812,12 +1021,26 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     # -- lifecycle ------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the progress thread and release the communicators."""
-        self._engine.shutdown()
-        self._tp.close()
+        """Stop the progress thread and release the communicators (an NCCL communicator
+        whose work does not finish within seconds is aborted instead)."""
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._tp.close()
+        with self._lanes_lock:
+            lanes = [*self._lanes.values(), *self._pair_lanes.values()]
+            self._lanes, self._pair_lanes = {}, {}
+        for lane in lanes:
+            lane.engine.close()
 
     def abort(self) -> None:
         self.shutdown()
+
+    def _stop_threads(self, wait_s: float) -> None:
+        """At interpreter exit: stop the progress thread and watchdogs, release nothing."""
+        if self._engine is not None:
+            self._engine.shutdown(wait_s=wait_s)
+        for lane in [*self._lanes.values(), *self._pair_lanes.values()]:
+            lane.engine.shutdown(wait_s=wait_s)
 
 
 def _options(opts: Any, cls: type) -> Any:

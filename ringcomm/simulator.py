@@ -39,6 +39,7 @@ class SimFabric:
         self._cv = threading.Condition()
         self._blocked: set[int] = set()
         self._gone: set[int] = set()
+        self._aborted: set[int] = set()
         self._error: str | None = None
 
     def comm(self, rank: int) -> "SimComm":
@@ -69,13 +70,17 @@ class SimFabric:
             self._blocked.add(rank)
             try:
                 while True:
+                    if rank in self._aborted:
+                        raise SimulatorError(f"rank {rank}: the communicator was aborted")
                     self._progress()
                     self._cv.notify_all()
                     if self._error is not None:
                         raise SimulatorError(self._error)
                     if not self.rules.queues[rank]:
                         return
-                    if len(self._blocked | self._gone) == self.size:
+                    # a blocked rank whose work is done is about to return, not stuck
+                    waiting = {r for r in self._blocked if self.rules.queues[r]}
+                    if len(waiting | self._gone) == self.size:
                         self._error = self.rules.stuck_report()
                         self._cv.notify_all()
                         raise SimulatorError(self._error)
@@ -89,6 +94,12 @@ class SimFabric:
 
     def _leave(self, rank: int) -> None:
         with self._cv:
+            self._gone.add(rank)
+            self._cv.notify_all()
+
+    def _abort(self, rank: int) -> None:
+        with self._cv:
+            self._aborted.add(rank)
             self._gone.add(rank)
             self._cv.notify_all()
 
@@ -145,6 +156,11 @@ class SimComm:
     def close(self) -> None:
         """This rank enqueues nothing more."""
         self.fabric._leave(self.rank)
+
+    def abort(self) -> None:
+        """Like ``ncclCommAbort``: a :meth:`synchronize` of this rank, running or
+        later, raises; peers waiting for this rank get the stuck report."""
+        self.fabric._abort(self.rank)
 
     def _op(self, kind: str, buf: torch.Tensor, peer: int, payload) -> None:
         nbytes = buf.numel() * buf.element_size()

@@ -13,6 +13,9 @@ launcher, any world size.
 """
 from __future__ import annotations
 
+import collections
+import ctypes
+import os
 import threading
 from typing import Any, Callable, Sequence
 
@@ -38,29 +41,40 @@ def run_ranks(size: int, fn: Callable[[Transport], Any], timeout_s: float = 30.0
             within ``timeout_s``.
     """
     fabric = LocalFabric(size)
-    results: list[Any] = [None] * size
-    errors: list[tuple[int, BaseException]] = []
 
-    def body(rank: int) -> None:
+    def body(rank: int) -> Any:
         tp = fabric.transport(rank)
         tp.begin("run_ranks", timeout_s)
         try:
-            results[rank] = fn(tp)
-        except BaseException as e:  # noqa: BLE001
-            errors.append((rank, e))
+            return fn(tp)
         finally:
             tp.end()
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
+    return _on_threads("run_ranks", size, body, timeout_s)
+
+
+def _on_threads(what: str, size: int, body: Callable[[int], Any], timeout_s: float) -> list:
+    """``body(rank)`` on ``size`` threads; the results in rank order, or the lowest
+    rank's error."""
+    results: list[Any] = [None] * size
+    errors: list[tuple[int, BaseException]] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = body(rank)
+        except BaseException as e:  # noqa: BLE001
+            errors.append((rank, e))
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout_s + 5)
+        t.join(timeout_s + 10)
     if any(t.is_alive() for t in threads):
-        raise RuntimeError(f"run_ranks: ranks still running after {timeout_s}s")
+        raise RuntimeError(f"{what}: ranks still running after {timeout_s}s")
     if errors:
         rank, err = min(errors, key=lambda e: e[0])
-        raise RuntimeError(f"run_ranks: rank {rank} failed: {type(err).__name__}: {err}") from err
+        raise RuntimeError(f"{what}: rank {rank} failed: {type(err).__name__}: {err}") from err
     return results
 
 
@@ -98,3 +112,478 @@ def run_schedule(build: Callable, collective: str, size: int, layout: tuple,
         run_ranks(size, lambda tp: run_p2p(plans[tp.rank], tp, views(tp.rank), op), timeout_s)
     else:
         raise ValueError(f"run_schedule: executor must be one of {EXECUTORS}, got {executor!r}")
+
+
+# -- an NCCL stand-in: the CUDA path of the process group on CPU tensors ----------------
+
+class FakeNccl:
+    """A stand-in for ``cupy.cuda.nccl`` over CPU memory, for running ringcomm's
+    NCCL path (communicator set-up through the store, pointers, byte counts, type
+    codes, groups, NCCL's own collectives, aborts) where there is no GPU.
+
+    Messages follow NCCL's rules through :class:`ringcomm.simulator.SimFabric`:
+    ``groupEnd()`` returns once the group completed (as if the stream were
+    synchronised after each group), so a schedule that would hang on a GPU ends in
+    :class:`ringcomm.simulator.SimulatorError` naming the cycle. NCCL's own
+    collectives are lowered to messages to every peer plus a local reduction.
+
+    Pass it as ``nccl=`` to :class:`ringcomm.ProcessGroupRingcomm` with
+    ``nccl_device_type="cpu"``; :func:`nccl_groups` does that for a whole world.
+
+    Args:
+        id_form: what ``get_unique_id`` returns: ``"bytes"`` (CuPy 14) or
+            ``"tuple"`` of signed chars (CuPy 13); the communicator takes only that.
+        timeout_s: how long a group may wait for its peers.
+    """
+
+    available = True
+
+    def __init__(self, id_form: str = "bytes", timeout_s: float = 60.0):
+        if id_form not in ("bytes", "tuple"):
+            raise ValueError(f"FakeNccl: id_form must be 'bytes' or 'tuple', got {id_form!r}")
+        self.id_form = id_form
+        self.timeout_s = timeout_s
+        self._fabrics: dict[bytes, SimFabric] = {}
+        self._lock = threading.Lock()
+        self._tls = threading.local()
+        self.calls: dict[str, int] = collections.defaultdict(int)  # per method, for tests
+
+    @staticmethod
+    def get_version() -> int:
+        return 22703
+
+    def get_unique_id(self) -> Any:
+        raw = os.urandom(128)
+        if self.id_form == "bytes":
+            return raw
+        return tuple(x - 256 if x > 127 else x for x in raw)
+
+    def NcclCommunicator(self, ndev: int, uid: Any, rank: int) -> "_FakeComm":  # noqa: N802
+        want = bytes if self.id_form == "bytes" else tuple
+        if not isinstance(uid, want):
+            raise TypeError(f"FakeNccl({self.id_form!r}): the unique id must be "
+                            f"{want.__name__}, got {type(uid).__name__}")
+        key = bytes(x & 0xFF for x in uid)
+        with self._lock:
+            fabric = self._fabrics.setdefault(key, SimFabric(ndev))
+        if fabric.size != ndev or not 0 <= rank < ndev:
+            raise ValueError(f"FakeNccl: rank {rank} of {ndev} does not fit a communicator "
+                             f"of {fabric.size}")
+        return _FakeComm(self, fabric.comm(rank))
+
+    # -- groups (per thread, as in NCCL) --------------------------------------------
+    def groupStart(self) -> None:  # noqa: N802
+        self.calls["groupStart"] += 1
+        depth = getattr(self._tls, "depth", 0)
+        if depth == 0:
+            self._tls.ops = []
+        self._tls.depth = depth + 1
+
+    def groupEnd(self) -> None:  # noqa: N802
+        depth = getattr(self._tls, "depth", 0)
+        if depth == 0:
+            raise RuntimeError("FakeNccl: groupEnd without groupStart")
+        self._tls.depth = depth - 1
+        if depth == 1:
+            ops, self._tls.ops = self._tls.ops, []
+            self._run(ops)
+
+    def _enqueue(self, comm: "_FakeComm", sends: list, recvs: list, post=None) -> None:
+        """``sends``: ``(peer, tensor)``; ``recvs``: ``(peer, tensor)``; ``post``: runs
+        once the group completed."""
+        item = (comm, sends, recvs, post)
+        if getattr(self._tls, "depth", 0):
+            self._tls.ops.append(item)
+        else:  # a lone call is a group of its own
+            self._run([item])
+
+    def _run(self, items: list) -> None:
+        comms = []
+        for comm, _, _, _ in items:
+            if comm not in comms:
+                comms.append(comm)
+        for c in comms:
+            c.sim.group_start()
+        for comm, sends, recvs, _ in items:
+            for peer, t in sends:
+                comm.sim.send(t, peer)
+            for peer, t in recvs:
+                comm.sim.recv(t, peer)
+        for c in comms:
+            c.sim.group_end("group")
+        for c in comms:
+            c.sim.synchronize(self.timeout_s)
+        for _, _, _, post in items:
+            if post is not None:
+                post()
+
+
+#: NCCL type code -> torch dtype
+_FAKE_DTYPES = {0: torch.int8, 1: torch.uint8, 2: torch.int32, 4: torch.int64, 6: torch.float16,
+                7: torch.float32, 8: torch.float64, 9: torch.bfloat16}
+
+
+def _memory(ptr: int, count: int, code: int) -> torch.Tensor:
+    """The ``count`` elements of type ``code`` at address ``ptr``, as a tensor."""
+    dtype = _FAKE_DTYPES[code]
+    nbytes = count * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    raw = (ctypes.c_char * nbytes).from_address(ptr)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+
+
+def _fold(parts: list, op: int) -> torch.Tensor:
+    acc = parts[0].clone()
+    for x in parts[1:]:
+        if op in (0, 4):
+            acc.add_(x)
+        elif op == 1:
+            acc.mul_(x)
+        elif op == 2:
+            torch.maximum(acc, x, out=acc)
+        elif op == 3:
+            torch.minimum(acc, x, out=acc)
+        else:
+            raise ValueError(f"FakeNccl: unknown op code {op}")
+    if op == 4:
+        acc = acc / len(parts) if acc.is_floating_point() else torch.div(
+            acc, len(parts), rounding_mode="trunc")
+    return acc
+
+
+class _FakeComm:
+    """One rank's communicator of a :class:`FakeNccl`."""
+
+    def __init__(self, lib: FakeNccl, sim: Any):
+        self.lib = lib
+        self.sim = sim
+        self.rank, self.size = sim.rank, sim.size
+        self.aborted = False
+
+    def _others(self) -> list[int]:
+        return [r for r in range(self.size) if r != self.rank]
+
+    def send(self, buf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self.lib.calls["send"] += 1
+        self.lib._enqueue(self, [(peer, _memory(buf, count, datatype))], [])
+
+    def recv(self, buf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self.lib.calls["recv"] += 1
+        self.lib._enqueue(self, [], [(peer, _memory(buf, count, datatype))])
+
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,  # noqa: N802
+                  stream: int) -> None:
+        self.lib.calls["allReduce"] += 1
+        mine = _memory(sendbuf, count, datatype)
+        theirs = {r: torch.empty_like(mine) for r in self._others()}
+
+        def post():
+            parts = [mine if r == self.rank else theirs[r] for r in range(self.size)]
+            _memory(recvbuf, count, datatype).copy_(_fold(parts, op))
+
+        self.lib._enqueue(self, [(r, mine) for r in theirs], list(theirs.items()), post)
+
+    def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int,
+               stream: int) -> None:
+        self.lib.calls["reduce"] += 1
+        mine = _memory(sendbuf, count, datatype)
+        if self.rank != root:
+            self.lib._enqueue(self, [(root, mine)], [])
+            return
+        theirs = {r: torch.empty_like(mine) for r in self._others()}
+
+        def post():
+            parts = [mine if r == self.rank else theirs[r] for r in range(self.size)]
+            _memory(recvbuf, count, datatype).copy_(_fold(parts, op))
+
+        self.lib._enqueue(self, [], list(theirs.items()), post)
+
+    def broadcast(self, sendbuf: int, recvbuf: int, count: int, datatype: int, root: int,
+                  stream: int) -> None:
+        self.lib.calls["broadcast"] += 1
+        if self.rank == root:
+            src = _memory(sendbuf, count, datatype)
+
+            def post():
+                if sendbuf != recvbuf:
+                    _memory(recvbuf, count, datatype).copy_(src)
+
+            self.lib._enqueue(self, [(r, src) for r in self._others()], [], post)
+        else:
+            self.lib._enqueue(self, [], [(root, _memory(recvbuf, count, datatype))])
+
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,  # noqa: N802
+                  stream: int) -> None:
+        self.lib.calls["allGather"] += 1
+        mine = _memory(sendbuf, count, datatype)
+        out = _memory(recvbuf, count * self.size, datatype).view(self.size, -1) if count else None
+
+        def post():
+            if out is not None:
+                out[self.rank].copy_(mine)
+
+        self.lib._enqueue(self, [(r, mine) for r in self._others()],
+                          [(r, out[r]) for r in self._others()] if out is not None else [], post)
+
+    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int,  # noqa: N802
+                      op: int, stream: int) -> None:
+        self.lib.calls["reduceScatter"] += 1
+        if not recvcount:
+            return
+        blocks = _memory(sendbuf, recvcount * self.size, datatype).view(self.size, -1)
+        theirs = {r: torch.empty_like(blocks[0]) for r in self._others()}
+
+        def post():
+            parts = [blocks[r] if r == self.rank else theirs[r] for r in range(self.size)]
+            _memory(recvbuf, recvcount, datatype).copy_(_fold(parts, op))
+
+        self.lib._enqueue(self, [(r, blocks[r]) for r in theirs], list(theirs.items()), post)
+
+    def check_async_error(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.lib.calls["abort"] += 1
+        self.aborted = True
+        self.sim.abort()
+
+    def destroy(self) -> None:
+        self.lib.calls["destroy"] += 1
+        self.sim.close()
+
+
+def nccl_groups(size: int, fn: Callable[[Any], Any], *, lib: FakeNccl | None = None,
+                timeout_s: float = 30.0, options: Any = None) -> list[Any]:
+    """Call ``fn(pg)`` on ``size`` threads, each with a ringcomm process group whose
+    CPU tensors run over the NCCL path with :class:`FakeNccl` (communicators set up
+    through a shared in-process store); return the results in rank order.
+
+    Raises:
+        RuntimeError: some rank raised (the first error is chained) or did not finish.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from .process_group import ProcessGroupRingcomm
+
+    lib = lib or FakeNccl()
+    store = dist.HashStore()
+
+    def body(rank: int) -> Any:
+        pg = ProcessGroupRingcomm(rank, size, None, timedelta(seconds=timeout_s), options,
+                                  "fake-nccl", store=store, cpu_error="not used",
+                                  nccl=lib, nccl_device_type="cpu")
+        try:
+            return fn(pg)
+        finally:
+            pg.shutdown()
+
+    return _on_threads("nccl_groups", size, body, timeout_s)
+
+
+# -- every collective against a single-process oracle ---------------------------------
+
+#: reduce ops checked by default, by name
+CHECK_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
+
+
+def _case_input(rank: int, case: int, n: int, dtype: torch.dtype, op: str = "SUM") -> torch.Tensor:
+    """Rank ``rank``'s input of check ``case``: small integers (powers of two for
+    PRODUCT), so sums and products are exact in every dtype and any order."""
+    g = torch.Generator().manual_seed(7919 * case + rank)
+    if op == "PRODUCT":
+        vals = torch.tensor([-2, -1, 1, 2])[torch.randint(0, 4, (n,), generator=g)]
+    else:
+        vals = torch.randint(-4, 5, (n,), generator=g)
+    return vals.to(dtype)
+
+
+def _oracle(parts: list[torch.Tensor], op: str) -> torch.Tensor:
+    acc = parts[0].clone()
+    for x in parts[1:]:
+        if op in ("SUM", "AVG"):
+            acc.add_(x)
+        elif op == "PRODUCT":
+            acc.mul_(x)
+        elif op == "MIN":
+            torch.minimum(acc, x, out=acc)
+        elif op == "MAX":
+            torch.maximum(acc, x, out=acc)
+    ops.finalize_(acc, getattr(ops, op), len(parts))
+    return acc
+
+
+def check_collectives(pg: Any, device: torch.device | str, *,
+                      dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16,
+                                                       torch.float16, torch.int64),
+                      reduce_ops: Sequence[str] = CHECK_OPS, numel: int = 37,
+                      algorithms: dict[str, Sequence[str]] | None = None) -> int:
+    """Run every collective with every algorithm of ``pg`` on ``device`` and compare
+    with a single-process oracle (each rank knows every rank's input). Every rank
+    must make the same call. Returns the number of checks.
+
+    ``algorithms``: collective -> names to run (default: all registered). Where the
+    transport has no ``native`` collective, that it is refused is checked instead.
+
+    Raises:
+        AssertionError: listing every check whose result differed.
+    """
+    import torch.distributed as dist
+
+    from .algorithms import REGISTRY
+
+    device = torch.device(device)
+    p, me = pg.size(), pg.rank()
+    failures: list[str] = []
+    counter = [0, 0]  # checks, case number
+
+    def inputs(n: int, dtype: torch.dtype, op: str = "SUM") -> list[torch.Tensor]:
+        counter[1] += 1
+        return [_case_input(r, counter[1], n, dtype, op) for r in range(p)]
+
+    def expect(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        counter[0] += 1
+        got = got.cpu()
+        if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
+            diff = (got.double() - want.double()).abs().max().item() if got.shape == want.shape \
+                else f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
+            failures.append(f"{what}: differs from the oracle (max |diff| {diff})")
+
+    def names(coll: str) -> list[str]:
+        chosen = (algorithms or {}).get(coll)
+        return list(chosen) if chosen is not None else sorted(REGISTRY[coll])
+
+    def run(what: str, coll: str, name: str, call: Callable[[], Any]) -> bool:
+        """Run one call with ``name`` for ``coll``; False when native was refused."""
+        pg.set_algorithm(coll, name)
+        try:
+            call().wait()
+        except ValueError as e:
+            if name == "native" and "native" in str(e) or "NCCL has no" in str(e):
+                counter[0] += 1  # refused before anything was enqueued, on every rank
+                return False
+            failures.append(f"{what}: {type(e).__name__}: {e}")
+            return False
+        finally:
+            pg.set_algorithm(coll, "auto")
+        return True
+
+    on = {"device": device}  # fresh tensors; .to(device, copy=True) for copies of inputs
+    for name in names("allreduce"):
+        for dtype in dtypes:
+            for op in reduce_ops:
+                xs = inputs(numel, dtype, op)
+                t = xs[me].to(device, copy=True)
+                what = f"allreduce[{name}] {dtype} {op}"
+                o = dist.AllreduceOptions()
+                o.reduceOp = getattr(dist.ReduceOp, op)
+                if run(what, "allreduce", name, lambda: pg.allreduce([t], o)):
+                    expect(what, t, _oracle(xs, op))
+    for coll in ("reduce", "broadcast"):
+        for name in names(coll):
+            for dtype in dtypes:
+                for root in sorted({0, p - 1}):
+                    xs = inputs(numel, dtype)
+                    t = xs[me].to(device, copy=True)
+                    if coll == "reduce":
+                        o = dist.ReduceOptions()
+                        o.reduceOp = dist.ReduceOp.SUM
+                        want = _oracle(xs, "SUM") if me == root else xs[me]
+                    else:
+                        o, want = dist.BroadcastOptions(), xs[root]
+                    o.rootRank = root
+                    what = f"{coll}[{name}] {dtype} root {root}"
+                    method = getattr(pg, coll)
+                    if run(what, coll, name, lambda: method([t], o)):
+                        expect(what, t, want)
+    for name in names("allgather"):
+        for dtype in dtypes:
+            xs = inputs(numel, dtype)
+            outs = [torch.empty(numel, dtype=dtype, **on) for _ in range(p)]
+            what = f"allgather[{name}] {dtype}"
+            if run(what, "allgather", name,
+                   lambda: pg.allgather([outs], [xs[me].to(device, copy=True)])):
+                expect(what, torch.stack(outs), torch.stack(xs))
+            out = torch.empty(p * numel, dtype=dtype, **on)
+            what = f"all_gather_into_tensor[{name}] {dtype}"
+            if run(what, "allgather", name, lambda: pg._allgather_base(out, xs[me].to(device, copy=True))):
+                expect(what, out, torch.cat(xs))
+        # uneven sizes: rank r contributes r + 1 elements
+        xs = [_case_input(r, 0, r + 1, torch.float32) for r in range(p)]
+        outs = [torch.empty(r + 1, **on) for r in range(p)]
+        what = f"allgather[{name}] uneven"
+        if run(what, "allgather", name, lambda: pg.allgather([outs], [xs[me].to(device, copy=True)])):
+            expect(what, torch.cat(outs), torch.cat(xs))
+    for name in names("reduce_scatter"):
+        for dtype in dtypes:
+            for op in reduce_ops:
+                xs = inputs(numel * p, dtype, op)
+                full = _oracle(xs, op)
+                out = torch.empty(numel, dtype=dtype, **on)
+                o = dist.ReduceScatterOptions()
+                o.reduceOp = getattr(dist.ReduceOp, op)
+                what = f"reduce_scatter_tensor[{name}] {dtype} {op}"
+                inp = xs[me].to(device, copy=True)
+                if run(what, "reduce_scatter", name, lambda: pg._reduce_scatter_base(out, inp, o)):
+                    expect(what, out, full.view(p, -1)[me])
+                    expect(what + " (input untouched)", inp, xs[me])
+        xs = inputs(p * (p + 1) // 2, torch.float32)  # uneven: chunk r has r + 1 elements
+        chunks = [list(x.split([r + 1 for r in range(p)])) for x in xs]
+        out = torch.empty(me + 1, **on)
+        what = f"reduce_scatter[{name}] uneven"
+        if run(what, "reduce_scatter", name,
+               lambda: pg.reduce_scatter([out], [[c.to(device, copy=True) for c in chunks[me]]],
+                                         dist.ReduceScatterOptions())):
+            expect(what, out, _oracle([c[me] for c in chunks], "SUM"))
+    for name in names("gather"):
+        xs = inputs(numel, torch.float32)
+        root = p - 1
+        outs = [torch.empty(numel, **on) for _ in range(p)] if me == root else []
+        o = dist.GatherOptions()
+        o.rootRank = root
+        what = f"gather[{name}]"
+        if run(what, "gather", name, lambda: pg.gather([outs] if outs else [],
+                                                       [xs[me].to(device, copy=True)], o)):
+            if me == root:
+                expect(what, torch.stack(outs), torch.stack(xs))
+    for name in names("scatter"):
+        xs = inputs(numel * p, torch.float32)
+        root = 0
+        out = torch.empty(numel, **on)
+        o = dist.ScatterOptions()
+        o.rootRank = root
+        ins = [list(x.to(device, copy=True).view(p, -1).unbind(0)) for x in xs]
+        what = f"scatter[{name}]"
+        if run(what, "scatter", name,
+               lambda: pg.scatter([out], [ins[me]] if me == root else [], o)):
+            expect(what, out, xs[root].view(p, -1)[me])
+    for name in names("alltoall"):
+        xs = inputs(numel * p, torch.float32)
+        out = torch.empty(numel * p, **on)
+        what = f"all_to_all_single[{name}]"
+        if run(what, "alltoall", name,
+               lambda: pg.alltoall_base(out, xs[me].to(device, copy=True), [], [], dist.AllToAllOptions())):
+            expect(what, out, torch.cat([x.view(p, -1)[me] for x in xs]))
+        outs = [torch.empty(numel, **on) for _ in range(p)]
+        what = f"all_to_all[{name}]"
+        if run(what, "alltoall", name,
+               lambda: pg.alltoall(outs, list(xs[me].to(device, copy=True).view(p, -1).unbind(0)),
+                                   dist.AllToAllOptions())):
+            expect(what, torch.cat(outs), torch.cat([x.view(p, -1)[me] for x in xs]))
+    for name in names("barrier"):
+        o = dist.BarrierOptions()
+        o.device = device
+        if run(f"barrier[{name}]", "barrier", name, lambda: pg.barrier(o)):
+            counter[0] += 1
+    xs, ys = inputs(numel, torch.float32), inputs(5, torch.int64)
+    a, b = xs[me].to(device, copy=True), ys[me].to(device, copy=True)
+    what = "allreduce_coalesced"
+    if run(what, "allreduce", "auto", lambda: pg.allreduce_coalesced([a, b])):
+        expect(what, a, _oracle(xs, "SUM"))
+        expect(what, b, _oracle(ys, "SUM"))
+    if failures:
+        raise AssertionError(f"rank {me}: {len(failures)} of {counter[0]} checks failed:\n  "
+                             + "\n  ".join(failures))
+    return counter[0]

@@ -17,7 +17,30 @@ def _unwrap(fut: torch.futures.Future) -> Any:
     return value
 
 
-class Work(dist.Work):
+class BaseWork(dist.Work):
+    """What every ringcomm Work answers from its state (``_op``, ``_exc``, ``_value``)
+    and its :meth:`is_completed`."""
+
+    _op: str
+    _exc: BaseException | None
+    _value: Any
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._exc is None
+
+    def exception(self) -> BaseException | None:
+        return self._exc
+
+    def result(self) -> Any:
+        self.wait()
+        return self._value
+
+    def __repr__(self) -> str:
+        state = "failed" if self._exc else "done" if self.is_completed() else "pending"
+        return f"<ringcomm.{type(self).__name__} {self._op} {state}>"
+
+
+class Work(BaseWork):
     """Completion handle of one collective.
 
     torch's C++ side forwards only :meth:`wait` and :meth:`get_future` to Python
@@ -105,22 +128,8 @@ class Work(dist.Work):
     def is_completed(self) -> bool:
         return self._done
 
-    def is_success(self) -> bool:
-        return self._done and self._exc is None
-
-    def exception(self) -> BaseException | None:
-        return self._exc
-
-    def result(self) -> Any:
-        self.wait()
-        return self._value
-
     def synchronize(self) -> None:
         self.wait()
-
-    def __repr__(self) -> str:
-        state = "failed" if self._exc else "done" if self._done else "pending"
-        return f"<ringcomm.Work {self._op} {state}>"
 
 
 class P2PWork(Work):

@@ -194,11 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--algos", default=DEFAULT_ALGOS,
                    help="ringcomm algorithms to compare (ring, tree, auto, native, any "
                         "registered name), or all")
-    g.add_argument("--peers", default=",".join(PEER_NAMES),
+    g.add_argument("--peers", default=None,
                    help="other implementations to compare: mpi (the MPI library's own "
                         "collective), gloo, nccl (only with CUDA), floor (allreduce: "
                         "dispatch into a do-nothing process group + mpi's time; needs mpi); "
-                        "'none' for none")
+                        "'none' for none (default: all with --device cpu, nccl with cuda)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where ringcomm's algorithms run: CPU tensors over MPI, or CUDA "
+                        "tensors over NCCL (one GPU per rank, or one shared GPU with "
+                        "NCCL_MULTI_RANK_GPU_ENABLE=1)")
     g = p.add_argument_group("ringcomm settings")
     g.add_argument("--segment-bytes", type=parse_size, default=None,
                    help="ringcomm pipeline segment size (default: ringcomm's)")
@@ -250,6 +254,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         a.ops = _names(a.op, OP_NAMES, "reduction op (-o)", {"product": "prod"})
         a.dtypes = _names(a.dtype, DTYPE_NAMES, "data type (-d)", DTYPE_ALIASES)
         a.algo_list = [s.strip() for s in a.algos.split(",") if s.strip()]
+        if a.peers is None:
+            a.peers = "nccl" if a.device == "cuda" else ",".join(PEER_NAMES)
         if a.peers.strip().lower() in ("", "none"):
             a.peer_list = []
         else:
@@ -403,16 +409,22 @@ class Bench:
         import numpy as np
         import torch
         import torch.distributed as dist
-        from mpi4py import MPI
 
         import ringcomm
 
+        try:
+            from mpi4py import MPI
+        except (ImportError, RuntimeError, OSError) as e:  # a GPU machine without MPI
+            MPI, self.no_mpi = None, f"MPI cannot be loaded here ({type(e).__name__}: {e})"
+        else:
+            self.no_mpi = None
         self.np, self.torch, self.dist, self.MPI, self.ringcomm = np, torch, dist, MPI, ringcomm
         self.args = args
         self.rank, self.p = dist.get_rank(), dist.get_world_size()
         self.pg = ringcomm.get_group()
-        self.comm = self._mpi_comm()
-        self.hosts = self.comm.allgather(socket.gethostname())
+        self.comm = self._mpi_comm() if MPI is not None else None
+        self.ctrl = _Control(self.comm, dist, self.p)
+        self.hosts = self.ctrl.allgather(socket.gethostname())
         self.local_size = self.hosts.count(self.hosts[self.rank])
         self.local_rank = self.hosts[: self.rank].count(self.hosts[self.rank])
         if args.threads == "auto":
@@ -466,39 +478,61 @@ class Bench:
 
     def _columns(self) -> list[Column]:
         torch, dist, args = self.torch, self.dist, self.args
-        cols = [Column(a, "ringcomm", a) for a in self._algo_names()]
+        if args.device == "cuda":
+            why = self._cuda_missing()
+            cols = [Column(a, "ringcomm-cuda", a, device="cuda", skipped=why)
+                    for a in self._algo_names()]
+        else:
+            cols = [Column(a, "ringcomm", a) for a in self._algo_names()]
         for peer in args.peer_list:
             if peer == "mpi":
-                cols.append(Column("mpi", "mpi", None))
+                cols.append(Column("mpi", "mpi", None, skipped=self.no_mpi))
             elif peer == "gloo":
                 why = None if dist.is_gloo_available() else "torch was built without gloo"
                 cols.append(Column("gloo", "gloo", None, skipped=why))
             elif peer == "nccl":
-                why = None
-                if not torch.cuda.is_available():
-                    why = "no CUDA device"
-                elif not dist.is_nccl_available():
-                    why = "torch was built without NCCL"
-                elif torch.cuda.device_count() < self.local_size:
-                    why = (f"{self.local_size} ranks per node share {torch.cuda.device_count()} "
-                           "GPU(s); NCCL needs one GPU per rank")
+                why = self._cuda_missing() or (None if dist.is_nccl_available()
+                                               else "torch was built without NCCL")
                 cols.append(Column("nccl", "nccl", None, device="cuda", skipped=why))
-                cols.append(Column("rc-nccl", "ringcomm-cuda", "auto", device="cuda", skipped=why))
+                if args.device != "cuda":
+                    cols.append(Column("rc-nccl", "ringcomm-cuda", "auto", device="cuda",
+                                       skipped=why))
         if "floor" in args.peer_list:
             why = None
             if "allreduce" not in args.collectives:
                 why = "measured for allreduce only"
             elif "mpi" not in args.peer_list:
                 why = "needs the mpi column (add mpi to --peers)"
-            cols.append(Column("floor", "floor", None, skipped=why))
+            elif args.device == "cuda":
+                why = "the floor is for CPU tensors over MPI"
+            cols.append(Column("floor", "floor", None, skipped=why or self.no_mpi))
         # Every rank must agree on which columns run (they all call the same collectives).
         mine = [(c.name, c.skipped) for c in cols]
-        if self.comm.allgather(mine) != [mine] * self.p:
+        if self.ctrl.allgather(mine) != [mine] * self.p:
             raise RuntimeError("compare_collectives: ranks disagree on the columns to run "
                                "(different CUDA/gloo availability?)")
         if self.nccl_needed(cols):
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
         return cols
+
+    def _nccl_version(self) -> str | None:
+        """The NCCL ringcomm loads through CuPy (None without CuPy)."""
+        from ringcomm.transport import nccl
+        try:
+            return nccl.version(nccl.load())
+        except Exception:  # noqa: BLE001 - no CuPy or no NCCL here
+            return None
+
+    def _cuda_missing(self) -> str | None:
+        """Why CUDA columns cannot run here (None: they can)."""
+        torch = self.torch
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        if torch.cuda.device_count() < self.local_size and not _gpu_sharing():
+            return (f"{self.local_size} ranks per node share {torch.cuda.device_count()} GPU(s); "
+                    "NCCL needs one GPU per rank (or NCCL_MULTI_RANK_GPU_ENABLE=1 with "
+                    "NCCL >= 2.30.3)")
+        return None
 
     @staticmethod
     def nccl_needed(cols: list[Column]) -> bool:
@@ -695,7 +729,7 @@ class Bench:
 
     def _agree(self, err: str | None) -> str | None:
         """The first error any rank saw (every rank gets the same answer)."""
-        errs = [e for e in self.comm.allgather(err) if e]
+        errs = [e for e in self.ctrl.allgather(err) if e]
         return errs[0] if errs else None
 
     def _everywhere(self, fn: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -769,7 +803,7 @@ class Bench:
             sync()
             one = max(time.perf_counter() - t0, 1e-7)
             iters = min(a.max_iters, max(a.iters, math.ceil(a.min_time / one)))
-        return self.comm.allreduce(iters, op=self.MPI.MAX)
+        return max(self.ctrl.allgather(iters))
 
     def batch(self, col: Column, coll: str, call: Callable[[], None],
               sync: Callable[[], None], n: int) -> "Any":
@@ -780,7 +814,7 @@ class Bench:
         sync()
         times = np.empty(n)
         clock = time.perf_counter
-        self.comm.Barrier()
+        self.ctrl.barrier()
         for k in range(n):
             t0 = clock()
             call()
@@ -793,7 +827,7 @@ class Bench:
         """Every column at one size. Timed calls run in ``--rounds`` rounds that visit
         the columns in turn (rotating the order), so load from other processes on
         the machine falls on every column alike and the ratios stay fair."""
-        np, comm = self.np, self.comm
+        np = self.np
         dtype = self.dtype(dtype_name)
         row: dict[str, Point] = {}
         ready: dict[str, tuple] = {}
@@ -843,7 +877,7 @@ class Bench:
         for name, (col, _, _, wrong) in ready.items():
             ts = np.concatenate(times[name])
             q25, med, q75 = (float(x) * 1e6 for x in np.percentile(ts, [25, 50, 75]))
-            everyone = comm.allgather((q25, med, q75, wrong))  # one exchange for all stats
+            everyone = self.ctrl.allgather((q25, med, q75, wrong))  # one exchange for all stats
             q25s, meds, q75s = ([e[i] for e in everyone] for i in range(3))
             if wrong is not None:
                 wrong = sum(e[3] for e in everyone)
@@ -903,7 +937,7 @@ class Bench:
                 ts.append(time.perf_counter() - t0)
             samples.append((self.p, n * esize, float(self.np.median(ts))))
         g = costmodel.fit("local", None, samples, segment_bytes=1).beta
-        g = max(self.comm.allgather(g))
+        g = max(self.ctrl.allgather(g))
         self.gamma[key] = g
         return g
 
@@ -964,8 +998,10 @@ class Bench:
         return {
             "started": self.started, "world_size": self.p, "hosts": hosts, "launcher": launcher,
             "versions": {"ringcomm": self.ringcomm.__version__, "torch": torch.__version__,
-                         "mpi4py": __import__("mpi4py").__version__,
-                         "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+                         "mpi4py": _version_of("mpi4py"),
+                         "mpi_library": (MPI.Get_library_version().splitlines()[0].strip()
+                                         if MPI is not None else self.no_mpi),
+                         "cupy": _version_of("cupy"), "nccl": self._nccl_version(),
                          "numpy": self.np.__version__, "python": platform.python_version()},
             "device": {"cpu": _cpu_model(), "cores": os.cpu_count(), "cuda": cuda,
                        "torch_threads_per_rank": self.threads},
@@ -996,7 +1032,8 @@ class Bench:
             f"# world: {self.p} ranks on {len(m['hosts'])} host(s): {hosts}; launcher "
             f"{m['launcher']}",
             f"# versions: ringcomm {v['ringcomm']}, torch {v['torch']}, mpi4py {v['mpi4py']}, "
-            f"{v['mpi_library']}, numpy {v['numpy']}, python {v['python']}",
+            f"{v['mpi_library']}, numpy {v['numpy']}, python {v['python']}"
+            + (f", cupy {v['cupy']}, NCCL {v['nccl']}" if v["cupy"] else ""),
             f"# device: {d['cpu']}, {d['cores']} cores, torch threads per rank {d['torch_threads_per_rank']}"
             + (f"; CUDA {d['cuda']}" if d["cuda"] else "; no CUDA"),
             f"# ringcomm: segment {format_size(m['ringcomm']['segment_bytes'])}, auto tuning "
@@ -1152,6 +1189,43 @@ def register_null_backend() -> str:
 
     dist.Backend.register_backend(NULL_BACKEND, create, extended_api=True, devices=["cpu"])
     return NULL_BACKEND
+
+
+def _gpu_sharing() -> bool:
+    """Whether NCCL was told it may run several ranks on one GPU: NCCL >= 2.30.3 with
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1``, or distinct ``NCCL_HOSTID`` per rank (the ranks
+    then look like separate hosts to NCCL)."""
+    return os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1" or "NCCL_HOSTID" in os.environ
+
+
+def _version_of(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - not installed, or not loadable here
+        return None
+
+
+class _Control:
+    """The untimed exchanges between ranks (agreeing on columns, iteration counts,
+    statistics): over MPI when it is there, else over a gloo group, so the script
+    also runs on a GPU machine without an MPI library."""
+
+    def __init__(self, comm: Any, dist: Any, size: int):
+        self.comm, self.dist, self.size = comm, dist, size
+        self.group = dist.new_group(backend="gloo") if comm is None else None
+
+    def allgather(self, obj: Any) -> list:
+        if self.comm is not None:
+            return self.comm.allgather(obj)
+        out: list = [None] * self.size
+        self.dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.comm is not None:
+            self.comm.Barrier()
+        else:
+            self.dist.barrier(group=self.group)
 
 
 def _noop() -> None:
@@ -1803,7 +1877,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except (OSError, ValueError, ImportError) as e:
                 print(f"compare_collectives: error: {e}", file=sys.stderr, flush=True)
                 rc = 2
-        rc = bench.comm.bcast(rc, root=0)
+        rc = bench.ctrl.allgather(rc)[0]
     finally:
         dist.destroy_process_group()
     return rc

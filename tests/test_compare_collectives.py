@@ -191,6 +191,14 @@ def test_torchrun_launch():
     assert "wrong values in total: 0 OK" in proc.stdout
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_columns_without_a_gpu_are_skipped_with_the_reason():
+    proc = mpirun(2, SCRIPT, "--device", "cuda", "-b", "1K", "-e", "1K", "--no-model",
+                  "--targets", "none", timeout=120)
+    assert "skipped: ring (no CUDA device); tree (no CUDA device); auto (no CUDA device); " \
+           "nccl (no CUDA device)" in proc.stdout
+
+
 def _targets_file(path, targets):
     path.write_text(json.dumps({"schema": cc.TARGETS_SCHEMA, "targets": targets}))
     return str(path)

@@ -1,4 +1,4 @@
-"""Point-to-point transports. Algorithms see only :class:`Transport`."""
-from .base import Handle, Transport, TransportTimeout
+"""Transports: what runs a schedule on one device. Algorithms see none of them."""
+from .base import Channel, Handle, Transport, TransportTimeout
 
-__all__ = ["Handle", "Transport", "TransportTimeout"]
+__all__ = ["Channel", "Handle", "Transport", "TransportTimeout"]

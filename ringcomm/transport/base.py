@@ -1,9 +1,15 @@
-"""The point-to-point interface every collective algorithm is written against.
+"""What the process group needs from the layer below, for one device.
 
-A transport moves contiguous tensors between the ranks of one group and knows
-nothing of collectives. One collective runs on a transport at a time (the
-engine guarantees it); :meth:`Transport.begin` sets the deadline every wait of
-that collective honours.
+:class:`Channel`: rank, size, device, scratch buffers, running a compiled
+schedule (:meth:`Channel.execute`) and the library's own collectives. Two kinds:
+
+* :class:`Transport` (MPI for CPU tensors, threads in tests): non-blocking
+  point-to-point requests that a caller waits on. It moves contiguous tensors
+  between the ranks of one group and knows nothing of collectives. One
+  collective runs on a transport at a time (the engine guarantees it);
+  :meth:`Transport.begin` sets the deadline every wait of that collective honours.
+* :class:`ringcomm.transport.nccl.NcclTransport` (CUDA tensors): NCCL groups
+  enqueued on a stream, never waited on by the transport itself.
 """
 from __future__ import annotations
 
@@ -33,28 +39,102 @@ class Handle:
         self.status = status
 
 
-class Transport(abc.ABC):
-    """Point-to-point messaging among ``size`` ranks; this process is ``rank``.
+def packed(chunks: Sequence[torch.Tensor]) -> tuple[int, list[int], list[int]] | None:
+    """(base address, byte counts, byte displacements) when 1-D ``chunks`` lie back
+    to back in memory, else None."""
+    counts = [c.numel() * c.element_size() for c in chunks]
+    base = next((c.data_ptr() for c in chunks if c.numel()), 0)
+    displs, off = [], 0
+    for c, n in zip(chunks, counts):
+        if n and c.data_ptr() != base + off:
+            return None
+        displs.append(off)
+        off += n
+    return base, counts, displs
 
-    Subclasses implement :meth:`isend`, :meth:`irecv`, :meth:`wait_all` and
-    :meth:`abandon`; helpers (send, recv, sendrecv, scratch, reduce_) build on those.
-    """
+
+class Channel(abc.ABC):
+    """One group's link between ``size`` ranks on one device; this process is ``rank``."""
 
     rank: int
     size: int
     device: torch.device
-    #: collective tags are taken modulo this
-    tag_limit: int = 1 << 30
 
     def __init__(self, rank: int, size: int, device: torch.device):
         self.rank = rank
         self.size = size
         self.device = device
+        self._scratch: dict[int, torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}
+
+    @abc.abstractmethod
+    def execute(self, plan: Any, views: list, op: Any) -> None:
+        """Run compiled schedule ``plan`` (:class:`ringcomm.executors.Plan`) on
+        ``views``, the tensors of its regions, reducing with ``op``."""
+
+    # -- the library's own collectives (algorithm "native") ------------------------
+    def check_native(self, collective: str, dtype: torch.dtype, op: Any) -> None:
+        """Raise ValueError unless :meth:`native` can run ``collective`` on ``dtype``
+        with ``op`` (called before anything is enqueued)."""
+        raise ValueError(f"ringcomm {collective}: algorithm 'native' needs a transport with "
+                         f"collectives of its own; {type(self).__name__} has none")
+
+    def native(self, collective: str, bufs: list, layout: tuple, dtype: torch.dtype, op: Any,
+               root: int) -> None:
+        """Run the transport library's own ``collective`` on the caller's buffers,
+        ordered and sized as for a schedule (``ringcomm.schedule.BUFFERS``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no collectives of its own")
+
+    # -- local work ----------------------------------------------------------
+    def reduce_(self, dst: torch.Tensor, src: torch.Tensor, op: ops.RedOpType) -> None:
+        """dst = dst (op) src on this rank's device."""
+        ops.reduce_(dst, src, op)
+
+    def scratch(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reusable work buffer of ``numel`` elements, distinct per ``slot``.
+
+        Cached across collectives: fresh allocations of large buffers would pay page
+        faults on every call. Contents are undefined.
+        """
+        key = (slot, numel, dtype)
+        view = self._views.get(key)
+        if view is not None:  # small collectives ask for the same view every call
+            return view
+        nbytes = numel * dtype.itemsize
+        buf = self._scratch.get(slot)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+            self._scratch[slot] = buf
+            self._views = {k: v for k, v in self._views.items() if k[0] != slot}
+        view = self._views[key] = buf[:nbytes].view(dtype)
+        if len(self._views) > 256:
+            self._views.clear()
+        return view
+
+    def close(self) -> None:
+        """Release communicators. The channel is unusable afterwards."""
+
+
+class Transport(Channel):
+    """Point-to-point messaging among ``size`` ranks; this process is ``rank``.
+
+    Subclasses implement :meth:`isend`, :meth:`irecv`, :meth:`wait_all` and
+    :meth:`abandon`; helpers (send, recv, sendrecv) build on those. Schedules run
+    on it with :func:`ringcomm.executors.run_p2p`.
+    """
+
+    #: collective tags are taken modulo this
+    tag_limit: int = 1 << 30
+
+    def __init__(self, rank: int, size: int, device: torch.device):
+        super().__init__(rank, size, device)
         self._deadline = float("inf")
         self._what = ""
         self._tag = 0
-        self._scratch: dict[int, torch.Tensor] = {}
-        self._views: dict[tuple, torch.Tensor] = {}
+
+    def execute(self, plan: Any, views: list, op: Any) -> None:
+        from ..executors import run_p2p  # executors drive transports, not the reverse
+        run_p2p(plan, self, views, op)
 
     # -- per-collective state ------------------------------------------------
     def begin(self, what: str, timeout_s: float, tag: int = 0) -> None:
@@ -135,49 +215,8 @@ class Transport(abc.ABC):
         """The sender of a completed receive."""
         return handle.peer
 
-    # -- the library's own collectives (algorithm "native") ------------------------
-    def check_native(self, collective: str, dtype: torch.dtype, op: Any) -> None:
-        """Raise ValueError unless :meth:`native` can run ``collective`` on ``dtype``
-        with ``op`` (called before anything is enqueued)."""
-        raise ValueError(f"ringcomm {collective}: algorithm 'native' needs a transport with "
-                         f"collectives of its own; {type(self).__name__} has none")
-
-    def native(self, collective: str, bufs: list, layout: tuple, dtype: torch.dtype, op: Any,
-               root: int) -> None:
-        """Run the transport library's own ``collective`` on the caller's buffers,
-        ordered and sized as for a schedule (``ringcomm.schedule.BUFFERS``)."""
-        raise NotImplementedError(f"{type(self).__name__} has no collectives of its own")
-
-    # -- local work ----------------------------------------------------------
-    def reduce_(self, dst: torch.Tensor, src: torch.Tensor, op: ops.RedOpType) -> None:
-        """dst = dst (op) src on this rank's device."""
-        ops.reduce_(dst, src, op)
-
-    def scratch(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A reusable work buffer of ``numel`` elements, distinct per ``slot``.
-
-        Cached across collectives: fresh allocations of large buffers would pay page
-        faults on every call. Contents are undefined.
-        """
-        key = (slot, numel, dtype)
-        view = self._views.get(key)
-        if view is not None:  # small collectives ask for the same view every call
-            return view
-        nbytes = numel * dtype.itemsize
-        buf = self._scratch.get(slot)
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
-            self._scratch[slot] = buf
-            self._views = {k: v for k, v in self._views.items() if k[0] != slot}
-        view = self._views[key] = buf[:nbytes].view(dtype)
-        if len(self._views) > 256:
-            self._views.clear()
-        return view
-
     def timeout_message(self, pending: Sequence[Handle]) -> str:
         peers = sorted({f"{h.kind} {'to' if h.kind == 'send' else 'from'} rank {h.peer}"
                         for h in pending})
         return f"waiting for {', '.join(peers) or 'peers'}"
 
-    def close(self) -> None:
-        """Release communicators. The transport is unusable afterwards."""

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
-from .base import Handle, Transport, TransportTimeout
+from .base import Handle, Transport, TransportTimeout, packed
 
 _monotonic = time.monotonic
 _yield = os.sched_yield
@@ -127,34 +127,20 @@ def _op_name(op) -> str:
     return str(op).rsplit(".", 1)[-1]
 
 
-def _packed(chunks: list) -> tuple[int, list[int], list[int]] | None:
-    """(base address, byte counts, byte displacements) when 1-D ``chunks`` lie back
-    to back in memory, else None."""
-    counts = [c.numel() * c.element_size() for c in chunks]
-    base = next((c.data_ptr() for c in chunks if c.numel()), 0)
-    displs, off = [], 0
-    for c, n in zip(chunks, counts):
-        if n and c.data_ptr() != base + off:
-            return None
-        displs.append(off)
-        off += n
-    return base, counts, displs
-
-
 def _vector(chunks: list, fill: bool) -> tuple[list, torch.Tensor | None]:
     """An MPI ``[buffer, counts, displs, BYTE]`` over 1-D byte ``chunks``; when they
     are not back to back, over a temporary (filled from them when ``fill``), which is
     returned so the caller can copy results out of it."""
-    packed = _packed(chunks)
+    layout = packed(chunks)
     tmp = None
-    if packed is None:
+    if layout is None:
         counts = [c.numel() for c in chunks]
         tmp = torch.empty(sum(counts), dtype=torch.uint8)
         if fill and tmp.numel():
             torch.cat(chunks, out=tmp)
         displs = [sum(counts[:i]) for i in range(len(counts))]
-        packed = (tmp.data_ptr(), counts, displs)
-    base, counts, displs = packed
+        layout = (tmp.data_ptr(), counts, displs)
+    base, counts, displs = layout
     return [_fromaddress(base, sum(counts)), counts, displs, _BYTE], tmp
 
 
@@ -369,7 +355,7 @@ class MPITransport(Transport):
                        else comm.Ireduce(mem, None, mop, root))
             elif collective == "reduce_scatter":
                 chunks, out = bufs[:p], bufs[p]
-                base, counts, _ = _packed(chunks)  # the process group packs them
+                base, counts, _ = packed(chunks)  # the process group packs them
                 item = dtype.itemsize
                 req = comm.Ireduce_scatter(
                     [_fromaddress(base, sum(counts)), sum(counts) // item, mtype],

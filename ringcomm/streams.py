@@ -1,0 +1,339 @@
+"""Collectives on a CUDA stream, with the semantics of torch's NCCL backend.
+
+A collective is *enqueued* on the caller's thread, in issue order, on the
+group's internal stream of that device:
+
+1. the internal stream waits for the caller's current stream (inputs are ready);
+2. the collective's NCCL groups and torch ops are issued on the internal stream;
+3. every tensor it touches is marked as used there (``record_stream``), so the
+   caching allocator cannot hand its memory out before the work has finished;
+4. an end event is recorded, and a CUDA-aware future is completed with the
+   outputs (waiting on it synchronises streams, not the CPU).
+
+``Work.wait()`` makes the caller's current stream wait for the end event and
+returns at once; ``RINGCOMM_BLOCKING_WAIT=1`` (or ``wait(timeout)``) blocks the
+CPU instead, as ``TORCH_NCCL_BLOCKING_WAIT`` does. A watchdog thread follows the
+pending collectives: one that passes the group timeout, or an asynchronous NCCL
+error, aborts the communicator. The error then reaches whoever waits on the
+failed work, and every later call on that device fails at once.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from .work import BaseWork
+
+log = logging.getLogger("ringcomm")
+
+#: how often the watchdog looks at pending collectives
+WATCHDOG_INTERVAL_S = 0.05
+
+
+class CudaStreams:
+    """The stream, events and futures of one CUDA device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        with torch.cuda.device(device):
+            self.stream = torch.cuda.Stream(device)
+        self.handle = self.stream.cuda_stream
+
+    def device_context(self) -> Any:
+        return torch.cuda.device(self.device)
+
+    def wait_for_caller(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def on_stream(self) -> Any:
+        return torch.cuda.stream(self.stream)
+
+    def keep_alive(self, tensors: Iterable[torch.Tensor]) -> None:
+        for t in tensors:
+            if t.device == self.device:
+                t.record_stream(self.stream)
+
+    def record(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def future(self, value: Any) -> torch.futures.Future:
+        fut = torch.futures.Future(devices=[self.device])
+        fut.set_result(value)  # records its own events on the current (internal) stream
+        return fut
+
+    def wait_on_current(self, event: Any) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+
+class _Done:
+    """The end event of work that completed when it was enqueued."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+
+class HostStreams:
+    """Streams for a transport whose work completes while it is enqueued (the
+    NCCL stand-in in :mod:`ringcomm.testing` runs each group to the end): the
+    same engine then runs on CPU tensors in CI."""
+
+    handle = 0
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def device_context(self) -> Any:
+        return contextlib.nullcontext()
+
+    def wait_for_caller(self) -> None:
+        pass
+
+    def on_stream(self) -> Any:
+        return contextlib.nullcontext()
+
+    def keep_alive(self, tensors: Iterable[torch.Tensor]) -> None:
+        pass
+
+    def record(self) -> Any:
+        return _Done
+
+    def future(self, value: Any) -> torch.futures.Future:
+        fut = torch.futures.Future()
+        fut.set_result(value)
+        return fut
+
+    def wait_on_current(self, event: Any) -> None:
+        pass
+
+
+def streams_for(device: torch.device) -> CudaStreams | HostStreams:
+    return CudaStreams(device) if device.type == "cuda" else HostStreams(device)
+
+
+class StreamWork(BaseWork):
+    """Handle of a collective enqueued on a stream (see the module docstring)."""
+
+    def __init__(self, op: str, engine: "StreamEngine", done: Any, fut: torch.futures.Future,
+                 timeout_s: float, value: Any, blocking: bool):
+        super().__init__()
+        self._op = op
+        self._engine = engine
+        self._end = done
+        self._fut = fut
+        self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
+        self._value = value
+        self._blocking = blocking
+        self._exc: BaseException | None = None  # set by the watchdog
+        self._finished = False
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Order the caller's current stream after this collective (no CPU block); with
+        ``timeout``, ``RINGCOMM_BLOCKING_WAIT=1`` or for a barrier, block the CPU
+        until it completed.
+
+        Raises:
+            torch.distributed.DistBackendError: the collective failed (timed out and
+                was aborted, or NCCL reported an error), or ``timeout`` passed first.
+        """
+        limit = timeout.total_seconds() if timeout else 0.0
+        if self._exc is None and (limit > 0 or self._blocking):
+            self._block(limit)
+        if self._exc is not None:
+            raise self._exc
+        self._engine.streams.wait_on_current(self._end)
+        return True
+
+    def _block(self, limit: float) -> None:
+        deadline = time.monotonic() + limit if limit > 0 else float("inf")
+        nap = 20e-6
+        while not self.is_completed():
+            if time.monotonic() > deadline:
+                raise dist.DistBackendError(
+                    f"ringcomm {self._op}: Work.wait timed out after {limit:.3f}s")
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)
+
+    def get_future(self) -> torch.futures.Future:
+        """A CUDA-aware future holding the outputs: waiting on it, or a ``then``
+        callback, is ordered after the collective on the stream."""
+        return self._fut
+
+    def is_completed(self) -> bool:
+        if not self._finished:
+            self._finished = self._exc is not None or self._end.query()
+        return self._finished
+
+    def synchronize(self) -> None:
+        """Block the CPU until the collective completed."""
+        self._block(0.0)
+        if self._exc is not None:
+            raise self._exc
+
+
+class StreamEngine:
+    """Enqueues the collectives of one group on one device, and watches them.
+
+    Args:
+        tp: the device's :class:`ringcomm.transport.nccl.NcclTransport`.
+        streams: its :class:`CudaStreams` (or :class:`HostStreams`).
+        describe: a short description of the group, for messages.
+    """
+
+    def __init__(self, tp: Any, streams: CudaStreams | HostStreams, describe: Callable[[], str]):
+        self.tp = tp
+        self.streams = streams
+        self._describe = describe
+        self._lock = threading.Lock()  # one enqueue at a time: NCCL's order is issue order
+        self._state = threading.Condition(threading.Lock())  # pending, error, watchdog
+        self._pending: collections.deque[StreamWork] = collections.deque()
+        self._enqueuing: tuple[str, float, float] | None = None
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._watchdog: threading.Thread | None = None
+        self._blocking_wait = os.environ.get("RINGCOMM_BLOCKING_WAIT", "0") not in ("", "0")
+
+    def submit(self, op: str, fn: Callable[[], Any], *, async_op: bool, timeout_s: float,
+               tag: int = 0, keep: Iterable[torch.Tensor] = (), blocking: bool = False) -> StreamWork:
+        """Enqueue ``fn`` (it issues the whole collective) and return its Work.
+
+        Args:
+            op: collective name for messages.
+            fn: issues the collective's work and returns the Work's value.
+            async_op: unused: every collective is asynchronous on the stream.
+            timeout_s: the watchdog aborts the communicator this long after enqueueing
+                if the collective has not completed.
+            tag: unused (NCCL matches by issue order).
+            keep: tensors the collective reads or writes (kept alive until it finished).
+            blocking: ``wait()`` blocks the CPU (barrier).
+        Raises:
+            torch.distributed.DistBackendError: the group is unusable after an earlier
+                failure, or enqueueing failed (the communicator is aborted then).
+        """
+        s = self.streams
+        with self._lock:
+            self._raise_if_broken(op)
+            deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
+            self._enqueuing = (op, deadline, timeout_s)
+            try:
+                s.wait_for_caller()
+                with s.on_stream():
+                    value = fn()
+                    s.keep_alive(keep)
+                    done = s.record()
+                    fut = s.future(value)
+            except BaseException as e:  # noqa: BLE001 - the group cannot go on after this
+                raise self._fail(op, e, timeout_s) from e
+            finally:
+                self._enqueuing = None
+            work = StreamWork(op, self, done, fut, timeout_s, value,
+                              blocking or self._blocking_wait)
+            with self._state:
+                self._pending.append(work)
+                if self._watchdog is None:
+                    self._watchdog = threading.Thread(
+                        target=self._watch, name=f"ringcomm-watchdog-{self._describe()}",
+                        daemon=True)
+                    self._watchdog.start()
+        return work
+
+    def _raise_if_broken(self, op: str) -> None:
+        if self._error is not None:
+            raise dist.DistBackendError(f"ringcomm {op}: {self._describe()} on {self.tp.device} "
+                                        f"is unusable after an earlier failure: {self._error}")
+        if self._stopped:
+            raise dist.DistBackendError(f"ringcomm {op}: {self._describe()} has been shut down")
+
+    def _fail(self, op: str, cause: BaseException, timeout_s: float) -> BaseException:
+        """Mark the group failed (once), abort the communicator, fail pending works."""
+        with self._state:
+            if self._error is None:
+                where = (f"{self._describe()}, rank {self.tp.rank} of {self.tp.size}, "
+                         f"{self.tp.device}")
+                if isinstance(cause, TimeoutError):
+                    msg = (f"ringcomm {op} timed out after {timeout_s:g}s ({where}); the NCCL "
+                           "communicator was aborted. Every rank must call the same "
+                           "collectives in the same order with matching sizes.")
+                else:
+                    msg = f"ringcomm {op} failed ({where}): {type(cause).__name__}: {cause}"
+                err = dist.DistBackendError(msg)
+                err.__cause__ = cause
+                self._error = err
+                for w in self._pending:
+                    if not w.is_completed():
+                        w._exc = err
+                self._pending.clear()
+                log.error("%s", err)
+                self._state.notify_all()
+            err = self._error
+        try:
+            self.tp.abort()
+        except Exception as e:  # noqa: BLE001 - already failing; keep the first error
+            log.warning("ringcomm: aborting the NCCL communicator failed: %s", e)
+        return err
+
+    def _watch(self) -> None:
+        while True:
+            with self._state:
+                self._state.wait(WATCHDOG_INTERVAL_S)
+                if self._stopped or self._error is not None:
+                    return
+                while self._pending and self._pending[0].is_completed():
+                    self._pending.popleft()
+                head = self._pending[0] if self._pending else None
+            now = time.monotonic()
+            enqueuing = self._enqueuing
+            try:
+                self.tp.check_async_error()
+            except Exception as e:  # noqa: BLE001
+                op = head._op if head is not None else enqueuing[0] if enqueuing else "collective"
+                self._fail(op, e, 0.0)
+                return
+            if enqueuing is not None and now > enqueuing[1]:
+                self._fail(enqueuing[0], TimeoutError("enqueueing did not finish"), enqueuing[2])
+                return
+            if head is not None and now > head._deadline:
+                self._fail(head._op, TimeoutError("the collective did not complete"),
+                           head._timeout_s)
+                return
+
+    def shutdown(self, wait_s: float = 5.0) -> None:
+        """Stop the watchdog; later calls fail. Idempotent."""
+        with self._state:
+            self._stopped = True
+            self._state.notify_all()
+            thread = self._watchdog
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(wait_s)
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Shut down and release the communicator: destroyed once its work finished,
+        aborted if that takes longer than ``wait_s`` (a peer that is gone) or it failed."""
+        self.shutdown()
+        deadline = time.monotonic() + wait_s
+        with self._state:
+            pending = list(self._pending)
+        while self._error is None and not all(w.is_completed() for w in pending):
+            if time.monotonic() > deadline:
+                log.warning("ringcomm: %s on %s: work still pending at shutdown; aborting "
+                            "the NCCL communicator", self._describe(), self.tp.device)
+                break
+            time.sleep(0.01)
+        else:
+            if self._error is None:
+                self.tp.close()
+                return
+        self.tp.abort()
+

@@ -1,0 +1,258 @@
+"""NCCL transport for CUDA tensors, through CuPy's bindings (``cupy.cuda.nccl``).
+
+Tensors are handed to NCCL by address (``data_ptr()``), count and type code,
+with the stream as a plain int: no CuPy arrays, no copies, and bfloat16 works
+with every CuPy version. Point-to-point messages travel as bytes; only NCCL's
+own collectives (algorithm ``native``) need the element type.
+
+Everything here only *enqueues* work on a stream. Each schedule step is one
+``groupStart()``/``groupEnd()`` pair (:func:`ringcomm.executors.run_grouped`),
+local reductions are torch ops issued on the same stream, and waiting, time
+limits and errors belong to :class:`ringcomm.streams.StreamEngine`.
+
+CuPy is imported on first use only: ``import ringcomm`` works without it, and a
+CUDA tensor without it gets an error naming the extra to install.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from .. import ops
+from .base import Channel, packed
+
+#: what to install when CuPy or NCCL is missing
+EXTRAS_HINT = ("pip install 'ringcomm[cuda12]' (CUDA 12) or 'ringcomm[cuda13]' (CUDA 13), "
+               "which bring CuPy and NCCL")
+
+#: NCCL's type codes (nccl.h ncclDataType_t)
+DTYPE_CODES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
+               torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
+_UINT8 = 1
+#: NCCL's op codes (ncclRedOp_t). AVG reduces as a sum: the process group divides
+#: afterwards, as for every other algorithm.
+OP_CODES = {ops.SUM.value: 0, ops.AVG.value: 0, ops.PRODUCT.value: 1, ops.MAX.value: 2,
+            ops.MIN.value: 3}
+#: collectives NCCL has (torch's NCCL backend builds the others from send/recv,
+#: as ringcomm's own algorithms do)
+NATIVE = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+
+
+class NcclUnavailable(RuntimeError):
+    """CuPy or NCCL cannot be loaded on this machine."""
+
+
+_lib: Any = None
+_lib_error: str | None = None
+_lib_lock = threading.Lock()
+
+
+def load() -> Any:
+    """The ``cupy.cuda.nccl`` module, loaded once.
+
+    Raises:
+        NcclUnavailable: CuPy is not installed, or it cannot load NCCL.
+    """
+    global _lib, _lib_error
+    with _lib_lock:
+        if _lib is None and _lib_error is None:
+            try:
+                from cupy.cuda import nccl
+            except Exception as e:  # noqa: BLE001 - ImportError, or CUDA missing underneath
+                _lib_error = f"CuPy is not usable here ({type(e).__name__}: {e})"
+            else:
+                if getattr(nccl, "available", False):
+                    _lib = nccl
+                else:
+                    _lib_error = "CuPy is installed but cannot load the NCCL library"
+    if _lib is None:
+        raise NcclUnavailable(f"ringcomm: CUDA tensors need CuPy with NCCL: {_lib_error}; "
+                              f"{EXTRAS_HINT}")
+    return _lib
+
+
+def version(lib: Any) -> str:
+    """NCCL's runtime version as ``major.minor.patch``."""
+    code = int(lib.get_version())
+    if code >= 10000:  # 2.9 and later: major*10000 + minor*100 + patch
+        return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+    return f"{code // 1000}.{code // 100 % 10}.{code % 100}"
+
+
+def encode_id(uid: Any) -> bytes:
+    """A unique id from ``get_unique_id()`` as bytes for the store: 128 ``bytes``
+    (CuPy 14) or a tuple of 128 signed chars (CuPy 13), marked with its form."""
+    if isinstance(uid, (bytes, bytearray)):
+        return b"B" + bytes(uid)
+    return b"T" + bytes(x & 0xFF for x in uid)
+
+
+def decode_id(data: bytes) -> Any:
+    """The inverse of :func:`encode_id`: what this CuPy's ``NcclCommunicator`` takes."""
+    form, raw = data[:1], data[1:]
+    if form == b"B":
+        return bytes(raw)
+    return tuple(x - 256 if x > 127 else x for x in raw)
+
+
+def connect(lib: Any, store: Any, prefix: str, rank: int, size: int, timeout_s: float,
+            device_context: Callable[[], Any]) -> Any:
+    """A new NCCL communicator over ``size`` ranks, its unique id passed through ``store``.
+
+    Rank 0 creates the id. Every rank first announces itself and waits for all
+    the others within ``timeout_s``: ``ncclCommInitRank`` cannot time out, so a
+    rank that never comes is reported here instead.
+
+    Raises:
+        RuntimeError: not every rank arrived in time (names how many did).
+    """
+    key = f"{prefix}/uid"
+    if rank == 0:
+        store.set(key, encode_id(lib.get_unique_id()))
+    arrived = f"{prefix}/arrived"
+    store.add(arrived, 1)
+    deadline = time.monotonic() + timeout_s
+    nap = 1e-3
+    while True:
+        count = store.add(arrived, 0)
+        if count >= size:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"ringcomm: creating the NCCL communicator {prefix!r}: only "
+                               f"{count} of {size} ranks arrived within {timeout_s:g}s (every "
+                               "rank must make the same first CUDA call on this group)")
+        time.sleep(nap)
+        nap = min(nap * 2, 0.05)
+    uid = decode_id(store.get(key))
+    with device_context():
+        return lib.NcclCommunicator(size, uid, rank)
+
+
+class NcclTransport(Channel):
+    """One NCCL communicator of a group, on one device, enqueuing on one stream.
+
+    Implements :class:`ringcomm.executors.GroupComm`, so :func:`run_grouped`
+    drives it; the stream engine makes ``stream`` current around every call, so
+    the local reductions (torch ops) land on it too.
+
+    Args:
+        lib: ``cupy.cuda.nccl`` (or a stand-in with the same interface).
+        comm: the ``NcclCommunicator``; this transport owns it.
+        rank, size: this rank and the communicator's size.
+        device: where the tensors live.
+        stream: the stream handle (``cudaStream_t`` as an int) work is enqueued on.
+    """
+
+    def __init__(self, lib: Any, comm: Any, rank: int, size: int, device: torch.device,
+                 stream: int):
+        super().__init__(rank, size, device)
+        self.lib = lib
+        self.comm = comm
+        self.stream = stream
+        self._aborted = False
+
+    # -- the GroupComm interface --------------------------------------------------
+    def group_start(self) -> None:
+        self.lib.groupStart()
+
+    def group_end(self, label: str = "") -> None:
+        self.lib.groupEnd()
+
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        # Both sides skip an empty message alike (a schedule's pairs have equal sizes).
+        n = buf.numel() * buf.element_size()
+        if n:
+            self.comm.send(buf.data_ptr(), n, _UINT8, peer, self.stream)
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        n = buf.numel() * buf.element_size()
+        if n:
+            self.comm.recv(buf.data_ptr(), n, _UINT8, peer, self.stream)
+
+    def local_reduce(self, dst: torch.Tensor, src: torch.Tensor, op: Any) -> None:
+        ops.reduce_(dst, src, op)
+
+    def local_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def execute(self, plan: Any, views: list, op: Any) -> None:
+        from ..executors import run_grouped
+        run_grouped(plan, self, views, op)
+
+    # -- NCCL's own collectives ---------------------------------------------------
+    def check_native(self, collective: str, dtype: torch.dtype, op: Any) -> None:
+        if collective not in NATIVE:
+            raise ValueError(f"ringcomm {collective}: NCCL has no {collective} of its own "
+                             f"(torch's NCCL backend builds it from send/recv, as ringcomm's "
+                             f"own algorithms do); 'native' exists for {', '.join(NATIVE)}")
+        if collective in ("allreduce", "reduce", "reduce_scatter"):
+            if dtype not in DTYPE_CODES:
+                raise ValueError(f"ringcomm {collective}: algorithm 'native' (NCCL's own) cannot "
+                                 f"reduce {dtype}; NCCL reduces "
+                                 f"{', '.join(str(d) for d in DTYPE_CODES)}; use ring or tree")
+            if op is not None and op.value not in OP_CODES:
+                raise ValueError(f"ringcomm {collective}: NCCL has no ReduceOp."
+                                 f"{ops.op_name(op)}; use ring or tree")
+
+    def native(self, collective: str, bufs: list, layout: tuple, dtype: torch.dtype, op: Any,
+               root: int) -> None:
+        c, s, p, me = self.comm, self.stream, self.size, self.rank
+        if collective == "allreduce":
+            b = bufs[0]
+            c.allReduce(b.data_ptr(), b.data_ptr(), b.numel(), DTYPE_CODES[dtype],
+                        OP_CODES[op.value], s)
+        elif collective == "reduce":
+            b = bufs[0]
+            c.reduce(b.data_ptr(), b.data_ptr(), b.numel(), DTYPE_CODES[dtype],
+                     OP_CODES[op.value], root, s)
+        elif collective == "broadcast":
+            b = bufs[0]
+            c.broadcast(b.data_ptr(), b.data_ptr(), b.numel() * b.element_size(), _UINT8, root, s)
+        elif collective == "allgather":
+            chunks, inp = bufs[:p], bufs[p]
+            counts = [x.numel() for x in chunks]
+            if len(set(counts)) == 1 and packed(chunks) is not None:
+                c.allGather(inp.data_ptr(), chunks[0].data_ptr(), counts[0], _UINT8, s)
+            else:  # uneven or scattered outputs: one broadcast per rank, in one group
+                self.group_start()
+                for r, x in enumerate(chunks):
+                    if x.numel():
+                        src = inp if r == me else x
+                        c.broadcast(src.data_ptr(), x.data_ptr(), x.numel(), _UINT8, r, s)
+                self.group_end()
+        elif collective == "reduce_scatter":
+            chunks, out = bufs[:p], bufs[p]
+            code, nop = DTYPE_CODES[dtype], OP_CODES[op.value]
+            counts = [x.numel() for x in chunks]
+            if len(set(counts)) == 1 and packed(chunks) is not None:
+                c.reduceScatter(chunks[0].data_ptr(), out.data_ptr(), counts[0], code, nop, s)
+            else:  # uneven: one reduce per rank, in one group
+                self.group_start()
+                for r, x in enumerate(chunks):
+                    if x.numel():
+                        dst = out if r == me else x
+                        c.reduce(x.data_ptr(), dst.data_ptr(), x.numel(), code, nop, r, s)
+                self.group_end()
+        else:
+            raise ValueError(f"ringcomm: NCCL has no native {collective!r}")
+
+    # -- failure and teardown ---------------------------------------------------------
+    def check_async_error(self) -> None:
+        """Raise the communicator's asynchronous error, if it has one."""
+        if not self._aborted:
+            self.comm.check_async_error()
+
+    def abort(self) -> None:
+        """Abort the communicator: its pending and running work ends (the data is
+        garbage), and a thread blocked in NCCL returns. Idempotent."""
+        if not self._aborted:
+            self._aborted = True
+            self.comm.abort()
+
+    def close(self) -> None:
+        if not self._aborted:
+            self._aborted = True
+            self.comm.destroy()
