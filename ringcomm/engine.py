@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from .transport import Transport, TransportTimeout
+from .transport import Transport, TransportAborted, TransportTimeout
 from .work import Work
 
 log = logging.getLogger("ringcomm")
@@ -141,14 +141,19 @@ class Engine:
             msg = (f"ringcomm {op} timed out after {timeout_s:g}s ({where}) {e}. Every rank "
                    "must call the same collectives in the same order with matching sizes; "
                    "the group is unusable now.")
+        elif isinstance(e, TransportAborted):
+            msg = f"ringcomm {op} was interrupted ({where}): {e}"
         else:
             msg = f"ringcomm {op} failed ({where}): {type(e).__name__}: {e}"
         err = dist.DistBackendError(msg)
         err.__cause__ = e
         return err
 
-    def shutdown(self, wait_s: float = 5.0) -> None:
-        """Stop the progress thread; queued collectives fail. Idempotent."""
+    def shutdown(self, wait_s: float = 5.0, interrupt: str | None = None) -> None:
+        """Stop the progress thread; queued collectives fail. With ``interrupt``, the
+        running collective's waits end at once with that reason. Idempotent."""
+        if interrupt is not None:
+            self.tp.interrupt(interrupt)
         with self._cv:
             self._stopped = True
             self._cv.notify_all()

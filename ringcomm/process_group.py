@@ -409,12 +409,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                              "needs contiguous tensors (pass t.contiguous())")
         return t
 
-    def _single(self, tensors: list, op: str) -> tuple[torch.Tensor, _Lane]:
+    def _single(self, tensors: list, op: str) -> torch.Tensor:
         if len(tensors) != 1:
             raise ValueError(f"ringcomm {op}: expected a list with exactly one tensor "
                              f"(one device per process), got {len(tensors)}")
-        t = self._check(tensors[0], op)
-        return t, self._lane(t, op)
+        return self._check(tensors[0], op)
 
     def _consistency_check(self, lane: _Lane, op: str, fields: list[int]) -> None:
         """RINGCOMM_DEBUG=DETAIL: every rank must run the same collective with the same
@@ -446,8 +445,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """In-place allreduce of ``tensors[0]`` (torch's ``dist.all_reduce``)."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
         opts = _options(opts, dist.AllreduceOptions)
-        t, lane = self._single(tensors, "allreduce")
+        t = self._single(tensors, "allreduce")
         op = ops.resolve(opts.reduceOp, t.dtype, "allreduce")
+        # Every argument is checked before the lane: the first CUDA call of a group
+        # creates its NCCL communicator, with every rank.
+        lane = self._lane(t, "allreduce")
         name, algo = self._prepare(lane, "allreduce", (t.numel(),), t.dtype, op=op,
                                    nbytes=t.numel() * t.element_size())
         size = self._size
@@ -473,10 +475,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """In-place broadcast of ``tensors[0]`` from ``opts.rootRank``."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
         opts = _options(opts, dist.BroadcastOptions)
-        t, lane = self._single(tensors, "broadcast")
+        t = self._single(tensors, "broadcast")
         root = self._root(opts.rootRank, "broadcast")
         if getattr(opts, "rootTensor", 0) != 0:
             raise ValueError(f"ringcomm broadcast: rootTensor must be 0, got {opts.rootTensor}")
+        lane = self._lane(t, "broadcast")
         nbytes = t.numel() * t.element_size()
         name, algo = self._prepare(lane, "broadcast", (nbytes,), torch.uint8, nbytes=nbytes,
                                    root=root)
@@ -499,7 +502,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         if len(output_lists) != 1 or len(inputs) != 1:
             raise ValueError(f"ringcomm allgather: expected one output list and one input, got "
                              f"{len(output_lists)} and {len(inputs)}")
-        lane = self._lane(self._check(inputs[0], "allgather", "input"), "allgather")
+        self._check_allgather(output_lists[0], inputs[0], "allgather")
+        lane = self._lane(inputs[0], "allgather")
         run = self._allgather_plan(lane, output_lists[0], inputs[0], "allgather")
 
         def request():
@@ -508,10 +512,12 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
         return self._submit(lane, "allgather", request, opts, [*output_lists[0], inputs[0]])
 
-    def _allgather_plan(self, lane: _Lane, outs: list[torch.Tensor], t: torch.Tensor,
-                        op: str) -> Callable[[], None]:
+    def _check_allgather(self, outs: list[torch.Tensor], t: torch.Tensor, op: str) -> None:
         self._check(t, op, "input")
         self._check_list(outs, t, op)
+
+    def _allgather_plan(self, lane: _Lane, outs: list[torch.Tensor], t: torch.Tensor,
+                        op: str) -> Callable[[], None]:
         # Sizes may differ across ranks; every rank knows all output sizes alike.
         layout = tuple(o.numel() * o.element_size() for o in outs)
         algo = self._prepare(lane, "allgather", layout, torch.uint8, nbytes=max(layout))[1]
@@ -602,9 +608,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         other ranks' tensors are left unchanged."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
         opts = _options(opts, dist.ReduceOptions)
-        t, lane = self._single(tensors, "reduce")
+        t = self._single(tensors, "reduce")
         op = ops.resolve(opts.reduceOp, t.dtype, "reduce")
         root = self._root(opts.rootRank, "reduce")
+        lane = self._lane(t, "reduce")
         name, algo = self._prepare(lane, "reduce", (t.numel(),), t.dtype, op=op, root=root,
                                    nbytes=t.numel() * t.element_size())
         size, me = self._size, self._rank
@@ -626,7 +633,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                           opts: Any = None) -> dist.Work:
         """``dist.all_gather_into_tensor``: rank i's input fills the i-th slice of output."""
         opts = _options(opts, _c10d.AllgatherOptions)
-        lane = self._check_gather_single(output, input, "all_gather_into_tensor")
+        self._check_gather_single(output, input, "all_gather_into_tensor")
+        lane = self._lane(input, "all_gather_into_tensor")
         return self._submit(lane, "all_gather_into_tensor",
                             self._gather_into_plan(lane, [(output, input)]), opts,
                             (output, input))
@@ -643,9 +651,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                              f"for {len(inputs)} inputs")
         if not inputs:
             raise ValueError("ringcomm allgather_into_tensor_coalesced: no tensors given")
-        lane = None
         for o, i in zip(outputs, inputs):
-            lane = self._check_gather_single(o, i, "allgather_into_tensor_coalesced", inputs[0])
+            self._check_gather_single(o, i, "allgather_into_tensor_coalesced", inputs[0])
+        lane = self._lane(inputs[0], "allgather_into_tensor_coalesced")
         return self._submit(lane, "allgather_into_tensor_coalesced",
                             self._gather_into_plan(lane, list(zip(outputs, inputs)), outputs),
                             opts, [*outputs, *inputs])
@@ -653,7 +661,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def _check_gather_single(self, out: torch.Tensor, inp: torch.Tensor, op: str,
-                             like: torch.Tensor | None = None) -> _Lane:
+                             like: torch.Tensor | None = None) -> None:
         self._check(inp, op, "input", like)
         self._check(out, op, "output", inp)
         if out.dtype != inp.dtype:
@@ -661,7 +669,6 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         if out.numel() != inp.numel() * self._size:
             raise ValueError(f"ringcomm {op}: output has {out.numel()} elements, expected "
                              f"{self._size} x {inp.numel()} (world size x input)")
-        return self._lane(inp, op)
 
     def _gather_into_plan(self, lane: _Lane, pairs: list, value: Any = None) -> Callable[[], Any]:
         p = self._size
@@ -686,18 +693,23 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     @_collective
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        """Several ``all_gather`` calls as one request."""
+        """``dist.all_gather_coalesced``: several ``all_gather`` calls as one request.
+        ``output_lists[r][i]`` receives rank r's ``inputs[i]`` (torch's layout; the
+        inputs may differ in shape, empty ones included)."""
         opts = _options(opts, _c10d.AllgatherOptions)
-        if len(output_lists) != len(inputs):
-            raise ValueError(f"ringcomm allgather_coalesced: {len(output_lists)} output lists "
-                             f"for {len(inputs)} inputs")
+        op, p = "allgather_coalesced", self._size
         if not inputs:
-            raise ValueError("ringcomm allgather_coalesced: no tensors given")
+            raise ValueError(f"ringcomm {op}: no input tensors given")
+        if len(output_lists) != p or any(len(o) != len(inputs) for o in output_lists):
+            raise ValueError(f"ringcomm {op}: expected {p} output lists (one per rank), each "
+                             f"with {len(inputs)} tensors (one per input); got lists of "
+                             f"lengths {[len(o) for o in output_lists]}")
         for i, x in enumerate(inputs):
-            self._check(x, "allgather_coalesced", f"input {i}", like=inputs[0])
-        lane = self._lane(inputs[0], "allgather_coalesced")
-        runs = [self._allgather_plan(lane, outs, inp, "allgather_coalesced")
-                for outs, inp in zip(output_lists, inputs)]
+            self._check(x, op, f"input {i}", like=inputs[0])
+            self._check_allgather([output_lists[r][i] for r in range(p)], x, op)
+        lane = self._lane(inputs[0], op)
+        runs = [self._allgather_plan(lane, [output_lists[r][i] for r in range(p)], inp, op)
+                for i, inp in enumerate(inputs)]
 
         def run():
             for r in runs:
@@ -713,9 +725,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """``dist.gather``: on the root ``output_lists[0][i]`` receives rank i's input;
         other ranks pass ``output_lists == []``."""
         opts = _options(opts, dist.GatherOptions)
-        t, lane = self._single(inputs, "gather")
+        t = self._single(inputs, "gather")
         root = self._root(opts.rootRank, "gather")
         outs = self._root_list(output_lists, t, root, "gather", "output")
+        lane = self._lane(t, "gather")
         name, algo = self._prepare(lane, "gather", self._rooted_layout(outs, t), torch.uint8,
                                    nbytes=0, root=root)  # ranks may hold different sizes
 
@@ -737,9 +750,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """``dist.scatter``: rank i's ``outputs[0]`` receives the root's
         ``input_lists[0][i]``; other ranks pass ``input_lists == []``."""
         opts = _options(opts, dist.ScatterOptions)
-        t, lane = self._single(outputs, "scatter")
+        t = self._single(outputs, "scatter")
         root = self._root(opts.rootRank, "scatter")
         ins = self._root_list(input_lists, t, root, "scatter", "input")
+        lane = self._lane(t, "scatter")
         name, algo = self._prepare(lane, "scatter", self._rooted_layout(ins, t), torch.uint8,
                                    nbytes=0, root=root)  # ranks may hold different sizes
 
@@ -761,7 +775,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """``dist.reduce_scatter``: rank i's output is the reduction of everyone's
         ``input_lists[0][i]``. Inputs are not modified."""
         opts = _options(opts, dist.ReduceScatterOptions)
-        t = self._single(outputs, "reduce_scatter")[0]
+        t = self._single(outputs, "reduce_scatter")
         if len(input_lists) != 1:
             raise ValueError(f"ringcomm reduce_scatter: expected one input list, got "
                              f"{len(input_lists)}")
@@ -882,12 +896,12 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         op = "all_to_all_single"
         self._check(input, op, "input")
         self._check(output, op, "output", input)
-        lane = self._lane(input, op)
         if output.dtype != input.dtype:
             raise ValueError(f"ringcomm {op}: output dtype {output.dtype} != input dtype "
                              f"{input.dtype}")
         sends = self._split_rows(input, list(input_split_sizes), "input")
         recvs = self._split_rows(output, list(output_split_sizes), "output")
+        lane = self._lane(input, op)
         item = input.element_size()
         layout = (tuple((b - a) * item for a, b in sends), tuple((b - a) * item for a, b in recvs))
         name, algo = self._prepare(lane, "alltoall", layout, torch.uint8,
@@ -926,8 +940,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         cannot deadlock; the Work completes when the message left. CUDA tensors go
         over a two-rank NCCL communicator of the pair, on its own stream (``tag`` is
         ignored there: NCCL matches by order, as in torch's NCCL backend)."""
-        t, lane = self._single(tensors, "send")
+        t = self._single(tensors, "send")
         self._peer(dstRank, "send")
+        lane = self._lane(t, "send")
         if lane.on_stream:
             return self._pair_message("send", t, dstRank)
         buf = t if t.is_contiguous() else t.contiguous()
@@ -936,15 +951,17 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
         """``dist.recv``/``irecv`` from ``srcRank``."""
-        t, lane = self._single(tensors, "recv")
+        t = self._single(tensors, "recv")
         self._peer(srcRank, "recv")
+        lane = self._lane(t, "recv")
         if lane.on_stream:
             return self._pair_message("recv", t, srcRank)
         return self._post_recv(lane, t, srcRank, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         """``dist.recv`` without a source; the Work knows the sender (``_source_rank``)."""
-        t, lane = self._single(tensors, "recv")
+        t = self._single(tensors, "recv")
+        lane = self._lane(t, "recv")
         if lane.on_stream:
             raise ValueError(f"ringcomm recv: a receive from any rank needs MPI; NCCL has "
                              f"none, so a tensor on {t.device} needs the source rank")
@@ -1021,26 +1038,34 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     # -- lifecycle ------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the progress thread and release the communicators (an NCCL communicator
-        whose work does not finish within seconds is aborted instead)."""
+        """Release the group: a collective still running on the CPU ends at once with
+        an error, queued ones fail, later calls fail; NCCL communicators are destroyed
+        once their work finished (aborted if that takes more than 10 s)."""
+        self._close("the process group was shut down while this collective ran", 10.0)
+
+    def abort(self) -> None:
+        """Like :meth:`shutdown`, without waiting for anything: NCCL communicators are
+        aborted and their pending Works fail."""
+        self._close("the process group was aborted while this collective ran", 0.0)
+
+    def _close(self, reason: str, nccl_wait_s: float) -> None:
         if self._engine is not None:
-            self._engine.shutdown()
+            self._engine.shutdown(wait_s=5.0, interrupt=reason)
             self._tp.close()
         with self._lanes_lock:
             lanes = [*self._lanes.values(), *self._pair_lanes.values()]
             self._lanes, self._pair_lanes = {}, {}
         for lane in lanes:
-            lane.engine.close()
-
-    def abort(self) -> None:
-        self.shutdown()
+            lane.engine.close(nccl_wait_s)
 
     def _stop_threads(self, wait_s: float) -> None:
-        """At interpreter exit: stop the progress thread and watchdogs, release nothing."""
+        """At interpreter exit: stop the progress thread; NCCL communicators are
+        destroyed if idle, else aborted (left to CuPy's finalizer, a destroy could
+        wait for work that never finishes)."""
         if self._engine is not None:
             self._engine.shutdown(wait_s=wait_s)
         for lane in [*self._lanes.values(), *self._pair_lanes.values()]:
-            lane.engine.shutdown(wait_s=wait_s)
+            lane.engine.close(0.0)
 
 
 def _options(opts: Any, cls: type) -> Any:

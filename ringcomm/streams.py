@@ -51,6 +51,11 @@ class CudaStreams:
     def device_context(self) -> Any:
         return torch.cuda.device(self.device)
 
+    def bind_thread(self) -> None:
+        """Make this device current on the calling (watchdog) thread, so it creates no
+        context on another GPU."""
+        torch.cuda.set_device(self.device)
+
     def wait_for_caller(self) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -96,6 +101,9 @@ class HostStreams:
 
     def device_context(self) -> Any:
         return contextlib.nullcontext()
+
+    def bind_thread(self) -> None:
+        pass
 
     def wait_for_caller(self) -> None:
         pass
@@ -285,28 +293,55 @@ class StreamEngine:
         return err
 
     def _watch(self) -> None:
+        try:
+            self.streams.bind_thread()
+            while self._watch_once():
+                pass
+        except Exception as e:  # noqa: BLE001 - a watchdog that died silently would end timeouts
+            self._abort_between_enqueues("collective", e, 0.0)
+
+    def _watch_once(self) -> bool:
+        """One look at the pending collectives; False once the group stopped or failed."""
+        with self._state:
+            self._state.wait(WATCHDOG_INTERVAL_S)
+            if self._stopped or self._error is not None:
+                return False
+            while self._pending and self._pending[0].is_completed():
+                self._pending.popleft()
+            head = self._pending[0] if self._pending else None
+        now = time.monotonic()
+        enqueuing = self._enqueuing
+        try:
+            self.tp.check_async_error()
+        except Exception as e:  # noqa: BLE001
+            op = head._op if head is not None else enqueuing[0] if enqueuing else "collective"
+            self._abort_between_enqueues(op, e, 0.0)
+            return False
+        if enqueuing is not None and now > enqueuing[1]:
+            # Stuck inside NCCL (e.g. waiting for a peer to connect): only an abort
+            # from another thread ends that call.
+            self._fail(enqueuing[0], TimeoutError("enqueueing did not finish"), enqueuing[2])
+            return False
+        if head is not None and now > head._deadline:
+            self._abort_between_enqueues(head._op, TimeoutError("it did not complete"),
+                                         head._timeout_s)
+            return False
+        return True
+
+    def _abort_between_enqueues(self, op: str, cause: BaseException, timeout_s: float) -> None:
+        """:meth:`_fail` from the watchdog. NCCL forbids using a communicator from two
+        threads at once, so the abort waits until no enqueue is running, unless that
+        enqueue is itself stuck past its deadline."""
         while True:
-            with self._state:
-                self._state.wait(WATCHDOG_INTERVAL_S)
-                if self._stopped or self._error is not None:
-                    return
-                while self._pending and self._pending[0].is_completed():
-                    self._pending.popleft()
-                head = self._pending[0] if self._pending else None
-            now = time.monotonic()
+            if self._lock.acquire(timeout=WATCHDOG_INTERVAL_S):
+                try:
+                    self._fail(op, cause, timeout_s)
+                finally:
+                    self._lock.release()
+                return
             enqueuing = self._enqueuing
-            try:
-                self.tp.check_async_error()
-            except Exception as e:  # noqa: BLE001
-                op = head._op if head is not None else enqueuing[0] if enqueuing else "collective"
-                self._fail(op, e, 0.0)
-                return
-            if enqueuing is not None and now > enqueuing[1]:
-                self._fail(enqueuing[0], TimeoutError("enqueueing did not finish"), enqueuing[2])
-                return
-            if head is not None and now > head._deadline:
-                self._fail(head._op, TimeoutError("the collective did not complete"),
-                           head._timeout_s)
+            if enqueuing is not None and time.monotonic() > enqueuing[1]:
+                self._fail(op, cause, timeout_s)
                 return
 
     def shutdown(self, wait_s: float = 5.0) -> None:
@@ -319,21 +354,21 @@ class StreamEngine:
             thread.join(wait_s)
 
     def close(self, wait_s: float = 10.0) -> None:
-        """Shut down and release the communicator: destroyed once its work finished,
-        aborted if that takes longer than ``wait_s`` (a peer that is gone) or it failed."""
+        """Shut down and release the communicator: destroyed once its work finished;
+        aborted, failing the pending Works, if that takes longer than ``wait_s`` (0:
+        abort at once) or the group had failed."""
         self.shutdown()
         deadline = time.monotonic() + wait_s
         with self._state:
             pending = list(self._pending)
         while self._error is None and not all(w.is_completed() for w in pending):
-            if time.monotonic() > deadline:
-                log.warning("ringcomm: %s on %s: work still pending at shutdown; aborting "
-                            "the NCCL communicator", self._describe(), self.tp.device)
-                break
-            time.sleep(0.01)
-        else:
-            if self._error is None:
-                self.tp.close()
+            if time.monotonic() >= deadline:
+                self._fail("collective", RuntimeError(
+                    "the process group was shut down or aborted before it completed"), 0.0)
                 return
-        self.tp.abort()
+            time.sleep(0.01)
+        if self._error is None:
+            self.tp.close()
+        else:
+            self.tp.abort()
 

@@ -1193,9 +1193,17 @@ def register_null_backend() -> str:
 
 def _gpu_sharing() -> bool:
     """Whether NCCL was told it may run several ranks on one GPU: NCCL >= 2.30.3 with
-    ``NCCL_MULTI_RANK_GPU_ENABLE=1``, or distinct ``NCCL_HOSTID`` per rank (the ranks
-    then look like separate hosts to NCCL)."""
-    return os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1" or "NCCL_HOSTID" in os.environ
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1``, or a distinct ``NCCL_HOSTID`` per rank (the ranks
+    then look like separate hosts to NCCL; ``RINGCOMM_NCCL_HOSTID_PER_RANK=1`` sets it)."""
+    return (os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1" or "NCCL_HOSTID" in os.environ
+            or os.environ.get("RINGCOMM_NCCL_HOSTID_PER_RANK") == "1")
+
+
+def host_id_per_rank() -> None:
+    """With ``RINGCOMM_NCCL_HOSTID_PER_RANK=1``, give this rank an NCCL host id of its own
+    (before NCCL starts): how ranks share one GPU with NCCL < 2.30.3."""
+    if os.environ.get("RINGCOMM_NCCL_HOSTID_PER_RANK") == "1":
+        os.environ["NCCL_HOSTID"] = f"ringcomm-rank-{os.environ.get('RANK', '0')}"
 
 
 def _version_of(module: str) -> str | None:
@@ -1862,6 +1870,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    host_id_per_rank()
     opts = ringcomm.Options(segment_bytes=args.segment_bytes, tuning_file=args.tuning)
     dist.init_process_group("ringcomm", timeout=timedelta(seconds=args.timeout),
                             pg_options=opts)

@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +35,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = ("1K", "256M")
+#: the whole check must end within this (gpu_check.sh kills it a little later)
+BUDGET_S = 225.0
+#: kept back at the end for writing the report
+REPORT_S = 5.0
 
 
 def versions() -> dict:
@@ -68,20 +73,24 @@ def sharing(nccl_version: str | None) -> tuple[str, dict]:
                 {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_SOCKET_IFNAME": "lo"})
     return ("a distinct NCCL_HOSTID per rank with NCCL_SOCKET_IFNAME=lo (NCCL < 2.30.3: "
             "the ranks look like two hosts, so NCCL uses its network transport)",
-            {"RINGCOMM_GPU_CHECK_HOSTID": "1", "NCCL_SOCKET_IFNAME": "lo"})
+            {"RINGCOMM_NCCL_HOSTID_PER_RANK": "1", "NCCL_SOCKET_IFNAME": "lo"})
 
 
 def run(cmd: list[str], env: dict, timeout: float, log: list[str]) -> int:
+    """Run ``cmd`` in a process group of its own; on timeout the whole group (torchrun
+    and its workers) is killed, so no worker is left spinning on the GPU."""
     print("$ " + " ".join(cmd), flush=True)
     log.append("$ " + " ".join(cmd))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=timeout)
-        rc, text = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
+        text, _ = proc.communicate(timeout=max(timeout, 1.0))
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
         rc = 124
-        text = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes)
-                else (e.stdout or "")) + f"\n(timed out after {timeout:g}s)"
+        text = (text or "") + f"\n(timed out after {timeout:.0f}s; killed)"
     print(text, flush=True)
     log.append(text.rstrip())
     log.append(f"(exit status {rc})")
@@ -89,8 +98,22 @@ def run(cmd: list[str], env: dict, timeout: float, log: list[str]) -> int:
 
 
 def driver(args: argparse.Namespace) -> int:
+    start = time.monotonic()
+    deadline = start + args.budget - REPORT_S
+
+    def left(share: float) -> float:
+        """Seconds for the next stage: ``share`` of what is left of the budget."""
+        return max(5.0, (deadline - time.monotonic()) * share)
+
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    v = versions()
+    # Queried in a child process: this one must not hold a CUDA context while the
+    # workers run (a GPU in exclusive-process mode takes one process at a time).
+    try:
+        out = subprocess.run([sys.executable, str(Path(__file__)), "--versions"],
+                             capture_output=True, text=True, timeout=60)
+        v = json.loads(out.stdout)
+    except (subprocess.TimeoutExpired, json.JSONDecodeError) as e:
+        v = {"gpus": [], "cupy_error": f"the version query failed: {e}"}
     print(json.dumps(v, indent=1), flush=True)
     out_dir = Path(args.out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -105,16 +128,17 @@ def driver(args: argparse.Namespace) -> int:
                      "worlds": {}, "bench": None}
     rc_all = 0
     if not v["gpus"] or v.get("cupy_error"):
-        why = "no CUDA device" if not v["gpus"] else v["cupy_error"]
+        why = "no CUDA device" if not v.get("gpus") else v["cupy_error"]
         print(f"gpu_check: cannot run: {why}", flush=True)
         rc_all = 1
     else:
-        for world in (1, 2):
+        for world, share in ((1, 0.25), (2, 0.45)):
             wenv = dict(env, **share_env) if world > 1 and len(v["gpus"]) < world else env
             js = data / f"gpu_check_world{world}.json"
+            js.unlink(missing_ok=True)
             rc = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                       f"--nproc-per-node={world}", str(Path(__file__)), "--worker",
-                      "--json", str(js)], wenv, args.stage_timeout, log)
+                      "--json", str(js)], wenv, left(share), log)
             results["worlds"][str(world)] = (json.loads(js.read_text()) if js.exists()
                                             else {"error": f"exit status {rc}, no results"})
             results["worlds"][str(world)]["exit_status"] = rc
@@ -122,20 +146,32 @@ def driver(args: argparse.Namespace) -> int:
         world = 2
         benv = dict(env, **share_env) if len(v["gpus"]) < world else env
         bj, bm = data / "gpu_bench.json", data / "gpu_bench.md"
+        for f in (bj, bm):
+            f.unlink(missing_ok=True)
         rc = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   f"--nproc-per-node={world}", str(ROOT / "scripts" / "compare_collectives.py"),
                   "--device", "cuda", "--algos", "ring,tree,native", "--peers", "nccl",
-                  "-b", SIZES[0], "-e", SIZES[1], "-f", "4", "-c", "-w", "3", "-n", "5",
-                  "--rounds", "3", "--min-time", "0.02", "--no-model", "--targets", "none",
-                  "--json", str(bj), "--markdown", str(bm)], benv, args.stage_timeout, log)
-        results["bench"] = {"exit_status": rc,
+                  "-b", SIZES[0], "-e", SIZES[1], "-f", "4", "-c", "-w", "2", "-n", "3",
+                  "--rounds", "2", "--min-time", "0", "--no-model", "--targets", "none",
+                  "--json", str(bj), "--markdown", str(bm)], benv, left(1.0), log)
+        skipped = bench_skips(bj)
+        results["bench"] = {"exit_status": rc, "skipped": skipped,
                             "markdown": bm.read_text() if bm.exists() else None}
-        rc_all |= rc != 0
+        rc_all |= rc != 0 or bool(skipped)
     results["passed"] = rc_all == 0
     (data / "gpu_check.json").write_text(json.dumps(results, indent=1))
     Path(args.out).write_text(report(results, log))
     print(f"gpu_check: {'PASSED' if rc_all == 0 else 'FAILED'}; wrote {args.out}", flush=True)
     return 1 if rc_all else 0
+
+
+def bench_skips(path: Path) -> list[str]:
+    """The benchmark's columns that did not run (a check that measured nothing fails)."""
+    if not path.exists():
+        return ["no results were written"]
+    doc = json.loads(path.read_text())
+    return sorted({f"{r['column']}: {r.get('reason')}" for r in doc.get("results", [])
+                   if r.get("status") in ("skipped", "error")})
 
 
 def report(r: dict, log: list[str]) -> str:
@@ -166,6 +202,8 @@ def report(r: dict, log: list[str]) -> str:
         lines += ["", "Failures:", "", *fails[:60]]
     lines += ["", "## Bus bandwidth (2 ranks)", ""]
     bench = r.get("bench") or {}
+    if bench.get("skipped"):
+        lines += ["Columns that did not run: " + "; ".join(bench["skipped"]), ""]
     lines.append(bench.get("markdown") or f"not measured (exit status {bench.get('exit_status')})")
     lines += ["", "## Log", "", "```", *("\n".join(log)[-20000:].splitlines()), "```", ""]
     return "\n".join(lines)
@@ -175,13 +213,15 @@ def report(r: dict, log: list[str]) -> str:
 
 def worker(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
-    if os.environ.get("RINGCOMM_GPU_CHECK_HOSTID"):
-        os.environ["NCCL_HOSTID"] = f"ringcomm-gpu-check-{rank}"  # before NCCL starts
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests" / "ranks"))
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from compare_collectives import host_id_per_rank
+
+    host_id_per_rank()  # before NCCL starts
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "tests" / "ranks"))
     import ringcomm
     from ringcomm.testing import check_collectives
 
@@ -199,7 +239,8 @@ def worker(args: argparse.Namespace) -> int:
     except AssertionError as e:
         failures += str(e).splitlines()[1:]
     checks += against_torch_nccl(nccl_group, device, failures)
-    ddp_notes = ddp_checks(device, failures)
+    checks += p2p_and_future_checks(device, failures)
+    ddp_notes = ddp_checks(device, failures) + fsdp_check(nccl_group, device, failures)
     checks += len(ddp_notes)
     torch.cuda.synchronize()
     took = time.monotonic() - t0
@@ -281,6 +322,38 @@ def against_torch_nccl(nccl_group, device, failures: list[str]) -> int:
     return checks
 
 
+def p2p_and_future_checks(device, failures: list[str]) -> int:
+    """send/recv between ranks 0 and 1 (a two-rank NCCL communicator of the pair),
+    fp32, bf16 and an empty tensor; a ``then`` callback on a CUDA collective's future."""
+    import torch
+    import torch.distributed as dist
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    checks = 0
+    if p >= 2 and rank < 2:
+        peer = 1 - rank
+        for dtype in (torch.float32, torch.bfloat16):
+            for n in (0, 5, 1 << 20):
+                mine = torch.full((n,), float(rank + 1), dtype=dtype, device=device)
+                got = torch.zeros(n, dtype=dtype, device=device)
+                if rank == 0:  # one side sends first: no pair waits on itself
+                    dist.send(mine, peer)
+                    dist.recv(got, peer)
+                else:
+                    dist.recv(got, peer)
+                    dist.send(mine, peer)
+                checks += 1
+                if not torch.equal(got, torch.full_like(got, float(peer + 1))):
+                    failures.append(f"send/recv {dtype} n={n}: got {got[:4].tolist()}")
+    t = torch.full((1000,), float(rank + 1), device=device)
+    fut = dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    want = float(p * (p + 1))
+    checks += 1
+    if not torch.equal(fut.wait(), torch.full_like(t, want)):
+        failures.append(f"then() on an allreduce future: {fut.wait()[:4].tolist()}, want {want}")
+    return checks
+
+
 def ddp_checks(device, failures: list[str]) -> list[str]:
     """ringcomm's DDP and torch's DDP over ringcomm, on CUDA, against one process
     training on the whole batch."""
@@ -322,15 +395,52 @@ def ddp_checks(device, failures: list[str]) -> list[str]:
     return notes
 
 
+def fsdp_check(nccl_group, device, failures: list[str]) -> list[str]:
+    """FSDP2 (bf16 mixed precision) on a CUDA mesh: ringcomm against torch's nccl."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def train(group) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
+        mesh = DeviceMesh.from_group(group, "cuda")
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 * dist.get_rank() + step)
+            model(torch.randn(4, 32, generator=g).to(device)).float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.full_tensor().detach().float() for p in model.parameters()]
+
+    ours, ref = train(dist.group.WORLD), train(nccl_group)
+    worst = max((a - b).abs().max().item() for a, b in zip(ours, ref))
+    ok = worst < 1e-3  # bf16 compute; the reductions may round in another order
+    if not ok:
+        failures.append(f"FSDP2 bf16 on CUDA: parameters differ from torch's nccl by {worst:.3g}")
+    return [f"FSDP2 bf16 vs nccl: {'ok' if ok else 'FAILED'} (max |diff| {worst:.1e})"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "docs" / "gpu-results.md"),
                     help="where to write the report (default docs/gpu-results.md)")
-    ap.add_argument("--stage-timeout", type=float, default=75.0,
-                    help="seconds for each launch (two checks and the benchmark)")
+    ap.add_argument("--versions", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=float, default=BUDGET_S,
+                    help=f"seconds for the whole check (default {BUDGET_S:g})")
     args = ap.parse_args()
+    if args.versions:
+        print(json.dumps(versions()))
+        return 0
     return worker(args) if args.worker else driver(args)
 
 

@@ -6,4 +6,4 @@
 set -u
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
-exec timeout 235 "$PY" scripts/gpu_check.py "$@"
+exec timeout 240 "$PY" scripts/gpu_check.py "$@"

@@ -78,3 +78,43 @@ def _checked(proc: subprocess.CompletedProcess, cmd: list[str], check: bool):
 
 
 LAUNCHERS = {"mpiexec": mpirun, "torchrun": torchrun}
+
+
+# -- how many checks each per-rank program ran ------------------------------------------
+# A program that stops early, or a loop that silently runs nothing, still exits 0;
+# so every launch compares each rank's "N checks passed" with the count recorded in
+# tests/expected_checks.json. After adding or removing checks, re-record with
+#   RINGCOMM_RECORD_CHECKS=1 make test
+EXPECTED_CHECKS = ROOT / "tests" / "expected_checks.json"
+
+
+def checks_passed(out: str, n: int) -> list[int]:
+    """Each rank's count of passed checks, in rank order; fails unless all ``n`` ranks
+    reported."""
+    import re
+
+    found = {int(r): int(k) for r, k in re.findall(r"rank (\d+): (\d+) checks passed", out)}
+    if sorted(found) != list(range(n)):
+        pytest.fail(f"expected 'checks passed' from ranks 0..{n - 1}, got ranks "
+                    f"{sorted(found)}\n{out[-3000:]}")
+    return [found[r] for r in range(n)]
+
+
+def assert_checks(out: str, key: str, n: int) -> list[int]:
+    """Every rank ran exactly the recorded number of checks for ``key``."""
+    import json
+
+    counts = checks_passed(out, n)
+    table = json.loads(EXPECTED_CHECKS.read_text()) if EXPECTED_CHECKS.exists() else {}
+    if os.environ.get("RINGCOMM_RECORD_CHECKS") == "1":
+        table[key] = counts
+        EXPECTED_CHECKS.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+        return counts
+    want = table.get(key)
+    if want is None:
+        pytest.fail(f"no recorded check count for {key!r} in {EXPECTED_CHECKS.name}; record "
+                    "it with RINGCOMM_RECORD_CHECKS=1")
+    if counts != want:
+        pytest.fail(f"{key}: ranks ran {counts} checks, expected {want} (if checks were added "
+                    "or removed on purpose, re-record with RINGCOMM_RECORD_CHECKS=1)")
+    return counts

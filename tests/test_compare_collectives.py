@@ -146,9 +146,10 @@ def test_quick_run_json_schema(quick_run):
             assert r["algbw"] == pytest.approx(r["size"] / r["time_us"] / 1e3)
             assert r["busbw"] == pytest.approx(r["algbw"] * factor)
         if r["column"] == "auto" and r["status"] == "ok":
-            # what ringcomm's selection table says for this size (one rank's block
-            # for allgather), independent of the script
-            nbytes = r["size"] // 2 if r["collective"] == "allgather" else r["size"]
+            # what ringcomm's selection table says for this size (one rank's block for
+            # allgather and reduce_scatter: what a rank passes in), independent of the script
+            per_block = r["collective"] in ("allgather", "reduce_scatter")
+            nbytes = r["size"] // 2 if per_block else r["size"]
             assert r["auto_choice"] == select.choose(table, r["collective"], nbytes, 2), r
     model = doc["analysis"]["cost_model"]
     assert {f["column"] for f in model["fits"] if f["collective"] == "allreduce"} >= {"ring", "tree"}

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # this worktree's ddp, not an installed one
     sys.path.insert(0, str(ROOT))
 
-from conftest import mpirun, torchrun  # noqa: E402
+from conftest import assert_checks, mpirun, torchrun  # noqa: E402
 from ddp.buckets import (MB, compute_bucket_assignment, complete_order, make_buckets,  # noqa: E402
                          reverse_order)
 from ddp.data_parallel import _entries, describe_mismatch  # noqa: E402
@@ -123,21 +123,26 @@ def test_describe_mismatch_names_first_difference_and_ranks():
 # -- multi-rank programs ------------------------------------------------------------
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_equivalence_with_single_process(world):
-    mpirun(world, "ddp_equivalence.py", timeout=LAUNCH_TIMEOUT)
+    out = mpirun(world, "ddp_equivalence.py", timeout=LAUNCH_TIMEOUT).stdout
+    assert_checks(out, f"ddp_equivalence mpiexec n={world}", world)
 
 
 def test_features_against_torch_ddp_and_oracles():
-    mpirun(3, "ddp_features.py", timeout=LAUNCH_TIMEOUT,
-           env={"PYTHONWARNINGS": "ignore::FutureWarning"})  # torch's broadcast_buffers notice
+    out = mpirun(3, "ddp_features.py", timeout=LAUNCH_TIMEOUT,
+                 env={"PYTHONWARNINGS": "ignore::FutureWarning"}).stdout  # broadcast_buffers
+    assert_checks(out, "ddp_features mpiexec n=3", 3)
 
 
 def test_unused_parameters_overlap_and_rebuild():
-    mpirun(3, "ddp_graph.py", timeout=LAUNCH_TIMEOUT)
+    out = mpirun(3, "ddp_graph.py", timeout=LAUNCH_TIMEOUT).stdout
+    assert_checks(out, "ddp_graph mpiexec n=3", 3)
 
 
 def test_mismatched_models_fail_on_every_rank():
-    mpirun(3, "ddp_mismatch.py", timeout=LAUNCH_TIMEOUT)
+    out = mpirun(3, "ddp_mismatch.py", timeout=LAUNCH_TIMEOUT).stdout
+    assert_checks(out, "ddp_mismatch mpiexec n=3", 3)
 
 
 def test_under_torchrun():
-    torchrun(2, "ddp_equivalence.py", "--quick", timeout=LAUNCH_TIMEOUT)
+    out = torchrun(2, "ddp_equivalence.py", "--quick", timeout=LAUNCH_TIMEOUT).stdout
+    assert_checks(out, "ddp_equivalence --quick torchrun n=2", 2)

@@ -22,3 +22,22 @@ def test_stale_readme_is_detected(tmp_path):
     text = readme.read_text()
     assert "4 KiB time per call" in text and "| 4 KiB | 1 us |" not in text
     assert subprocess.run(cmd + ["--check"], capture_output=True, timeout=60).returncode == 0
+
+
+def test_reliability_doc_is_the_rendering_of_its_json():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "reliability_report.py"),
+                           "--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_reliability_json_shows_no_failed_program_and_no_wrong_value():
+    import json
+
+    doc = json.loads((ROOT / "docs" / "data" / "reliability.json").read_text())
+    assert all(r["exit_status"] == 0 for r in doc["runs"]), [r["program"] for r in doc["runs"]
+                                                             if r["exit_status"]]
+    soak = next(r["lines"]["soak"] for r in doc["runs"] if "soak" in r["lines"])
+    assert soak["wrong"] == 0 and soak["operations"] >= 1000
+    assert all(s["ranks_left_running"] == 0 and s["seconds_to_exit"] is not None
+               for s in doc["signals"].values())
+    assert sum(len(r["cases"]) for r in doc["runs"]) >= 20

@@ -14,9 +14,9 @@ import gpu_check  # noqa: E402
 
 @pytest.mark.parametrize("version, key", [("2.30.3", "NCCL_MULTI_RANK_GPU_ENABLE"),
                                           ("2.32.3", "NCCL_MULTI_RANK_GPU_ENABLE"),
-                                          ("2.30.2", "RINGCOMM_GPU_CHECK_HOSTID"),
-                                          ("2.21.5", "RINGCOMM_GPU_CHECK_HOSTID"),
-                                          (None, "RINGCOMM_GPU_CHECK_HOSTID")])
+                                          ("2.30.2", "RINGCOMM_NCCL_HOSTID_PER_RANK"),
+                                          ("2.21.5", "RINGCOMM_NCCL_HOSTID_PER_RANK"),
+                                          (None, "RINGCOMM_NCCL_HOSTID_PER_RANK")])
 def test_two_ranks_share_a_gpu_the_way_the_nccl_version_allows(version, key):
     how, env = gpu_check.sharing(version)
     assert key in env and env["NCCL_SOCKET_IFNAME"] == "lo"

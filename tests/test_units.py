@@ -21,6 +21,12 @@ def test_backend_registered():
     assert dist.Backend._plugins["RINGCOMM"].extended_api
 
 
+def test_pg_options_of_another_type_are_refused_by_ringcomm():
+    # ringcomm's own check, ahead of anything that needs a running job
+    with pytest.raises(TypeError, match="pg_options must be ringcomm.Options, got dict"):
+        ringcomm._create(object(), {"algorithms": {"allreduce": "ring"}})
+
+
 @pytest.mark.parametrize("op", [R.BAND, R.BOR, R.BXOR])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_bitwise_on_float_refused(op, dtype):

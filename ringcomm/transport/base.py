@@ -26,6 +26,10 @@ class TransportTimeout(TimeoutError):
     """A wait passed the deadline of the running collective."""
 
 
+class TransportAborted(RuntimeError):
+    """The process group was shut down or aborted while a wait was in progress."""
+
+
 class Handle:
     """An outstanding send or receive. ``buf`` keeps the memory alive until it completes."""
 
@@ -131,6 +135,15 @@ class Transport(Channel):
         self._deadline = float("inf")
         self._what = ""
         self._tag = 0
+        self._stop: str | None = None
+
+    def interrupt(self, reason: str) -> None:
+        """End every wait, running or later, with :class:`TransportAborted` (``reason``)
+        within milliseconds; the transport is unusable afterwards."""
+        self._stop = reason
+
+    def stopped(self) -> bool:
+        return self._stop is not None
 
     def execute(self, plan: Any, views: list, op: Any) -> None:
         from ..executors import run_p2p  # executors drive transports, not the reverse
@@ -170,6 +183,7 @@ class Transport(Channel):
 
         Raises:
             TransportTimeout: the collective's deadline passed first.
+            TransportAborted: :meth:`interrupt` was called.
         """
 
     def wait(self, handle: Handle) -> None:

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .base import Handle, Transport, TransportTimeout
+from .base import Handle, Transport, TransportAborted, TransportTimeout
 
 
 class _Req:
@@ -77,11 +77,13 @@ class LocalTransport(Transport):
     def wait_all(self, handles: Sequence[Handle]) -> None:
         with self.fabric.cv:
             while not all(h.req.done for h in handles):
+                if self._stop is not None:
+                    raise TransportAborted(self._stop)
                 left = self._deadline - time.monotonic()
                 if left <= 0:
                     raise TransportTimeout(self.timeout_message(
                         [h for h in handles if not h.req.done]))
-                self.fabric.cv.wait(min(left, 1.0))
+                self.fabric.cv.wait(min(left, 0.05))
         for h in handles:
             if h.req.error:
                 raise RuntimeError(h.req.error)

@@ -84,9 +84,12 @@ def version(lib: Any) -> str:
 
 def encode_id(uid: Any) -> bytes:
     """A unique id from ``get_unique_id()`` as bytes for the store: 128 ``bytes``
-    (CuPy 14) or a tuple of 128 signed chars (CuPy 13), marked with its form."""
+    (CuPy 14) or a tuple of 128 chars (CuPy 13: signed, or unsigned where ``char``
+    is, as on aarch64), marked with its form."""
     if isinstance(uid, (bytes, bytearray)):
         return b"B" + bytes(uid)
+    if any(x > 127 for x in uid):
+        return b"U" + bytes(uid)
     return b"T" + bytes(x & 0xFF for x in uid)
 
 
@@ -95,6 +98,8 @@ def decode_id(data: bytes) -> Any:
     form, raw = data[:1], data[1:]
     if form == b"B":
         return bytes(raw)
+    if form == b"U":
+        return tuple(raw)
     return tuple(x - 256 if x > 127 else x for x in raw)
 
 
@@ -153,6 +158,9 @@ class NcclTransport(Channel):
         self.comm = comm
         self.stream = stream
         self._aborted = False
+        # The watchdog checks and aborts from its own thread: never two of these at once
+        # (CuPy clears its communicator handle only after ncclCommAbort returned).
+        self._life = threading.Lock()
 
     # -- the GroupComm interface --------------------------------------------------
     def group_start(self) -> None:
@@ -242,17 +250,20 @@ class NcclTransport(Channel):
     # -- failure and teardown ---------------------------------------------------------
     def check_async_error(self) -> None:
         """Raise the communicator's asynchronous error, if it has one."""
-        if not self._aborted:
-            self.comm.check_async_error()
+        with self._life:
+            if not self._aborted:
+                self.comm.check_async_error()
 
     def abort(self) -> None:
         """Abort the communicator: its pending and running work ends (the data is
         garbage), and a thread blocked in NCCL returns. Idempotent."""
-        if not self._aborted:
-            self._aborted = True
-            self.comm.abort()
+        with self._life:
+            if not self._aborted:
+                self._aborted = True
+                self.comm.abort()
 
     def close(self) -> None:
-        if not self._aborted:
-            self._aborted = True
-            self.comm.destroy()
+        with self._life:
+            if not self._aborted:
+                self._aborted = True
+                self.comm.destroy()

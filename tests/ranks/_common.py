@@ -1,6 +1,7 @@
 """Shared by per-rank programs: collect failures, report them, exit non-zero."""
 from __future__ import annotations
 
+import json
 import sys
 import traceback
 
@@ -17,6 +18,15 @@ class Checker:
         self.count += 1
         if not ok:
             self.failures.append(what)
+
+    def case(self, what: str, outcome: BaseException | str, seconds: float | None = None) -> None:
+        """Print what a failure or bad-input case produced, for docs/reliability.md
+        (scripts/reliability_report.py collects these lines)."""
+        if isinstance(outcome, BaseException):
+            outcome = f"{type(outcome).__name__}: {outcome}"
+        print("case: " + json.dumps({"case": what, "rank": self.rank, "outcome": str(outcome),
+                                     "seconds": None if seconds is None else round(seconds, 2)}),
+              flush=True)
 
     def run(self, what: str, fn, *args, **kwargs):
         """Run ``fn``; an exception counts as a failure named ``what``."""

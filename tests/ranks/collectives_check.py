@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import operator
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -97,6 +98,17 @@ def main() -> None:
                                pg_options=ringcomm.Options(segment_bytes=64))
     c.check(isinstance(dist.group.WORLD, ringcomm.ProcessGroupRingcomm), "world is ringcomm")
     c.check(dist.get_backend() == "ringcomm", f"get_backend() = {dist.get_backend()}")
+
+    def raises(what: str, exc, needle: str, fn, *args, **kw):
+        try:
+            fn(*args, **kw)
+        except exc as e:
+            c.case(what, e)
+            c.check(needle.lower() in str(e).lower(), f"{what}: message {e!s:.200}")
+        except Exception as e:  # noqa: BLE001
+            c.check(False, f"{what}: raised {type(e).__name__}: {e!s:.200}")
+        else:
+            c.check(False, f"{what}: no error")
 
     sizes = [0, 1, max(p - 1, 1), 7, 1000] if p <= 3 else [0, 1, p - 1, 7, 301]
     # --- allreduce: algorithm x op x dtype x size, exact ----------------------------
@@ -198,6 +210,26 @@ def main() -> None:
     if c.run("allgather uneven", dist.all_gather, outs, inputs[rank]) is None:
         c.check(all(same(o, w) for o, w in zip(outs, inputs)), "allgather uneven values")
 
+    # all_gather_coalesced, laid out as torch documents it (outputs[rank][input]):
+    # different shapes, an empty tensor, against gloo and the known inputs
+    def coalesced_inputs(r: int) -> list[torch.Tensor]:
+        return [torch.full((2, 2), r + 1.0), torch.full((1,), 10.0 * r), torch.empty(0),
+                torch.arange(3.0) + r]
+
+    mine = coalesced_inputs(rank)
+    ours = [[torch.empty_like(x) for x in mine] for _ in range(p)]
+    ref = [[torch.empty_like(x) for x in mine] for _ in range(p)]
+    if c.run("all_gather_coalesced", dist.all_gather_coalesced, ours, mine) is None:
+        dist.all_gather_coalesced(ref, mine, group=gloo)
+        for r in range(p):
+            for i, want in enumerate(coalesced_inputs(r)):
+                c.check(same(ours[r][i], want) and same(ours[r][i], ref[r][i]),
+                        f"all_gather_coalesced: rank {r} input {i}: got {ours[r][i].tolist()}, "
+                        f"want {want.tolist()}, gloo {ref[r][i].tolist()}")
+    raises("all_gather_coalesced with a list too many", ValueError, "one per rank",
+           dist.all_gather_coalesced, [[torch.empty(3), torch.empty(2)]] * (p + 1),
+           [torch.ones(3), torch.ones(2)])
+
     # --- non-contiguous tensors are handled in place --------------------------------
     base = torch.arange(40, dtype=torch.float32).view(5, 8) * (rank + 1)
     view = base[:, ::2]
@@ -229,10 +261,12 @@ def main() -> None:
     w.wait()
     c.check(w.is_completed() and w.is_success() and w.exception() is None, "work state")
 
-    # Waiting inside a future callback must never deadlock. The callback runs on the
-    # progress thread when the collective finishes after .then(), on this thread
-    # otherwise (which one differs across ranks): on the progress thread wait() must
-    # raise, elsewhere it must simply work. Every rank issues the same collective.
+    # Waiting inside a future callback must never deadlock. A callback attached to a
+    # finished collective runs at once on the caller's thread: waiting there works. A
+    # callback attached while the collective still waits for a late rank runs on the
+    # progress thread: waiting there must raise. Rank 0 comes late and attaches its
+    # callback afterwards (the first case); the others attach theirs while they wait
+    # for it (the second). Every rank issues the same collectives.
     seen = {}
     t2 = torch.ones(2)
 
@@ -245,16 +279,27 @@ def main() -> None:
             seen["error"] = str(e)
         return fut.value()
 
-    dist.all_reduce(torch.ones(4), async_op=True).get_future().then(callback).wait()
-    c.check(seen.get("waited") or "deadlock" in seen.get("error", ""), f"wait in a callback: {seen}")
+    if rank == 0:
+        time.sleep(0.5)
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    if rank == 0:
+        work.wait()
+    work.get_future().then(callback).wait()
+    if rank == 0:
+        c.check(seen.get("waited") is True, f"wait in a callback on the caller's thread: {seen}")
+    else:
+        c.check("deadlock" in seen.get("error", ""),
+                f"wait in a callback on the progress thread did not raise: {seen}")
     seen["work"].wait()
     c.check(same(t2, torch.full((2,), float(p))), "collective issued in a callback")
 
     # --- barrier: nobody leaves before everybody arrived -----------------------------
     store = dist.distributed_c10d._get_default_store()
     store.set(f"arrived/{rank}", "1")
+    # TCPStore's set does not wait for the server; a get on the same connection does,
+    # so the key is visible to every rank before this one enters the barrier.
+    store.get(f"arrived/{rank}")
     dist.barrier()
-    store.check([f"arrived/{i}" for i in range(p)])
     c.check(store.check([f"arrived/{i}" for i in range(p)]), "barrier returned early")
     dist.barrier(async_op=True).wait()
 
@@ -276,29 +321,21 @@ def main() -> None:
             c.check(dist.get_rank(g) == members.index(rank), "group rank")
 
     # --- bad input: a clear error on the calling rank, the group stays usable --------
-    def raises(what: str, exc, needle: str, fn, *args, **kw):
-        try:
-            fn(*args, **kw)
-        except exc as e:
-            c.check(needle.lower() in str(e).lower(), f"{what}: message {e!s:.200}")
-        except Exception as e:  # noqa: BLE001
-            c.check(False, f"{what}: raised {type(e).__name__}: {e!s:.200}")
-        else:
-            c.check(False, f"{what}: no error")
-
     raises("BAND on float", (ValueError, RuntimeError), "BAND", dist.all_reduce,
            torch.ones(3), op=R.BAND)
     raises("AVG on bool", (ValueError, RuntimeError), "AVG", dist.all_reduce,
            torch.ones(3, dtype=torch.bool), op=R.AVG)
-    raises("complex MAX", (ValueError, RuntimeError), "", dist.all_reduce,
+    raises("complex MAX", (ValueError, RuntimeError), "MAX on complex", dist.all_reduce,
            torch.ones(3, dtype=torch.complex64), op=R.MAX)
     raises("meta tensor", (ValueError, RuntimeError), "meta", dist.all_reduce,
            torch.empty(3, device="meta"))
-    raises("sparse tensor", (ValueError, RuntimeError), "", dist.all_reduce,
+    raises("sparse tensor", (ValueError, RuntimeError), "only dense tensors", dist.all_reduce,
            torch.ones(3).to_sparse())
-    raises("broadcast root out of range", (ValueError, RuntimeError), "", dist.broadcast,
+    raises("broadcast root out of range", (ValueError, RuntimeError), "out of range",
+           dist.broadcast,
            torch.ones(3), src=p + 3)
-    raises("allgather list too short", (ValueError, RuntimeError), "", dist.all_gather,
+    raises("allgather list too long", (ValueError, RuntimeError), "expected one per rank",
+           dist.all_gather,
            [torch.empty(3)] * (p + 1), torch.ones(3))
     raises("allgather dtype mismatch", (ValueError, RuntimeError), "dtype", dist.all_gather,
            [torch.empty(3, dtype=torch.float64) for _ in range(p)], torch.ones(3))

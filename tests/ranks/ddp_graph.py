@@ -329,8 +329,18 @@ def rebuild(c, rank, world, group, backend):
         dist.all_gather(layouts, torch.tensor(flat), group=group)
         c.check(all(torch.equal(t, layouts[0]) for t in layouts),
                 f"{what}: bucket layouts differ across ranks: {[t.tolist() for t in layouts]}")
-        # Bucket sizes also follow the cap from the rebuilt order.
-        c.check(all(len(b) >= 1 for b in net.reducer.bucket_assignment()), f"{what}: empty bucket")
+        # Bucket sizes also follow the cap from the rebuilt order: every bucket closed
+        # at the first parameter that brought it to the cap (the last may stay short).
+        cap_bytes = net.bucket_bytes_cap
+        nbytes = [q.numel() * q.element_size() for q in model.parameters()]
+        buckets = net.reducer.bucket_assignment()
+        for k, b in enumerate(buckets):
+            sizes = [nbytes[i] for i in b]
+            full = sum(sizes) >= cap_bytes
+            c.check(bool(b) and sum(sizes[:-1]) < cap_bytes and (full or k == len(buckets) - 1),
+                    f"{what}: bucket {k} {b} holds {sizes} bytes against a cap of {cap_bytes}")
+        c.check(sorted(i for b in buckets for i in b) == list(range(n)),
+                f"{what}: buckets {buckets} do not hold every parameter once")
 
 
 def main() -> None:

@@ -7,6 +7,9 @@ Modes:
             fail fast.
   mismatch  ranks call allreduce with different sizes under RINGCOMM_DEBUG=DETAIL; every
             rank must get an error naming the mismatch.
+  abort     rank 0 never joins an allreduce; rank 1 aborts its group, rank 2 shuts it
+            down, half a second in: the running collective must end within a second
+            (the group timeout is a minute), and later calls must fail at once.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import ringcomm  # noqa: F401
+import ringcomm
 from _common import Checker
 
 
@@ -27,6 +30,7 @@ def expect_error(c: Checker, what: str, fn, *needles: str, exc=dist.DistBackendE
         fn()
     except exc as e:
         msg = str(e)
+        c.case(what, e, time.monotonic() - t0)
         for n in needles:
             c.check(n.lower() in msg.lower(), f"{what}: {n!r} not in message: {msg[:300]}")
     except Exception as e:  # noqa: BLE001
@@ -37,7 +41,7 @@ def expect_error(c: Checker, what: str, fn, *needles: str, exc=dist.DistBackendE
 
 
 def main(mode: str) -> None:
-    timeout = 3.0
+    timeout = 60.0 if mode == "abort" else 3.0
     dist.init_process_group("ringcomm", timeout=timedelta(seconds=timeout))
     rank = dist.get_rank()
     c = Checker(rank)
@@ -57,6 +61,23 @@ def main(mode: str) -> None:
             took = expect_error(c, "later call", lambda: dist.all_reduce(torch.ones(3)),
                                 "unusable")
             c.check(took < 1.0, f"a call on a broken group took {took:.1f}s")
+    elif mode == "abort":
+        if rank == 0:
+            time.sleep(3)  # never calls the collective
+            c.check(True, "rank 0 stayed away")
+        else:
+            pg = ringcomm.get_group()
+            work = dist.all_reduce(torch.ones(100000), async_op=True)
+            time.sleep(0.5)
+            how = "aborted" if rank == 1 else "shut down"
+            t0 = time.monotonic()
+            pg.abort() if rank == 1 else pg.shutdown()
+            took = expect_error(c, f"wait after {how}", work.wait, "allreduce", "interrupted",
+                                how) + (time.monotonic() - t0)
+            c.check(took < 1.5, f"the running collective ended {took:.2f}s after {how}")
+            took = expect_error(c, "later call", lambda: dist.all_reduce(torch.ones(3)),
+                                "shut down")
+            c.check(took < 0.5, f"a call after {how} took {took:.2f}s")
     elif mode == "mismatch":
         n = 10 if rank == 0 else 20
         expect_error(c, "size mismatch", lambda: dist.all_reduce(torch.ones(n)), "mismatch")
@@ -88,6 +109,7 @@ def main(mode: str) -> None:
                 dist.scatter(torch.empty(4), [torch.ones(4)] * (p + 1), src=0)
                 c.check(False, "scatter with a list too long: no error")
             except ValueError as e:
+                c.case("scatter with a list too long, on the root only", e)
                 c.check("expected one per rank" in str(e), f"message: {e}")
             expect_error(c, "root's next call", lambda: dist.all_reduce(torch.ones(4)),
                          "timed out")

@@ -286,7 +286,9 @@ def main() -> None:
         cm.wait()
     if c.run("coalesced all_gather_into_tensor", coalesced_gather) is None:
         c.check(same(outs_[0], torch.arange(p).float().repeat_interleave(4)),
-                "coalesced all_gather_into_tensor")
+                "coalesced all_gather_into_tensor: first output")
+        c.check(same(outs_[1], -torch.arange(p).float().repeat_interleave(2)),
+                "coalesced all_gather_into_tensor: second output")
 
     # functional collectives (what torch.compile and DTensor use), against gloo
     import torch.distributed._functional_collectives as fc
@@ -317,18 +319,24 @@ def main() -> None:
         try:
             fn(*args, **kw)
         except (ValueError, RuntimeError, TypeError) as e:
+            c.case(what, e)
             c.check(needle.lower() in str(e).lower(), f"{what}: message {str(e)[:200]}")
         else:
             c.check(False, f"{what}: no error")
 
-    raises("gather root out of range", "", dist.gather, torch.ones(2), None, dst=p + 1)
+    raises("gather root out of range", "out of range", dist.gather, torch.ones(2), None, dst=p + 1)
     raises("all_to_all_single bad splits", "split", dist.all_to_all_single,
            torch.empty(p), torch.empty(p), [p + 1] + [0] * (p - 1), [1] * p)
     raises("reduce_scatter_tensor wrong size", "elements", dist.reduce_scatter_tensor,
            torch.empty(3), torch.empty(3 * p + 1))
-    raises("all_gather_into_tensor wrong size", "", dist.all_gather_into_tensor,
+    raises("all_gather_into_tensor wrong size", "world size x input",
+           dist.all_gather_into_tensor,
            torch.empty(3 * p + 2), torch.empty(3))
-    raises("send to self", "", dist.send, torch.ones(1), rank)
+    raises("send to self", "same as the rank of the current process", dist.send,
+           torch.ones(1), rank)
+    # torch refuses that one itself; ringcomm's own check, called directly:
+    raises("send to self (ringcomm)", "cannot send to/from itself",
+           dist.group.WORLD.send, [torch.ones(1)], rank, 0)
     t = torch.ones(4)
     dist.all_reduce(t)
     c.check(same(t, torch.full((4,), float(p))), "usable after refused calls")

@@ -1,0 +1,23 @@
+"""The recipes of docs/integrations.md, run: DCP and FSDP2 with torch alone (always),
+PyTorch Lightning, HF Accelerate and the transformers Trainer where installed."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from conftest import assert_checks, mpirun, torchrun
+
+
+@pytest.mark.parametrize("launch", [mpirun, torchrun], ids=["mpiexec", "torchrun"])
+def test_dcp_and_fsdp2(launch, tmp_path):
+    out = launch(2, "integrations_check.py", "torch", str(tmp_path), timeout=240).stdout
+    assert_checks(out, f"integrations_check torch {launch.__name__} n=2", 2)
+
+
+@pytest.mark.parametrize("framework", ["lightning", "accelerate", "transformers"])
+def test_framework(framework, tmp_path):
+    if importlib.util.find_spec(framework) is None:
+        pytest.skip(f"{framework} is not installed")
+    out = torchrun(2, "integrations_check.py", framework, str(tmp_path), timeout=300).stdout
+    assert_checks(out, f"integrations_check {framework} torchrun n=2", 2)
