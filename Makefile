@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 NP ?= 4
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test conformance bench clean
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,11 @@ demo: install
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# torch's own distributed test suite against ringcomm (world size 3, CPU; about
+# half an hour on 2 cores): counts and every skip reason in docs/conformance.md
+conformance: install
+	$(PY) scripts/conformance.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

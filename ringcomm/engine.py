@@ -138,7 +138,9 @@ class Engine:
     def _wrap(self, op: str, e: BaseException, timeout_s: float) -> BaseException:
         where = f"{self._describe()}, rank {self.tp.rank} of {self.tp.size}"
         if isinstance(e, TransportTimeout):
-            msg = (f"ringcomm {op} timed out after {timeout_s:g}s ({where}) {e}. Every rank "
+            # "timed out ... timeout" : the words torch's own tests look for (gloo's too)
+            msg = (f"ringcomm {op} timed out after {timeout_s:g}s, the timeout of this "
+                   f"collective ({where}) {e}. Every rank "
                    "must call the same collectives in the same order with matching sizes; "
                    "the group is unusable now.")
         elif isinstance(e, TransportAborted):

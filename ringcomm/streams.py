@@ -271,7 +271,8 @@ class StreamEngine:
                 where = (f"{self._describe()}, rank {self.tp.rank} of {self.tp.size}, "
                          f"{self.tp.device}")
                 if isinstance(cause, TimeoutError):
-                    msg = (f"ringcomm {op} timed out after {timeout_s:g}s ({where}); the NCCL "
+                    msg = (f"ringcomm {op} timed out after {timeout_s:g}s, the timeout of this "
+                           f"collective ({where}); the NCCL "
                            "communicator was aborted. Every rank must call the same "
                            "collectives in the same order with matching sizes.")
                 else:

@@ -38,50 +38,34 @@ def test_torch_ddp_matches_gloo(launch):
     assert_checks(out, f"torch_ddp_check {launch.__name__} n=2", 2)
 
 
-def test_timeout_raises_instead_of_hanging():
-    out = mpirun(3, "failure_check.py", "timeout", timeout=120).stdout
-    assert_checks(out, "failure_check timeout n=3", 3)
+#: failures and lifecycle, under mpiexec: the case -> (program and arguments, ranks,
+#: extra environment). Each rank must report exactly its recorded number of checks.
+FAILURE_CASES = {
+    "a timeout raises instead of hanging": ("failure_check.py timeout", 3, None),
+    "abort and shutdown end a running collective at once": ("failure_check.py abort", 3, None),
+    "a short message is an error, not stale data": ("failure_check.py short", 3, None),
+    "input refused on one rank ends in errors everywhere": ("failure_check.py refused", 3, None),
+    "a size mismatch is named in debug mode": ("failure_check.py mismatch", 3,
+                                               {"RINGCOMM_DEBUG": "DETAIL"}),
+    "an op mismatch is named in debug mode": ("failure_check.py mismatch_op", 3,
+                                              {"RINGCOMM_DEBUG": "DETAIL"}),
+    "groups created, broken and destroyed leak nothing": ("lifecycle_check.py 100", 3, None),
+    "a soak of mixed async collectives on two groups": ("soak_check.py 3000", 2, None),
+    "WORLD_SIZE disagreeing with mpiexec is replaced, with a warning": (
+        "world_check.py env", 2, {"WORLD_SIZE": "3"}),
+    "init_process_group(world_size=3) on two processes is an error, not a hang": (
+        "world_check.py explicit", 2, None),
+}
 
 
-def test_abort_and_shutdown_end_a_running_collective_at_once():
-    out = mpirun(3, "failure_check.py", "abort", timeout=120).stdout
-    assert_checks(out, "failure_check abort n=3", 3)
-
-
-def test_groups_created_broken_and_destroyed_leak_nothing():
-    out = mpirun(3, "lifecycle_check.py", "100", timeout=180).stdout
-    assert_checks(out, "lifecycle_check 100 n=3", 3)
-
-
-def test_soak_of_mixed_async_collectives_on_two_groups():
-    out = mpirun(2, "soak_check.py", "3000", timeout=240).stdout
-    assert_checks(out, "soak_check 3000 n=2", 2)
-
-
-@pytest.mark.parametrize("mode", ["env", "explicit"])
-def test_a_world_that_disagrees_with_the_launcher_is_an_error_not_a_hang(mode):
-    env = {"WORLD_SIZE": "3"} if mode == "env" else None
-    proc = mpirun(2, "world_check.py", mode, timeout=120, env=env)
-    assert_checks(proc.stdout, f"world_check {mode} n=2", 2)
-    if mode == "env":
+@pytest.mark.parametrize("case", FAILURE_CASES)
+def test_failures_and_lifecycle(case):
+    command, n, env = FAILURE_CASES[case]
+    program, *args = command.split()
+    proc = mpirun(n, program, *args, timeout=240, env=env)
+    assert_checks(proc.stdout, f"{program.removesuffix('.py')} {' '.join(args)} n={n}", n)
+    if env and "WORLD_SIZE" in env:
         assert "replacing WORLD_SIZE=3 with the MPI value 2" in proc.stderr
-
-
-def test_short_message_is_an_error_not_stale_data():
-    out = mpirun(3, "failure_check.py", "short", timeout=120).stdout
-    assert_checks(out, "failure_check short n=3", 3)
-
-
-def test_input_refused_on_one_rank_ends_in_errors_everywhere():
-    out = mpirun(3, "failure_check.py", "refused", timeout=120).stdout
-    assert_checks(out, "failure_check refused n=3", 3)
-
-
-@pytest.mark.parametrize("mode", ["mismatch", "mismatch_op"])
-def test_mismatch_detected_in_debug_mode(mode):
-    out = mpirun(3, "failure_check.py", mode, timeout=120,
-                 env={"RINGCOMM_DEBUG": "DETAIL"}).stdout
-    assert_checks(out, f"failure_check {mode} n=3", 3)
 
 
 def test_same_script_runs_under_both_launchers():

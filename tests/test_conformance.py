@@ -1,0 +1,43 @@
+"""The part of torch's own distributed test suite that fits CI's time (all of it:
+``make conformance``; results in docs/conformance.md): collectives, subgroups,
+send/recv, DDP on CPU, each one at world size 3 in processes the suite spawns."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import conformance  # noqa: E402
+
+#: torch's tests CI runs: one or two of each kind
+CI_TESTS = [
+    "test_all_reduce_sum",                               # collectives
+    "test_all_gather_coalesced_with_empty",
+    "test_all_to_all_single_unequal_split",              # a gate opened for ringcomm
+    "test_get_rank_size_group",                          # subgroups
+    "test_send_recv_any_source",                         # point-to-point
+    "test_batch_isend_irecv_gloo_tags",
+    "test_all_gather_object_subgroup",                   # object collectives
+    "test_DistributedDataParallelCPU",                   # DDP
+    "test_accumulate_gradients_no_sync_allreduce_hook",
+]
+
+
+def test_torch_suite_part_passes(tmp_path):
+    xml = tmp_path / "suite.xml"
+    env = dict(os.environ, OMP_NUM_THREADS="1", BACKEND="ringcomm", WORLD_SIZE="3",
+               TEMP_DIR=str(tmp_path / "temp"))
+    for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    (tmp_path / "temp").mkdir()
+    ids = [f"{conformance.SUITE}::TestDistBackendWithSpawn::{name}" for name in CI_TESTS]
+    proc = subprocess.run([sys.executable, "-m", "pytest", *ids, "-q", "-p", "no:cacheprovider",
+                           "--timeout=240", f"--junitxml={xml}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    tests = {t["name"]: t for t in conformance.parse(xml)} if xml.exists() else {}
+    outcome = {n: tests[n]["outcome"] if n in tests else "not run" for n in CI_TESTS}
+    assert all(o == "passed" for o in outcome.values()), (
+        f"{outcome}\n{proc.stdout[-5000:]}\n{proc.stderr[-3000:]}")
