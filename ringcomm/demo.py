@@ -39,15 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     gloo = dist.new_group(backend="gloo")
     sizes = [1 << 10, 1 << 16] if args.quick else [1 << 10, 1 << 16, 1 << 20, 1 << 24]
     iters = 3 if args.quick else 10
+    algos = [*sorted(ringcomm.REGISTRY["allreduce"]), "auto"]  # every registered one
     if rank == 0:
-        print(f"ringcomm {ringcomm.__version__}: allreduce (SUM, float32) on {p} ranks")
-        print(f"{'bytes':>10} | {'ring us':>9} {'tree us':>9} {'auto us':>9} "
-              f"{'(auto ->)':>9} | {'gloo us':>9}")
+        print(f"ringcomm {ringcomm.__version__}: allreduce (SUM, float32) on {p} ranks, "
+              "time per call in us")
+        print(f"{'bytes':>10} | " + " ".join(f"{a:>{max(9, len(a))}}" for a in algos)
+              + f" {'(auto ->)':>18} | {'gloo':>9}")
     wrong = 0
     for nbytes in sizes:
         n = nbytes // 4
         row = {}
-        for algo in ("ring", "tree", "auto"):
+        for algo in algos:
             ringcomm.set_algorithm("allreduce", algo)
             t = torch.arange(n, dtype=torch.float32) + rank
             dist.all_reduce(t)
@@ -57,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         row["gloo"] = _time(lambda: dist.all_reduce(t, group=gloo), iters)
         if rank == 0:
             chosen = ringcomm.get_group().algorithm_for("allreduce", nbytes)
-            print(f"{nbytes:>10} | {row['ring'] * 1e6:>9.1f} {row['tree'] * 1e6:>9.1f} "
-                  f"{row['auto'] * 1e6:>9.1f} {chosen:>9} | {row['gloo'] * 1e6:>9.1f}")
+            print(f"{nbytes:>10} | " + " ".join(f"{row[a] * 1e6:>{max(9, len(a))}.1f}"
+                                                for a in algos)
+                  + f" {chosen:>18} | {row['gloo'] * 1e6:>9.1f}")
     ringcomm.set_algorithm("allreduce", "auto")
     total = torch.tensor([wrong])
     dist.all_reduce(total)
