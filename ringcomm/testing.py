@@ -28,6 +28,7 @@ from .schedule import Context
 from .simulator import SimFabric
 from .transport.base import Transport
 from .transport.local import LocalFabric
+from .transport.nccl import DTYPE_CODES
 
 EXECUTORS = ("threads", "nccl-sim")
 
@@ -219,8 +220,7 @@ class FakeNccl:
 
 
 #: NCCL type code -> torch dtype
-_FAKE_DTYPES = {0: torch.int8, 1: torch.uint8, 2: torch.int32, 4: torch.int64, 6: torch.float16,
-                7: torch.float32, 8: torch.float64, 9: torch.bfloat16}
+_FAKE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 def _memory(ptr: int, count: int, code: int) -> torch.Tensor:

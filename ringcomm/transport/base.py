@@ -19,7 +19,6 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import ops
 
 
 class TransportTimeout(TimeoutError):
@@ -90,10 +89,6 @@ class Channel(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no collectives of its own")
 
     # -- local work ----------------------------------------------------------
-    def reduce_(self, dst: torch.Tensor, src: torch.Tensor, op: ops.RedOpType) -> None:
-        """dst = dst (op) src on this rank's device."""
-        ops.reduce_(dst, src, op)
-
     def scratch(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A reusable work buffer of ``numel`` elements, distinct per ``slot``.
 
