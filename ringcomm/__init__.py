@@ -9,23 +9,23 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import os
 import weakref
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from . import bootstrap, checker, schedule
+from . import bootstrap, checker, schedule, settings
 from .algorithms import REGISTRY, register_algorithm
-from .process_group import Options, ProcessGroupRingcomm
+from .process_group import ProcessGroupRingcomm
+from .settings import Options
 
 __version__ = "0.1.0"
 __all__ = ["Options", "ProcessGroupRingcomm", "register_algorithm", "set_algorithm",
            "algorithm", "get_group", "REGISTRY", "checker", "schedule", "__version__"]
 
 log = logging.getLogger("ringcomm")
-_level = os.environ.get("RINGCOMM_DEBUG", "").upper()
+_level = settings.get("RINGCOMM_DEBUG")
 if _level in ("INFO", "DETAIL"):
     log.setLevel(logging.DEBUG if _level == "DETAIL" else logging.INFO)
     if not log.handlers:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import threading
 import time
 from datetime import timedelta
@@ -31,6 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from . import settings
 from .work import BaseWork
 
 log = logging.getLogger("ringcomm")
@@ -211,7 +211,7 @@ class StreamEngine:
         self._error: BaseException | None = None
         self._stopped = False
         self._watchdog: threading.Thread | None = None
-        self._blocking_wait = os.environ.get("RINGCOMM_BLOCKING_WAIT", "0") not in ("", "0")
+        self._blocking_wait = settings.get("RINGCOMM_BLOCKING_WAIT")
 
     def submit(self, op: str, fn: Callable[[], Any], *, async_op: bool, timeout_s: float,
                tag: int = 0, keep: Iterable[torch.Tensor] = (), blocking: bool = False) -> StreamWork:

@@ -35,15 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     if p != 2:
         raise SystemExit("bench_layers: run it on exactly 2 ranks")
     pg = ringcomm.get_group()
-    tp = pg._tp
+    tp = pg.lanes.cpu.tp
     world = ringcomm.bootstrap.world_comm()
     n = a.bytes // 4
     t, s = torch.ones(n), torch.empty(n)
     peer = 1 - rank
     fa = MPI.buffer.fromaddress
     algo = "recursive_doubling"
-    plan = pg._plan("allreduce", algo, ringcomm.REGISTRY["allreduce"][algo], (n,), 0,
-                    torch.float32)
+    plan = pg.planner.plan("allreduce", algo, ringcomm.REGISTRY["allreduce"][algo], (n,), 0,
+                           torch.float32)
     views = plan.bind([t], lambda i, k: tp.scratch(i, k, torch.float32))
     opts = dist.AllreduceOptions()
     opts.asyncOp = False
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         ("one exchange through the transport", tp_exchange),
         ("the compiled schedule (run_p2p): exchange + add", executor),
         ("the engine (Work, deadline, issue order)",
-         lambda: pg._engine.submit("allreduce", lambda: run_p2p(plan, tp, views, ops.SUM),
+         lambda: pg.lanes.cpu.engine.submit("allreduce", lambda: run_p2p(plan, tp, views, ops.SUM),
                                    async_op=False, timeout_s=60.0, tag=5)),
         ("ProcessGroupRingcomm.allreduce", lambda: pg.allreduce([t], opts)),
         ("dist.all_reduce", lambda: dist.all_reduce(t)),

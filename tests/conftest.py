@@ -104,9 +104,11 @@ def assert_checks(out: str, key: str, n: int) -> list[int]:
     """Every rank ran exactly the recorded number of checks for ``key``."""
     import json
 
+    from ringcomm import settings
+
     counts = checks_passed(out, n)
     table = json.loads(EXPECTED_CHECKS.read_text()) if EXPECTED_CHECKS.exists() else {}
-    if os.environ.get("RINGCOMM_RECORD_CHECKS") == "1":
+    if settings.get("RINGCOMM_RECORD_CHECKS"):
         table[key] = counts
         EXPECTED_CHECKS.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
         return counts

@@ -10,7 +10,7 @@ import torch
 from ringcomm import checker, ops
 from ringcomm.algorithms import ring
 from ringcomm.executors import Plan, run_grouped
-from ringcomm.process_group import _check_user_schedule
+from ringcomm.plans import check_user_schedule as _check_user_schedule
 from ringcomm.schedule import Builder, Context, Copy, Reduce, Region, ScheduleError
 from ringcomm.simulator import SimFabric, SimulatorError
 from ringcomm.testing import run_schedule

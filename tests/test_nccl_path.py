@@ -89,7 +89,7 @@ def test_point_to_point_uses_a_pair_communicator():
             pg.send([torch.full((4,), float(r))], (r + 1) % p).wait()
         with pytest.raises(ValueError, match="any rank needs MPI"):
             pg.recv_anysource([got])
-        return got[0].item(), sorted(k[1] for k in pg._pair_lanes)
+        return got[0].item(), pg.lanes.pair_peers()
 
     out = nccl_groups(4, body)
     assert [v for v, _ in out] == [3.0, 0.0, 1.0, 2.0]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import ringcomm
 from ringcomm import bootstrap, ops
 from ringcomm.algorithms import REGISTRY, register_algorithm, select
-from ringcomm.process_group import _parse_algo_env
+from ringcomm.algorithms import parse_choices as _parse_algo_env
 
 R = dist.ReduceOp
 

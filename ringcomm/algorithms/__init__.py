@@ -94,4 +94,34 @@ def names(collective: str) -> list[str]:
     return ["auto", *REGISTRY[collective]]
 
 
-__all__ = ["REGISTRY", "NATIVE", "BUFFERS", "register_algorithm", "names"]
+def check_choice(collective: str, name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` (or ``"auto"``) is an algorithm of ``collective``."""
+    if collective not in REGISTRY:
+        raise ValueError(f"ringcomm: unknown collective {collective!r}; known: {sorted(REGISTRY)}")
+    if name != "auto" and name not in REGISTRY[collective]:
+        raise ValueError(f"ringcomm: no {collective} algorithm {name!r}; available: "
+                         f"{names(collective)}")
+
+
+def parse_choices(text: str) -> dict[str, str]:
+    """``RINGCOMM_ALGO``'s form: ``ring`` (every collective that has a ``ring``) or
+    ``allreduce=ring,broadcast=tree`` -> ``{collective: name}``.
+
+    Raises:
+        ValueError: an unknown collective or algorithm name.
+    """
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if "=" in item:
+            coll, name = (s.strip() for s in item.split("=", 1))
+            check_choice(coll, name)
+            out[coll] = name
+            continue
+        if item != "auto" and not any(item in a for a in REGISTRY.values()):
+            raise ValueError(f"no collective has an algorithm {item!r}")
+        out.update({c: item for c, algos in REGISTRY.items() if item in algos or item == "auto"})
+    return out
+
+
+__all__ = ["REGISTRY", "NATIVE", "BUFFERS", "register_algorithm", "names", "check_choice",
+           "parse_choices"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+
+from .. import settings
 
 log = logging.getLogger("ringcomm")
 
@@ -44,7 +45,7 @@ def load_tuning(path: str | None = None) -> dict[str, dict[str, list]]:
     from . import REGISTRY  # here: algorithms/__init__ imports this module's neighbours
 
     table = {k: dict(v) for k, v in DEFAULT_TUNING.items()}
-    path = path or os.environ.get("RINGCOMM_TUNING")
+    path = path or settings.get("RINGCOMM_TUNING")
     if not path:
         return table
     try:

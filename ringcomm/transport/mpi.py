@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
+from .. import settings
 from .base import Handle, Transport, TransportAborted, TransportTimeout, packed
 
 _monotonic = time.monotonic
@@ -34,14 +35,6 @@ _BYTE = MPI.BYTE
 # a user irecv never matched while its message sat in UCX's unexpected queue).
 # Each call is short and the polling loops release the lock between calls.
 _mpi_lock = threading.Lock()
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError as e:
-        raise ValueError(f"ringcomm: environment variable {name} must be a number, "
-                         f"got {os.environ[name]!r}") from e
 
 
 #: spin this long before yielding the core: a peer on another core answers within it
@@ -197,8 +190,8 @@ class MPITransport(Transport):
         self.p2p_comm = comm.Dup()
         self.tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
         self.tag_limit = self.tag_ub + 1
-        self.spin_s = _env_float("RINGCOMM_SPIN_US", 50000.0) * 1e-6
-        self.max_sleep_s = _env_float("RINGCOMM_MAX_SLEEP_US", 500.0) * 1e-6
+        self.spin_s = settings.get("RINGCOMM_SPIN_US") * 1e-6
+        self.max_sleep_s = settings.get("RINGCOMM_MAX_SLEEP_US") * 1e-6
         self._inflight: list[Handle] = []
         self._abandoned: list[Handle] = []
         self._any_source: dict[int, collections.deque] = {}

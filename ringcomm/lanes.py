@@ -1,0 +1,185 @@
+"""Lanes: what runs a group's calls on one device. A lane is a channel (the MPI
+transport for CPU tensors, an NCCL communicator for a CUDA device) and the
+engine that drives it (a progress thread for MPI, a stream and a watchdog for
+NCCL). :class:`Lanes` holds a group's lanes and creates NCCL ones on first use.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+from .transport import Channel, Transport
+
+
+class Lane:
+    """One device's channel and engine."""
+
+    __slots__ = ("tp", "engine", "key", "token", "on_stream")
+
+    def __init__(self, tp: Channel, engine: Any, on_stream: bool):
+        self.tp = tp
+        self.engine = engine
+        self.key = str(tp.device)
+        #: the barrier's one byte
+        self.token = torch.zeros(1, dtype=torch.uint8, device=tp.device)
+        #: collectives are enqueued on a stream (NCCL), not run to completion (MPI)
+        self.on_stream = on_stream
+
+
+class Lanes:
+    """A group's lanes: the CPU lane (if MPI loaded) and one NCCL lane per device,
+    plus two-rank NCCL lanes for send/recv.
+
+    Args:
+        rank, size: this rank and the group size.
+        cpu: the CPU lane, or None where MPI could not be loaded (``cpu_error`` says why).
+        store: the group's c10d store; NCCL communicators exchange their ids through it.
+        timeout_s: the group's timeout (NCCL set-up waits at most this long).
+        describe: the group's name for error messages.
+        nccl: ``cupy.cuda.nccl`` or a stand-in (default: loaded on first use).
+        nccl_type: tensors of this device type run over NCCL.
+    """
+
+    def __init__(self, rank: int, size: int, cpu: Lane | None, *, store: Any, timeout_s: float,
+                 describe: Callable[[], str], cpu_error: str | None = None, nccl: Any = None,
+                 nccl_type: str = "cuda"):
+        self.rank, self.size = rank, size
+        self.cpu = cpu
+        self.nccl_type = nccl_type
+        self._cpu_error = cpu_error
+        self._store = store
+        self._timeout_s = timeout_s
+        self._describe = describe
+        self._nccl_lib = nccl
+        self._devices: dict[str, Lane] = {}
+        self._pairs: dict[tuple, Lane] = {}
+        self._nccl_count = 0
+        self._lock = threading.Lock()
+
+    def for_tensor(self, t: torch.Tensor, op: str) -> Lane:
+        """The lane that runs a call on ``t``'s device (created on first use).
+
+        Raises:
+            ValueError: the device is not supported, or the library it needs (MPI for
+                CPU tensors, CuPy with NCCL for CUDA tensors) is missing.
+        """
+        return self.for_device(t.device, op)
+
+    def for_device(self, dev: torch.device, op: str) -> Lane:
+        if dev.type == self.nccl_type:
+            lane = self._devices.get(str(dev))
+            return lane if lane is not None else self._nccl_lane(dev, op)
+        if dev.type == "cpu":
+            if self.cpu is None:
+                raise ValueError(f"ringcomm {op}: CPU tensors run over MPI, which could not be "
+                                 f"loaded here ({self._cpu_error}); move the tensors to a CUDA "
+                                 "device, or install MPI (pip install mpich)")
+            return self.cpu
+        raise ValueError(f"ringcomm {op}: tensors on {dev} are not supported; ringcomm runs "
+                         f"CPU tensors over MPI and {self.nccl_type} tensors over NCCL")
+
+    def for_barrier(self, opts: Any) -> Lane:
+        """The barrier's lane: the device torch names (``device_ids``), else MPI,
+        else the first device this group used, else the current CUDA device."""
+        dev = getattr(opts, "device", None)
+        ids = list(getattr(opts, "device_ids", None) or [])
+        if ids and (dev is None or dev.type == "cpu") and self.nccl_type == "cuda":
+            dev = torch.device("cuda", ids[0])
+        if isinstance(dev, torch.device) and dev.type == self.nccl_type:
+            if dev.type == "cuda" and dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            return self.for_device(dev, "barrier")
+        if self.cpu is not None:
+            return self.cpu
+        if self._devices:  # no MPI: the first device this group used
+            return next(iter(self._devices.values()))
+        if self.nccl_type == "cuda" and torch.cuda.is_available():
+            return self.for_device(torch.device("cuda", torch.cuda.current_device()), "barrier")
+        return self.for_device(torch.device("cpu"), "barrier")
+
+    def pair(self, device: torch.device, peer: int, op: str) -> tuple[Lane, int]:
+        """The two-rank NCCL communicator (and its own stream) this rank uses for
+        ``dist.send``/``dist.recv`` with ``peer`` on ``device``, as torch's NCCL backend
+        does: messages between a pair then never queue behind the group's collectives.
+        Returns the lane and the peer's rank in it."""
+        lib = self._library(op)
+        lo, hi = min(self.rank, peer), max(self.rank, peer)
+        key = (str(device), peer)
+        with self._lock:
+            lane = self._pairs.get(key)
+            if lane is None:
+                # each side counts the pair communicators it made with the other
+                n = sum(1 for k in self._pairs if k[1] == peer)
+                lane = self._new_nccl_lane(lib, device, f"ringcomm/nccl/p2p/{lo}-{hi}/{n}",
+                                           0 if self.rank == lo else 1, 2)
+                self._pairs[key] = lane
+        return lane, 1 if self.rank == lo else 0
+
+    def pair_peers(self) -> list[int]:
+        """The peers this rank has a pair communicator with (one entry per device)."""
+        return sorted(k[1] for k in self._pairs)
+
+    def _library(self, op: str) -> Any:
+        if self._nccl_lib is None:
+            from .transport import nccl
+            try:
+                self._nccl_lib = nccl.load()
+            except nccl.NcclUnavailable as e:
+                raise ValueError(f"ringcomm {op}: {e}") from None
+        return self._nccl_lib
+
+    def _nccl_lane(self, device: torch.device, op: str) -> Lane:
+        """A new NCCL communicator of this group on ``device``: every rank creates its
+        k-th at the same call, so the k-th communicators of all ranks are one."""
+        lib = self._library(op)
+        with self._lock:
+            lane = self._devices.get(str(device))
+            if lane is None:
+                lane = self._new_nccl_lane(lib, device, f"ringcomm/nccl/{self._nccl_count}",
+                                           self.rank, self.size)
+                self._nccl_count += 1
+                self._devices[str(device)] = lane
+        return lane
+
+    def _new_nccl_lane(self, lib: Any, device: torch.device, prefix: str, rank: int,
+                       size: int) -> Lane:
+        from .streams import StreamEngine, streams_for
+        from .transport.nccl import NcclTransport, connect
+
+        if self._store is None:
+            raise ValueError("ringcomm: this group has no store to set up NCCL communicators")
+        streams = streams_for(device)
+        comm = connect(lib, self._store, prefix, rank, size, self._timeout_s,
+                       streams.device_context)
+        tp = NcclTransport(lib, comm, rank, size, device, streams.handle)
+        what = self._describe() + ("" if size == self.size else f" (pair {prefix})")
+        engine = StreamEngine(tp, streams, lambda: what)
+        return Lane(tp, engine, True)
+
+    def close(self, reason: str, nccl_wait_s: float) -> None:
+        """End every lane: the CPU lane's running collective is interrupted with
+        ``reason``; NCCL lanes are destroyed once idle (aborted after ``nccl_wait_s``)."""
+        if self.cpu is not None:
+            self.cpu.engine.shutdown(wait_s=5.0, interrupt=reason)
+            tp = self.cpu.tp
+            assert isinstance(tp, Transport)
+            tp.close()
+        for lane in self._take_nccl():
+            lane.engine.close(nccl_wait_s)
+
+    def stop_threads(self, wait_s: float) -> None:
+        """At interpreter exit: stop the progress thread; NCCL communicators are
+        destroyed if idle, else aborted (left to CuPy's finalizer, a destroy could
+        wait for work that never finishes)."""
+        if self.cpu is not None:
+            self.cpu.engine.shutdown(wait_s=wait_s)
+        for lane in [*self._devices.values(), *self._pairs.values()]:
+            lane.engine.close(0.0)
+
+    def _take_nccl(self) -> list[Lane]:
+        with self._lock:
+            lanes = [*self._devices.values(), *self._pairs.values()]
+            self._devices, self._pairs = {}, {}
+        return lanes

@@ -1,0 +1,221 @@
+"""Every setting of ringcomm in one table: the ``RINGCOMM_*`` environment
+variables and the fields of :class:`Options`, each with its type, default and
+meaning.
+
+Code reads a variable through :func:`get`, which parses it and, for a value
+that does not parse, raises a ``ValueError`` naming the variable. The README's
+settings table is :func:`markdown`, written between its ``settings`` markers by
+``scripts/doc_numbers.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Mapping
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One environment variable.
+
+    Attributes:
+        name: the variable, ``RINGCOMM_...``.
+        kind: how its value is read: ``bool``, ``int``, ``float``, ``path``,
+            ``level`` or ``algorithms``.
+        default: the value when it is unset or empty.
+        meaning: one line for the README.
+        scope: who reads it: ``library``, ``benchmark`` or ``tests``.
+        option: the :class:`Options` field that overrides it for one group.
+        minimum: the smallest value allowed (numbers).
+    """
+
+    name: str
+    kind: str
+    default: Any
+    meaning: str
+    scope: str = "library"
+    option: str | None = None
+    minimum: float | None = None
+
+    def parse(self, raw: str) -> Any:
+        """The value of ``raw``; ``ValueError`` naming the variable when it is not one."""
+        raw = raw.strip()
+        if not raw:
+            return self.default
+        try:
+            value = _PARSERS[self.kind](raw)
+        except ValueError as e:
+            why = str(e).removeprefix("ringcomm: ")
+            raise ValueError(f"ringcomm: {self.name}={raw!r} is not valid: {why}") from None
+        if self.minimum is not None and value < self.minimum:
+            raise ValueError(f"ringcomm: {self.name}={raw!r} is not valid: it must be at "
+                             f"least {self.minimum:g}")
+        return value
+
+
+def _bool(raw: str) -> bool:
+    low = raw.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"expected one of {'/'.join(_TRUE + _FALSE)}")
+
+
+def _int(raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError("expected a whole number") from None
+
+
+def _float(raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError("expected a number") from None
+
+
+def _level(raw: str) -> str:
+    up = raw.upper()
+    if up not in ("OFF", "INFO", "DETAIL"):
+        raise ValueError("expected OFF, INFO or DETAIL")
+    return up
+
+
+def _algorithms(raw: str) -> dict[str, str]:
+    from .algorithms import parse_choices  # the registry knows the names
+
+    return parse_choices(raw)
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "bool": _bool, "int": _int, "float": _float, "path": str, "level": _level,
+    "algorithms": _algorithms,
+}
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("RINGCOMM_ALGO", "algorithms", {},
+            "algorithm per collective: `ring` (every collective that has one) or "
+            "`allreduce=tree,broadcast=ring`; unlisted ones use `auto`",
+            option="algorithms"),
+    Setting("RINGCOMM_SEGMENT_BYTES", "int", 2 * 1024 * 1024,
+            "pipeline segment of the pipelined algorithms, in bytes",
+            option="segment_bytes", minimum=1),
+    Setting("RINGCOMM_TUNING", "path", None,
+            "JSON table that replaces `auto`'s built-in size thresholds",
+            option="tuning_file"),
+    Setting("RINGCOMM_DEBUG", "level", "OFF",
+            "`INFO` logs each `auto` choice; `DETAIL` also compares every collective's "
+            "kind and sizes across ranks before it runs"),
+    Setting("RINGCOMM_BLOCKING_WAIT", "bool", False,
+            "`Work.wait()` on CUDA tensors blocks the CPU until the collective finished "
+            "(as `TORCH_NCCL_BLOCKING_WAIT`)"),
+    Setting("RINGCOMM_SPIN_US", "float", 50000.0,
+            "how long a wait on MPI polls without sleeping, in microseconds", minimum=0),
+    Setting("RINGCOMM_MAX_SLEEP_US", "float", 500.0,
+            "longest nap between polls once spinning is over, in microseconds", minimum=0),
+    Setting("RINGCOMM_NCCL_HOSTID_PER_RANK", "bool", False,
+            "give each rank its own `NCCL_HOSTID`, so ranks can share one GPU with "
+            "NCCL < 2.30.3", scope="benchmark"),
+    Setting("RINGCOMM_RECORD_CHECKS", "bool", False,
+            "re-record `tests/expected_checks.json`, the check counts of the rank programs",
+            scope="tests"),
+)
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The parsed value of variable ``name`` now (its default when unset).
+
+    Raises:
+        KeyError: ``name`` is not one of :data:`SETTINGS`.
+        ValueError: the value does not parse; the message names the variable.
+    """
+    env = os.environ if environ is None else environ
+    return BY_NAME[name].parse(env.get(name, ""))
+
+
+@dataclasses.dataclass
+class Options:
+    """Per-group settings, passed as ``pg_options`` to ``init_process_group`` / ``new_group``.
+
+    A field left unset falls back to its environment variable (the :data:`SETTINGS`
+    entry whose ``option`` names the field), then to that variable's default.
+
+    Attributes:
+        algorithms: collective -> algorithm name (e.g. ``{"allreduce": "ring"}``);
+            these entries win over ``RINGCOMM_ALGO``'s.
+        segment_bytes: pipeline segment size in bytes.
+        tuning_file: JSON tuning table for ``auto``.
+    """
+
+    algorithms: dict[str, str] = dataclasses.field(default_factory=dict)
+    segment_bytes: int | None = None
+    tuning_file: str | None = None
+
+    def resolve(self, environ: Mapping[str, str] | None = None) -> "Options":
+        """A copy with every field decided: from this object, else from the
+        environment, else the default (``algorithms`` merges the variable's choices
+        under this object's).
+
+        Raises:
+            ValueError: a field or variable holds a bad value; the message names it.
+        """
+        algos = {**get("RINGCOMM_ALGO", environ), **self.algorithms}
+        from .algorithms import check_choice
+
+        for coll, name in algos.items():
+            check_choice(coll, name)
+        seg = self.segment_bytes
+        if seg is None:
+            seg = get("RINGCOMM_SEGMENT_BYTES", environ)
+        elif isinstance(seg, bool) or not isinstance(seg, int) or seg <= 0:
+            raise ValueError(f"ringcomm: Options.segment_bytes must be a positive whole "
+                             f"number of bytes, got {seg!r}")
+        tuning = self.tuning_file or get("RINGCOMM_TUNING", environ)
+        return Options(algorithms=algos, segment_bytes=seg, tuning_file=tuning)
+
+
+# -- the README's table -------------------------------------------------------------
+BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
+
+
+def _default_text(s: Setting) -> str:
+    if s.kind == "int" and isinstance(s.default, int) and s.default % 1024 == 0:
+        return f"{s.default} ({s.default >> 20} MiB)" if s.default % (1 << 20) == 0 \
+            else f"{s.default} ({s.default >> 10} KiB)"
+    if s.default in (None, {}):
+        return "unset"
+    if isinstance(s.default, bool):
+        return "0" if not s.default else "1"
+    return f"{s.default:g}" if isinstance(s.default, float) else str(s.default)
+
+
+def markdown() -> str:
+    """The settings table: one row per variable, with the :class:`Options` field
+    that overrides it for one group."""
+    rows = ["| variable | for | type | default | meaning | per group |",
+            "|---|---|---|---|---|---|"]
+    for s in SETTINGS:
+        per_group = f"`Options({s.option}=...)`" if s.option else ""
+        rows.append(f"| `{s.name}` | {s.scope} | {s.kind} | {_default_text(s)} | {s.meaning} "
+                    f"| {per_group} |")
+    return "\n".join(rows)
+
+
+def _block(text: str) -> tuple[int, int]:
+    a, b = text.find(BEGIN), text.find(END)
+    if a < 0 or b < a:
+        raise ValueError(f"no {BEGIN} ... {END} block")
+    return a + len(BEGIN), b
+
+
+def render_into(text: str) -> str:
+    """``text`` with its settings block replaced by :func:`markdown`."""
+    a, b = _block(text)
+    return f"{text[:a]}\n{markdown()}\n{text[b:]}"

@@ -1,0 +1,93 @@
+"""ringcomm.settings: every RINGCOMM_* variable in one table, parsed with errors
+that name the variable, and the README's table generated from it."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import pytest
+
+import ringcomm
+from ringcomm import settings
+from ringcomm.settings import Options
+
+from conftest import ROOT
+
+
+def test_every_variable_the_code_reads_is_in_the_table():
+    used = set()
+    for folder in ("ringcomm", "ddp", "scripts", "tests", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name == "test_settings.py":
+                continue
+            used |= set(re.findall(r"RINGCOMM_[A-Z_]+[A-Z]", path.read_text()))
+    assert used <= set(settings.BY_NAME), sorted(used - set(settings.BY_NAME))
+    for s in settings.SETTINGS:
+        assert s.meaning and s.scope in ("library", "benchmark", "tests"), s
+
+
+def test_every_options_field_has_its_variable():
+    fields = {f.name for f in dataclasses.fields(Options)}
+    assert fields == {s.option for s in settings.SETTINGS if s.option}
+
+
+def test_values_are_parsed_and_defaults_apply():
+    env = {"RINGCOMM_SEGMENT_BYTES": "4096", "RINGCOMM_BLOCKING_WAIT": "yes",
+           "RINGCOMM_DEBUG": "detail", "RINGCOMM_SPIN_US": "12.5", "RINGCOMM_ALGO": "ring"}
+    assert settings.get("RINGCOMM_SEGMENT_BYTES", env) == 4096
+    assert settings.get("RINGCOMM_BLOCKING_WAIT", env) is True
+    assert settings.get("RINGCOMM_BLOCKING_WAIT", {"RINGCOMM_BLOCKING_WAIT": "0"}) is False
+    assert settings.get("RINGCOMM_DEBUG", env) == "DETAIL"
+    assert settings.get("RINGCOMM_SPIN_US", env) == 12.5
+    assert settings.get("RINGCOMM_ALGO", env)["allreduce"] == "ring"
+    assert settings.get("RINGCOMM_SEGMENT_BYTES", {}) == 2 * 1024 * 1024
+    assert settings.get("RINGCOMM_SEGMENT_BYTES", {"RINGCOMM_SEGMENT_BYTES": " "}) == 2 << 20
+    assert settings.get("RINGCOMM_TUNING", {}) is None
+    with pytest.raises(KeyError):
+        settings.get("RINGCOMM_NOPE", {})
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("RINGCOMM_SEGMENT_BYTES", "2M", "expected a whole number"),
+    ("RINGCOMM_SEGMENT_BYTES", "0", "at least 1"),
+    ("RINGCOMM_SPIN_US", "fast", "expected a number"),
+    ("RINGCOMM_MAX_SLEEP_US", "-1", "at least 0"),
+    ("RINGCOMM_BLOCKING_WAIT", "maybe", "expected one of"),
+    ("RINGCOMM_DEBUG", "VERBOSE", "expected OFF, INFO or DETAIL"),
+    ("RINGCOMM_ALGO", "warp", "no collective has an algorithm 'warp'"),
+    ("RINGCOMM_ALGO", "allreduce=warp", "no allreduce algorithm 'warp'"),
+    ("RINGCOMM_ALGO", "allsmash=ring", "unknown collective 'allsmash'"),
+])
+def test_a_bad_value_names_the_variable(name, value, needle):
+    with pytest.raises(ValueError) as info:
+        settings.get(name, {name: value})
+    msg = str(info.value)
+    assert msg.startswith(f"ringcomm: {name}={value!r} is not valid") and needle in msg, msg
+
+
+def test_options_resolve_over_the_environment():
+    env = {"RINGCOMM_ALGO": "allreduce=tree,broadcast=ring", "RINGCOMM_SEGMENT_BYTES": "64"}
+    got = Options(algorithms={"allreduce": "ring"}).resolve(env)
+    assert got.algorithms == {"allreduce": "ring", "broadcast": "ring"}
+    assert got.segment_bytes == 64 and got.tuning_file is None
+    assert Options(segment_bytes=8, tuning_file="t.json").resolve(env).segment_bytes == 8
+    with pytest.raises(ValueError, match="Options.segment_bytes must be a positive"):
+        Options(segment_bytes=0).resolve({})
+    with pytest.raises(ValueError, match="no allreduce algorithm 'warp'"):
+        Options(algorithms={"allreduce": "warp"}).resolve({})
+    assert ringcomm.Options is Options
+
+
+def test_readme_table_is_generated_from_the_settings():
+    readme = (ROOT / "README.md").read_text()
+    assert settings.render_into(readme) == readme, "README's settings table is stale"
+    for s in settings.SETTINGS:
+        assert f"| `{s.name}` |" in readme
+
+
+def test_stale_table_is_replaced():
+    text = f"x\n{settings.BEGIN}\n| old |\n{settings.END}\ny\n"
+    new = settings.render_into(text)
+    assert "| old |" not in new and "`RINGCOMM_SEGMENT_BYTES`" in new and new.endswith("y\n")
+    assert settings.render_into(new) == new
+    with pytest.raises(ValueError, match="no <!-- settings:begin -->"):
+        settings.render_into("no markers")
