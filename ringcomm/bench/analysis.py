@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from ringcomm.bench import model
 from ringcomm.bench.sizes import REDUCING, format_size
 from ringcomm.bench.targets import check_targets, load_targets
-from ringcomm.bench.tuning import measured_tuning, tuning_text, write_tuning
+from ringcomm.bench.tuning import measured_tuning, tuning_report, write_tuning
 
 _MODEL_HEADER = [
     "#", "# cost model: T = o + alpha*A(p,n) + beta*B(p,n) + gamma*G(p,n)  "
@@ -208,8 +208,7 @@ def analyse(docs: list[dict], args: argparse.Namespace, out: Callable[[str], Non
             out(f"# cost model: not fitted: {e}")
     table = measured_tuning(docs, args.tuning_tolerance)
     if table:
-        out("#\n# measured tuning (the fastest ringcomm algorithm by size; sizes as auto "
-            "sees them):\n" + tuning_text(table))
+        out(tuning_report(table))
         analysis["measured_tuning"] = table
     if args.write_tuning:
         written, left_out = write_tuning(args.write_tuning, table)

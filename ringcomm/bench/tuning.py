@@ -230,3 +230,9 @@ def tuning_text(table: dict[str, dict[str, list]]) -> str:
                     lo = max_bytes + 1
             lines.append(f"#   measured best at {p} ranks, {coll}: " + ", then ".join(parts))
     return "\n".join(lines)
+
+
+def tuning_report(table: dict[str, dict[str, list]]) -> str:
+    """:func:`tuning_text` under its heading, as a run prints it."""
+    return ("#\n# measured tuning (the fastest ringcomm algorithm by size; sizes as auto "
+            "sees them):\n" + tuning_text(table))
