@@ -24,6 +24,15 @@ import shlex
 import sys
 from pathlib import Path
 
+import ringcomm
+from ringcomm.bench.analysis import model_text
+from ringcomm.bench.columns import Column
+from ringcomm.bench.report import markdown_tables, table_heading, table_row
+from ringcomm.bench.results import Point
+from ringcomm.bench.sizes import Shape, format_size
+from ringcomm.bench.targets import DEFAULT_TARGETS, check_targets, load_targets, recorded_targets
+from ringcomm.bench.tuning import tuning_report
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "data" / "compare_2ranks.json"
 LAYERS = ROOT / "docs" / "data" / "layers_2ranks.json"
@@ -36,13 +45,6 @@ def _pick(results: list[dict], size: int, column: str) -> dict | None:
                 and r["dtype"] == "float" and r.get("status") == "ok"):
             return r
     return None
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 def render(doc: dict, source: str) -> str:
@@ -84,7 +86,7 @@ def render(doc: dict, source: str) -> str:
             unit = "x" if t.get("versus") else (" us" if t.get("metric") == "time_us" else " GB/s")
             detail = f" ({t['value']:.2f}{unit}"
             if t.get("worst_size") is not None and len(t.get("sizes", [])) > 1:
-                detail += f", worst at {_size(t['worst_size'])}"
+                detail += f", worst at {format_size(t['worst_size'])}"
             detail += ")"
         verdicts.append(f"{t['name']}: **{verdict}**{detail}")
     out = "\n".join(lines)
@@ -101,12 +103,6 @@ def render(doc: dict, source: str) -> str:
 # ----------------------------------------------------------------------------
 def _example(doc: dict) -> str:
     """An excerpt of a run's table on stdout: allreduce at 4 KiB and 64 MiB, ring and auto."""
-    import ringcomm
-    from ringcomm.bench.columns import Column
-    from ringcomm.bench.report import table_heading, table_row
-    from ringcomm.bench.results import Point
-    from ringcomm.bench.sizes import Shape
-
     meta = doc["meta"]
     columns = [Column(**c) for c in meta["columns"] if c["name"] in ("ring", "auto")]
     pick_width = max([5] + [len(n) for n in ringcomm.REGISTRY["allreduce"]])
@@ -127,8 +123,6 @@ def _run(doc: dict, source: str) -> str:
     """How and where the committed run was made."""
     meta = doc["meta"]
     v, d, rc = meta["versions"], meta["device"], meta["ringcomm"]
-    from ringcomm.bench.sizes import format_size
-
     p = meta["world_size"]
     launch = (f"torchrun --nproc-per-node {p}" if meta["launcher"] == "torchrun"
               else f"mpiexec -n {p} python")
@@ -162,8 +156,6 @@ def _run(doc: dict, source: str) -> str:
 def _targets(doc: dict) -> str:
     """The speed-target lines of the run, recomputed from its results and the targets
     it recorded (``analysis.targets``)."""
-    from ringcomm.bench.targets import check_targets, recorded_targets
-
     recs = doc.get("analysis", {}).get("targets") or []
     if not recs:
         return "This run checked no speed targets."
@@ -173,9 +165,6 @@ def _targets(doc: dict) -> str:
 
 def _model(doc: dict) -> str:
     """The cost model and measured tuning as the run printed them (from its ``analysis``)."""
-    from ringcomm.bench.analysis import model_text
-    from ringcomm.bench.tuning import tuning_report
-
     analysis = doc.get("analysis", {})
     parts = []
     if analysis.get("cost_model"):
@@ -189,7 +178,7 @@ def _model(doc: dict) -> str:
 
 def _layers(layers: dict, source: str) -> str:
     """The layer-by-layer table of ``scripts/bench_layers.py``."""
-    head = (f"| layer ({_size(layers['bytes'])} allreduce, "
+    head = (f"| layer ({format_size(layers['bytes'])} allreduce, "
             f"{layers['algorithm'].replace('_', ' ')}, {layers['world_size']} ranks) "
             "| time per call |")
     rows = [f"| {r['layer']} | {r['time_us']:.1f} us |" for r in layers["rows"]]
@@ -199,8 +188,6 @@ def _layers(layers: dict, source: str) -> str:
 
 def _shipped_targets() -> str:
     """The targets in the package's targets file: name, what they apply to, why."""
-    from ringcomm.bench.targets import DEFAULT_TARGETS, load_targets
-
     return "\n".join(f"* **{t['name']}** ({t['collective']} {t['dtype']} {t['redop']}"
                      + (f", stated for {t['ranks']} ranks" if t.get("ranks") else "") + ")"
                      + (f": {t['why']}" if t.get("why") else "")
@@ -209,8 +196,6 @@ def _shipped_targets() -> str:
 
 def benchmarks_blocks(doc: dict, source: str, layers: dict, layers_source: str) -> dict:
     """The generated blocks of docs/benchmarks.md, by name."""
-    from ringcomm.bench.report import markdown_tables
-
     return {"example": _example(doc), "shipped-targets": _shipped_targets(),
             "run": _run(doc, source),
             "tables": markdown_tables(doc, heading="###").rstrip(),

@@ -153,21 +153,6 @@ def _simulate(collective: str, algorithm: str, p: int, n: int, seg: int,
     return float(st.rounds), float(st.busiest), float(st.reduced_max)
 
 
-def schedule_features(collective: str, algorithm: str, p: int, n: int,
-                      seg: int) -> tuple[float, float, float]:
-    """``(A, B, G)`` of one call, simulated exactly (no interpolation): rounds, bytes
-    through the busiest rank, bytes reduced by the busiest rank. Cached.
-
-    Raises:
-        ValueError: ``algorithm`` has no schedule builder, or the builder's schedule
-            is wrong for this shape (:class:`ringcomm.schedule.ScheduleError`).
-    """
-    build = _builder(collective, algorithm)
-    if build is None:
-        raise ValueError(f"cost model: {collective} algorithm {algorithm!r} has no schedule")
-    return _simulate(collective, algorithm, int(p), int(n), int(seg), build)
-
-
 def _anchors(seg: int, u: int) -> list[int]:
     """Sizes simulated on many ranks: 1, the segment size times the powers of
     ANCHOR_RATIO (so that the segment size, where pipelined schedules start
