@@ -26,9 +26,10 @@ from datetime import timedelta
 
 log = logging.getLogger("ringcomm")
 
-# Variables set by MPI launchers (MPICH/Hydra, Open MPI, PMIx, MVAPICH).
-_MPI_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
-                      "MV2_COMM_WORLD_SIZE")
+# Variables set by MPI launchers (MPICH/Hydra, Open MPI, PMIx, MVAPICH); public so that
+# other code (the benchmark) asks the same question with the same list.
+MPI_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
+                     "MV2_COMM_WORLD_SIZE")
 
 _lock = threading.Lock()
 _world = None  # the world intracommunicator once known (MPI.Intracomm)
@@ -38,7 +39,7 @@ def launched_by_mpi() -> bool:
     """True under mpiexec/mpirun (and not under torchrun run inside one)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return False
-    return any(v in os.environ for v in _MPI_LAUNCHER_VARS)
+    return any(v in os.environ for v in MPI_LAUNCHER_VARS)
 
 
 def world_comm():

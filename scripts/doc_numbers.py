@@ -1,22 +1,41 @@
-"""Write the benchmark numbers in README.md from a committed result JSON, so the
-README never states a number that no file backs.
+"""Write the benchmark numbers in README.md and docs/benchmarks.md from committed
+result JSON, so the docs never state a number that no file backs.
 
-    python scripts/doc_numbers.py                  # rewrite README.md's block
-    python scripts/doc_numbers.py --check          # exit 1 if README.md is stale
+    python scripts/doc_numbers.py                  # rewrite the generated blocks
+    python scripts/doc_numbers.py --check          # exit 1 if a block is stale
 
-The block sits between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``; it is
-made from ``docs/data/compare_2ranks.json`` (a ``compare_collectives.py --json``
-result) by :func:`render`.
+README.md's block sits between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``
+and is made by :func:`render`. docs/benchmarks.md has several blocks, each
+between ``<!-- generated:NAME begin -->`` and ``<!-- generated:NAME end -->``,
+made by :func:`benchmarks_blocks`. Both come from ``docs/data/compare_2ranks.json``
+(a ``python -m ringcomm.bench --json`` result, rendered with the benchmark's own
+report functions); the layer table comes from ``docs/data/layers_2ranks.json``
+(``scripts/bench_layers.py --json``) and the list of shipped speed targets from
+``ringcomm/bench/targets.json``. Needs ringcomm importable (an installed
+checkout, or ``PYTHONPATH`` set to it).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
 
+import ringcomm
+from ringcomm.bench.analysis import model_text
+from ringcomm.bench.columns import Column
+from ringcomm.bench.report import markdown_tables, table_heading, table_row
+from ringcomm.bench.results import Point
+from ringcomm.bench.sizes import Shape, format_size
+from ringcomm.bench.targets import DEFAULT_TARGETS, check_targets, load_targets, recorded_targets
+from ringcomm.bench.tuning import tuning_report
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "data" / "compare_2ranks.json"
+LAYERS = ROOT / "docs" / "data" / "layers_2ranks.json"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -26,13 +45,6 @@ def _pick(results: list[dict], size: int, column: str) -> dict | None:
                 and r["dtype"] == "float" and r.get("status") == "ok"):
             return r
     return None
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 def render(doc: dict, source: str) -> str:
@@ -74,7 +86,7 @@ def render(doc: dict, source: str) -> str:
             unit = "x" if t.get("versus") else (" us" if t.get("metric") == "time_us" else " GB/s")
             detail = f" ({t['value']:.2f}{unit}"
             if t.get("worst_size") is not None and len(t.get("sizes", [])) > 1:
-                detail += f", worst at {_size(t['worst_size'])}"
+                detail += f", worst at {format_size(t['worst_size'])}"
             detail += ")"
         verdicts.append(f"{t['name']}: **{verdict}**{detail}")
     out = "\n".join(lines)
@@ -86,29 +98,165 @@ def render(doc: dict, source: str) -> str:
             "MPI's own Allreduce.)")
 
 
+# ----------------------------------------------------------------------------
+# docs/benchmarks.md
+# ----------------------------------------------------------------------------
+def _example(doc: dict) -> str:
+    """An excerpt of a run's table on stdout: allreduce at 4 KiB and 64 MiB, ring and auto."""
+    meta = doc["meta"]
+    columns = [Column(**c) for c in meta["columns"] if c["name"] in ("ring", "auto")]
+    pick_width = max([5] + [len(n) for n in ringcomm.REGISTRY["allreduce"]])
+    fields = {f.name for f in dataclasses.fields(Point)}
+    p = meta["world_size"]
+    lines = [table_heading(columns, "allreduce", "float", "sum", p, pick_width)]
+    for size in (4096, 64 << 20):
+        cells = [r for r in doc["results"] if (r["collective"], r["dtype"], r["redop"],
+                                               r["size"]) == ("allreduce", "float", "sum", size)]
+        row = {r["column"]: Point(**{k: v for k, v in r.items() if k in fields}) for r in cells}
+        if all(c.name in row for c in columns):
+            shape = Shape("allreduce", size, cells[0]["count"], cells[0]["count"])
+            lines.append(table_row(columns, shape, "float", "sum", -1, row, pick_width))
+    return "```\n" + "\n".join(lines) + "\n```"
+
+
+def _run(doc: dict, source: str) -> str:
+    """How and where the committed run was made."""
+    meta = doc["meta"]
+    v, d, rc = meta["versions"], meta["device"], meta["ringcomm"]
+    p = meta["world_size"]
+    launch = (f"torchrun --nproc-per-node {p}" if meta["launcher"] == "torchrun"
+              else f"mpiexec -n {p} python")
+    hosts = (f"{len(meta['hosts'])} host(s) ("
+             + ", ".join(f"{h}: {n} ranks" for h, n in meta["hosts"].items()) + ")")
+    wrong = sum(r["wrong"] or 0 for r in doc["results"])
+    checked = any(r["wrong"] is not None for r in doc["results"])
+    load = meta["load_average"]
+    return "\n".join([
+        f"Measured {meta['started']} with (the command line is the JSON's `meta.argv`)",
+        "",
+        "```sh",
+        f"{launch} -m ringcomm.bench {shlex.join(meta['argv'])}",
+        "```",
+        "",
+        f"* Machine: {d['cpu']}, {d['cores']} cores, {p} ranks on {hosts}; "
+        f"{d['torch_threads_per_rank']} torch thread(s) per rank"
+        + (f"; CUDA {d['cuda']}" if d["cuda"] else "") + ".",
+        f"* Versions: ringcomm {v['ringcomm']}, torch {v['torch']}, mpi4py {v['mpi4py']}, "
+        f"{' '.join(v['mpi_library'].split())}, numpy {v['numpy']}, python {v['python']}.",
+        f"* ringcomm: {format_size(rc['segment_bytes'])} segments, "
+        f"{'tuning file ' + rc['tuning_file'] if rc['tuning_file'] else 'built-in tuning'}.",
+        ("* Results checked (`-c`): " + f"{wrong} wrong values in all columns." if checked
+         else "* Results not checked (no `-c`).")
+        + f" Load average {' '.join(f'{x:.2f}' for x in load['start'] or [])} at the start, "
+        f"{' '.join(f'{x:.2f}' for x in load['end'] or [])} at the end.",
+        f"* Source: `{source}` (generated by `scripts/doc_numbers.py`).",
+    ])
+
+
+def _targets(doc: dict) -> str:
+    """The speed-target lines of the run, recomputed from its results and the targets
+    it recorded (``analysis.targets``)."""
+    recs = doc.get("analysis", {}).get("targets") or []
+    if not recs:
+        return "This run checked no speed targets."
+    text, _ = check_targets(doc["results"], doc["meta"]["world_size"], recorded_targets(recs))
+    return "```\n" + text + "\n```"
+
+
+def _model(doc: dict) -> str:
+    """The cost model and measured tuning as the run printed them (from its ``analysis``)."""
+    analysis = doc.get("analysis", {})
+    parts = []
+    if analysis.get("cost_model"):
+        parts.append(model_text(analysis["cost_model"]))
+    if analysis.get("measured_tuning"):
+        parts.append(tuning_report(analysis["measured_tuning"]))
+    if not parts:
+        return "This run fitted no cost model."
+    return "```\n" + "\n".join(parts) + "\n```"
+
+
+def _layers(layers: dict, source: str) -> str:
+    """The layer-by-layer table of ``scripts/bench_layers.py``."""
+    head = (f"| layer ({format_size(layers['bytes'])} allreduce, "
+            f"{layers['algorithm'].replace('_', ' ')}, {layers['world_size']} ranks) "
+            "| time per call |")
+    rows = [f"| {r['layer']} | {r['time_us']:.1f} us |" for r in layers["rows"]]
+    return "\n".join([head, "|---|---:|", *rows, "",
+                      f"(From `{source}`, measured {layers['started']}.)"])
+
+
+def _shipped_targets() -> str:
+    """The targets in the package's targets file: name, what they apply to, why."""
+    return "\n".join(f"* **{t['name']}** ({t['collective']} {t['dtype']} {t['redop']}"
+                     + (f", stated for {t['ranks']} ranks" if t.get("ranks") else "") + ")"
+                     + (f": {t['why']}" if t.get("why") else "")
+                     for t in load_targets(DEFAULT_TARGETS))
+
+
+def benchmarks_blocks(doc: dict, source: str, layers: dict, layers_source: str) -> dict:
+    """The generated blocks of docs/benchmarks.md, by name."""
+    return {"example": _example(doc), "shipped-targets": _shipped_targets(),
+            "run": _run(doc, source),
+            "tables": markdown_tables(doc, heading="###").rstrip(),
+            "targets": _targets(doc), "model": _model(doc),
+            "layers": _layers(layers, layers_source)}
+
+
+def replace_blocks(text: str, blocks: dict, where: str) -> str:
+    """``text`` with each ``<!-- generated:NAME begin -->`` ... ``end`` block replaced.
+
+    Raises:
+        ValueError: a block's markers are missing or appear more than once.
+    """
+    for name, body in blocks.items():
+        begin, end = f"<!-- generated:{name} begin -->", f"<!-- generated:{name} end -->"
+        if text.count(begin) != 1 or text.count(end) != 1:
+            raise ValueError(f"{where}: needs exactly one {begin} ... {end} block")
+        pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+        text = pattern.sub(lambda _: f"{begin}\n{body}\n{end}", text)
+    return text
+
+
+def _relative(path: Path) -> str:
+    full = path.resolve()
+    return full.relative_to(ROOT).as_posix() if full.is_relative_to(ROOT) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="only check README.md is current")
-    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--check", action="store_true",
+                    help="only check that the generated blocks are current")
+    ap.add_argument("--data", default=str(DATA), help="the benchmark's result JSON")
+    ap.add_argument("--layers", default=str(LAYERS), help="scripts/bench_layers.py's JSON")
     ap.add_argument("--readme", default=str(ROOT / "README.md"))
+    ap.add_argument("--benchmarks", default=str(ROOT / "docs" / "benchmarks.md"))
     a = ap.parse_args(argv)
-    readme = Path(a.readme)
+    readme, bench = Path(a.readme), Path(a.benchmarks)
+    doc = json.loads(Path(a.data).read_text())
+    layers = json.loads(Path(a.layers).read_text())
+    source = _relative(Path(a.data))
+    new: dict[Path, str] = {}
     text = readme.read_text()
     if BEGIN not in text or END not in text:
         print(f"{readme}: no {BEGIN} ... {END} block", file=sys.stderr)
         return 2
-    doc = json.loads(Path(a.data).read_text())
-    source = Path(a.data).resolve().relative_to(ROOT).as_posix() \
-        if Path(a.data).resolve().is_relative_to(ROOT) else a.data
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    new = f"{head}{BEGIN}\n{render(doc, source)}\n{END}{tail}"
+    new[readme] = f"{head}{BEGIN}\n{render(doc, source)}\n{END}{tail}"
+    try:
+        new[bench] = replace_blocks(bench.read_text(), benchmarks_blocks(
+            doc, source, layers, _relative(Path(a.layers))), str(bench))
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    stale = [path for path, content in new.items() if content != path.read_text()]
     if a.check:
-        if new != text:
-            print(f"{readme} is stale: run python scripts/doc_numbers.py", file=sys.stderr)
-            return 1
-        return 0
-    readme.write_text(new)
+        for path in stale:
+            print(f"{path} is stale: run python scripts/doc_numbers.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:  # only what changed is written
+        path.write_text(new[path])
     return 0
 
 

@@ -15,7 +15,7 @@ with NCCL must be there; MPI need not be (CUDA tensors do not use it).
    own ``nccl`` backend, then DDP equivalence (``ddp.DistributedDataParallel`` and
    torch's DDP over ringcomm, against one process on the whole batch).
 3. A busbw table, 1 KiB to 256 MiB, of ring, tree, native and torch's nccl
-   (``scripts/compare_collectives.py --device cuda``).
+   (``python -m ringcomm.bench --device cuda``).
 4. Writes everything to ``docs/gpu-results.md`` (and JSON next to it).
 
 Exit status: 0 when every check passed.
@@ -149,7 +149,7 @@ def driver(args: argparse.Namespace) -> int:
         for f in (bj, bm):
             f.unlink(missing_ok=True)
         rc = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  f"--nproc-per-node={world}", str(ROOT / "scripts" / "compare_collectives.py"),
+                  f"--nproc-per-node={world}", "-m", "ringcomm.bench",
                   "--device", "cuda", "--algos", "ring,tree,native", "--peers", "nccl",
                   "-b", SIZES[0], "-e", SIZES[1], "-f", "4", "-c", "-w", "2", "-n", "3",
                   "--rounds", "2", "--min-time", "0", "--no-model", "--targets", "none",
@@ -215,8 +215,7 @@ def worker(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tests" / "ranks"))
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from compare_collectives import host_id_per_rank
+    from ringcomm.bench.columns import host_id_per_rank
 
     host_id_per_rank()  # before NCCL starts
     import torch

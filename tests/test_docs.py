@@ -1,4 +1,5 @@
-"""Numbers in the README come from the committed benchmark JSON, never by hand."""
+"""Numbers in the README and docs/benchmarks.md come from the committed benchmark
+JSON, never by hand; the other generated docs are renderings of their JSON."""
 from __future__ import annotations
 
 import subprocess
@@ -7,7 +8,7 @@ import sys
 from conftest import ROOT
 
 
-def test_readme_benchmark_block_matches_committed_json():
+def test_readme_and_benchmarks_doc_match_committed_json():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "doc_numbers.py"), "--check"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -22,6 +23,33 @@ def test_stale_readme_is_detected(tmp_path):
     text = readme.read_text()
     assert "4 KiB time per call" in text and "| 4 KiB | 1 us |" not in text
     assert subprocess.run(cmd + ["--check"], capture_output=True, timeout=60).returncode == 0
+
+
+def test_stale_benchmarks_doc_is_detected(tmp_path):
+    # every generated block of docs/benchmarks.md, each with a made-up number in it
+    names = ("example", "shipped-targets", "run", "tables", "targets", "model", "layers")
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("".join(f"x\n<!-- generated:{n} begin -->\n| 4 KiB | 1 us |\n"
+                           f"<!-- generated:{n} end -->\n" for n in names))
+    readme = tmp_path / "README.md"
+    readme.write_text((ROOT / "README.md").read_text())
+    cmd = [sys.executable, str(ROOT / "scripts" / "doc_numbers.py"), "--readme", str(readme),
+           "--benchmarks", str(doc)]
+    proc = subprocess.run(cmd + ["--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "benchmarks.md is stale" in proc.stderr
+    assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+    text = doc.read_text()
+    assert "| 4 KiB | 1 us |" not in text
+    assert "| size | auto us | ring us |" in text                 # the tables
+    assert "# cost model: T = o + alpha*A(p,n)" in text           # the model as printed
+    assert "# speed targets on 2 ranks" in text                   # the targets as checked
+    assert "| dist.all_reduce |" in text                          # the layers
+    assert readme.read_text() == (ROOT / "README.md").read_text()  # current: not rewritten
+    assert subprocess.run(cmd + ["--check"], capture_output=True, timeout=60).returncode == 0
+    # a block that is missing is named
+    doc.write_text("no blocks\n")
+    proc = subprocess.run(cmd + ["--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "<!-- generated:example begin -->" in proc.stderr
 
 
 def test_reliability_doc_is_the_rendering_of_its_json():

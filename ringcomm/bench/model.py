@@ -1,10 +1,10 @@
-"""Alpha-beta-gamma cost models of collective algorithms, their fit to measured
-timings, predictions, crossovers, and the ``auto`` tuning rows derived from them.
+"""The alpha-beta-gamma cost model of collective algorithms: the features counted
+from the schedules, the fit to measured timings, predictions and crossovers.
 
 No MPI and no torch process group: the structural features come from
 ringcomm's schedule builders through :func:`ringcomm.checker.check` (imported
-on first use), the rest is numpy. ``compare_collectives.py`` uses it, and so
-can a notebook or a test.
+on first use), the rest is numpy. The benchmark (:mod:`ringcomm.bench.analysis`)
+uses it, and so can a notebook or a test.
 
 The model of one algorithm of one collective is::
 
@@ -43,12 +43,11 @@ world size ``beta`` and ``gamma`` are not separable either (both grow with
 ``n``), so callers measure ``gamma`` directly (a local reduction) and pass it in.
 
 Cost of the features. The checker is pure Python and walks every step of every
-rank: a ring on p ranks has about 2p(p-1) steps, so one evaluation takes
-milliseconds on 8 ranks, 0.5 to 1.5 s on 64 and 5 to 9 s on 256 (measured on
-the 2-core development machine). Three rules keep the number of evaluations
-small, and every evaluation is cached (:func:`functools.lru_cache` on
-collective, algorithm, p, n, segment, and the builder itself, so that a
-replaced registration is counted afresh):
+rank: a ring on p ranks has about 2p(p-1) steps, so one evaluation grows
+quadratically with p (milliseconds on a few ranks, seconds on hundreds). Three
+rules keep the number of evaluations small, and every evaluation is cached
+(:func:`functools.lru_cache` on collective, algorithm, p, n, segment, and the
+builder itself, so that a replaced registration is counted afresh):
 
 * pipelining: above ``2 * p * segment`` bytes the features are the straight line
   through their exact values at ``p * segment`` and ``2 * p * segment`` (every
@@ -73,12 +72,8 @@ replaced registration is counted afresh):
   about eight simulations.
 
 :func:`crossovers` scans a grid of a few points per octave and bisects only where
-the faster algorithm changes. Measured with ``compare_collectives.py
---model-from`` on a 2-rank result with allreduce (ring, tree,
-recursive_doubling) and broadcast (ring, tree): the report took 2.6 s with no
-predictions, 3.4 s with ``--predict-ranks 8``, 8 s with ``8,64`` and 87 s with
-``8,64,256``; so the script's default is now ``--predict-ranks 8,64`` (it was
-``8,64,256``), and 256 ranks stay available on request.
+the faster algorithm changes. The tuning rows that ringcomm's ``auto`` follows
+come from measured times, not from this model (:mod:`ringcomm.bench.tuning`).
 """
 from __future__ import annotations
 
@@ -87,7 +82,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -127,7 +122,7 @@ def layout_for(collective: str, p: int, n: int) -> tuple:
     if collective == "alltoall":  # one rank's send buffer: n/p for each rank
         row = _split(n, p)
         return tuple(row for _ in range(p))
-    raise ValueError(f"costmodel: no layout for collective {collective!r}; "
+    raise ValueError(f"cost model: no layout for collective {collective!r}; "
                      f"known: {', '.join(_SIZED)}")
 
 
@@ -158,21 +153,6 @@ def _simulate(collective: str, algorithm: str, p: int, n: int, seg: int,
     return float(st.rounds), float(st.busiest), float(st.reduced_max)
 
 
-def schedule_features(collective: str, algorithm: str, p: int, n: int,
-                      seg: int) -> tuple[float, float, float]:
-    """``(A, B, G)`` of one call, simulated exactly (no interpolation): rounds, bytes
-    through the busiest rank, bytes reduced by the busiest rank. Cached.
-
-    Raises:
-        ValueError: ``algorithm`` has no schedule builder, or the builder's schedule
-            is wrong for this shape (:class:`ringcomm.schedule.ScheduleError`).
-    """
-    build = _builder(collective, algorithm)
-    if build is None:
-        raise ValueError(f"costmodel: {collective} algorithm {algorithm!r} has no schedule")
-    return _simulate(collective, algorithm, int(p), int(n), int(seg), build)
-
-
 def _anchors(seg: int, u: int) -> list[int]:
     """Sizes simulated on many ranks: 1, the segment size times the powers of
     ANCHOR_RATIO (so that the segment size, where pipelined schedules start
@@ -197,7 +177,7 @@ def _features(collective: str, algorithm: str, build: Callable, p: int, n: int,
               seg: int) -> tuple[float, float, float]:
     p, n, seg = int(p), int(n), int(seg)
     if p < 1 or seg < 1 or n < 0:
-        raise ValueError(f"costmodel: need p >= 1, n >= 0 and a positive segment, got "
+        raise ValueError(f"cost model: need p >= 1, n >= 0 and a positive segment, got "
                          f"p={p}, n={n}, segment={seg}")
 
     def sim(m: int):
@@ -241,7 +221,7 @@ def features_for(collective: str, algorithm: str | None) -> FeatureFn:
     def fn(p: int, n: int, seg: int) -> tuple[float, float, float]:
         build = _builder(collective, algorithm)
         if build is None:
-            raise ValueError(f"costmodel: {collective} algorithm {algorithm!r} is no longer "
+            raise ValueError(f"cost model: {collective} algorithm {algorithm!r} is no longer "
                              "registered")
         return _features(collective, str(algorithm), build, p, n, seg)
 
@@ -336,11 +316,11 @@ def fit(collective: str, algorithm: str | None, samples: Iterable[tuple[int, int
             the checker refuses (:class:`ringcomm.schedule.ScheduleError`).
     """
     if segment_bytes <= 0:
-        raise ValueError(f"costmodel.fit: segment_bytes must be positive, got {segment_bytes}")
+        raise ValueError(f"cost model fit: segment_bytes must be positive, got {segment_bytes}")
     pts = [(int(p), int(n), float(t)) for p, n, t in samples
            if t is not None and math.isfinite(float(t)) and float(t) > 0]
     if len(pts) < 2:
-        raise ValueError(f"costmodel.fit {collective}/{algorithm}: need at least two timings, "
+        raise ValueError(f"cost model fit {collective}/{algorithm}: need at least two timings, "
                          f"got {len(pts)}")
     fn = features_for(collective, algorithm)
     feats = np.array([(1.0, *fn(p, n, segment_bytes)) for p, n, _ in pts])
@@ -432,95 +412,3 @@ def crossovers(a: Fit, b: Fit, p: int, lo: int = 1, hi: int = 1 << 36,
             out.append((right, str(loser), str(winner)))
         last_n, last_s = n, st
     return out
-
-
-def _ok(v) -> bool:
-    return v is not None and math.isfinite(v) and v > 0
-
-
-def smooth(values: Sequence[float | None]) -> list[float | None]:
-    """Running median of three neighbouring sizes (ends kept): removes a spike at
-    one size, of any height, and keeps trends and real crossings in place."""
-    out = list(values)
-    for i in range(1, len(values) - 1):
-        if not _ok(values[i]):
-            continue
-        window = [v for v in values[i - 1:i + 2] if _ok(v)]
-        out[i] = float(np.median(window))
-    return out
-
-
-def best_per_size(sizes: Sequence[int], times: Mapping[str, Sequence[float | None]],
-                  tolerance: float = 0.05) -> list[str]:
-    """The fastest algorithm at each size, robust to noise.
-
-    Times are smoothed (:func:`smooth`), and the winner changes only when another
-    algorithm is faster by more than ``tolerance`` (a fraction): within that,
-    the two are a tie and the previous winner stays, so the table does not flip
-    back and forth on noise.
-
-    Args:
-        sizes: message sizes, ascending.
-        times: algorithm -> time at each size (None or non-finite: not measured).
-    Raises:
-        ValueError: a size where no algorithm has a time, or mismatched lengths.
-    """
-    names = list(times)
-    for name in names:
-        if len(times[name]) != len(sizes):
-            raise ValueError(f"costmodel.best_per_size: {name} has {len(times[name])} times "
-                             f"for {len(sizes)} sizes")
-    sm = {a: smooth(times[a]) for a in names}
-    winners: list[str] = []
-    for i, n in enumerate(sizes):
-        cands = [(sm[a][i], a) for a in names if _ok(sm[a][i])]
-        if not cands:
-            raise ValueError(f"costmodel.best_per_size: no algorithm has a time at {n} B")
-        t_best, best = min(cands)
-        prev = winners[-1] if winners else None
-        if prev is not None and prev != best and _ok(sm[prev][i]) and \
-                sm[prev][i] <= t_best * (1 + tolerance):
-            best = prev
-        winners.append(best)
-    return winners
-
-
-def tuning_rows(sizes: Sequence[int], times: Mapping[str, Sequence[float | None]],
-                tolerance: float = 0.05) -> list[list]:
-    """Tuning rows ``[[max_bytes, algorithm], ..., [None, algorithm]]`` for ringcomm's
-    ``auto`` choice from measured times (first matching row wins).
-
-    Where the winner changes between two measured sizes, the threshold is where the
-    two time curves cross, interpolated linearly in log(size).
-
-    Args:
-        sizes: message sizes in the unit ``auto`` is asked with, ascending.
-        times: algorithm -> time at each size (None: not measured).
-        tolerance: see :func:`best_per_size`.
-    """
-    sizes = list(sizes)
-    if sorted(sizes) != sizes or len(set(sizes)) != len(sizes):
-        raise ValueError("costmodel.tuning_rows: sizes must be strictly ascending")
-    winners = best_per_size(sizes, times, tolerance)
-    sm = {a: smooth(times[a]) for a in times}
-    rows: list[list] = []
-    for i in range(len(sizes) - 1):
-        a, b = winners[i], winners[i + 1]
-        if a == b:
-            continue
-        s0, s1 = sizes[i], sizes[i + 1]
-        ta0, ta1 = sm[a][i], sm[a][i + 1]
-        tb0, tb1 = sm[b][i], sm[b][i + 1]
-        frac = 0.0
-        if all(_ok(v) for v in (ta0, ta1, tb0, tb1)):
-            d0, d1 = ta0 - tb0, ta1 - tb1  # d0 <= 0 (a wins at s0), d1 >= 0
-            if d1 != d0:
-                frac = min(1.0, max(0.0, d0 / (d0 - d1)))
-        if s0 > 0:
-            cut = math.exp(math.log(s0) + frac * (math.log(s1) - math.log(s0)))
-        else:
-            cut = s0 + frac * (s1 - s0)
-        max_bytes = int(min(s1 - 1, max(s0, math.floor(cut))))
-        rows.append([max_bytes, a])
-    rows.append([None, winners[-1]])
-    return rows
