@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from ringcomm import trace
+
 from .buckets import (Bucket, complete_order, compute_bucket_assignment, make_buckets,
                       reverse_order)
 from .comm_hooks import CommHook, GradBucket, allreduce_hook
@@ -278,6 +280,7 @@ class Reducer:
         """Forget the previous iteration's progress (the layout stays)."""
         n = len(self.params)
         self._started = False                     # finalize queued, unused marked
+        self._backward_start = 0.0                # trace clock at the first hook
         self._launched = 0                        # buckets handed to the comm hook
         self._ready = [False] * n                 # gradient in its slot (or unused)
         self._used = [False] * n                  # got a gradient this iteration
@@ -320,6 +323,9 @@ class Reducer:
         if self._started:
             return
         self._started = True
+        if trace.active():
+            self._backward_start = trace.now()
+            trace.instant("backward start", "ddp")
         Variable._execution_engine.queue_callback(self._finalize)
         for j in self._unused_from_graph:
             self._mark_ready(j, used=False)
@@ -391,11 +397,14 @@ class Reducer:
         b = self._bucket_of[i]
         self._pending[b] -= 1
         if self._pending[b] == 0:
+            trace.instant(f"bucket {b} ready", "ddp", bucket=b,
+                          bytes=self.buckets[b].buffer.nbytes)
             self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self._launched < len(self.buckets) and self._pending[self._launched] == 0:
             b = self._launched
+            trace.instant(f"bucket {b} launch", "ddp", bucket=b)
             fut = self._comm_hook(self._comm_hook_state, self._grad_buckets[b])
             # torch.futures.Future is the Python face of torch._C.Future; collectives'
             # get_future() returns the latter.
@@ -415,6 +424,9 @@ class Reducer:
 
     def _finalize(self) -> None:
         """End of backward: finish any bucket still waiting, wait for all, write back."""
+        if trace.active():
+            trace.complete("backward", "ddp", self._backward_start, trace.now(),
+                           buckets=len(self.buckets))
         self._armed = False
         missing = [i for i in range(len(self.params)) if not self._ready[i]]
         # Parameters that got no gradient still have to be sent: the other ranks are
@@ -422,10 +434,30 @@ class Reducer:
         for i in missing:
             self._mark_ready(i, used=False)
         for b, fut in enumerate(self._futures):
-            self._store_result(b, fut.wait())
+            with trace.span(f"wait bucket {b}", "ddp", bucket=b):
+                value = fut.wait()
+            self._store_result(b, value)
         global_used = None
         if self._used_future is not None:
             global_used = self._used_future.wait()[0].tolist()
+        with trace.span("copy-back", "ddp"):
+            self._write_back(global_used)
+        self._saved_slots = {}
+        self._used_since_sync = [False] * len(self.params)
+        self.num_synced_backwards += 1
+        if self._recording is not None:
+            self._observed_order, self._recording = self._recording, None
+        if missing and not self.find_unused_parameters:
+            names = [self.names[i] for i in missing]
+            raise RuntimeError(
+                f"ddp: {len(missing)} parameter(s) got no gradient in this backward on this "
+                f"rank: {names[:10]}{' ...' if len(names) > 10 else ''}. Their zero gradients "
+                "were reduced so the other ranks are not left waiting, but results are only "
+                "right if the model uses every parameter: pass find_unused_parameters=True "
+                "to DistributedDataParallel when some parameters are unused in an iteration.")
+
+    def _write_back(self, global_used: list | None) -> None:
+        """Reduced buckets -> ``param.grad`` (parameters no rank used keep theirs)."""
         for b in self.buckets:
             for k, i in enumerate(b.param_indices):
                 p, view = self.params[i], b.views[k]
@@ -441,19 +473,6 @@ class Reducer:
                     p.grad = view.clone()
                 else:
                     p.grad.copy_(view)
-        self._saved_slots = {}
-        self._used_since_sync = [False] * len(self.params)
-        self.num_synced_backwards += 1
-        if self._recording is not None:
-            self._observed_order, self._recording = self._recording, None
-        if missing and not self.find_unused_parameters:
-            names = [self.names[i] for i in missing]
-            raise RuntimeError(
-                f"ddp: {len(missing)} parameter(s) got no gradient in this backward on this "
-                f"rank: {names[:10]}{' ...' if len(names) > 10 else ''}. Their zero gradients "
-                "were reduced so the other ranks are not left waiting, but results are only "
-                "right if the model uses every parameter: pass find_unused_parameters=True "
-                "to DistributedDataParallel when some parameters are unused in an iteration.")
 
     def _store_result(self, b: int, value: Any) -> None:
         bucket = self.buckets[b]

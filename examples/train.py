@@ -2,13 +2,17 @@
 
     mpiexec -n 2 python examples/train.py
     torchrun --nproc-per-node 2 examples/train.py --ddp torch --backend gloo
+    mpiexec -n 2 python examples/train.py --trace run.json   # then open the merged file
+                                                             # in https://ui.perfetto.dev
 
 Every rank trains on its own shard; after each step the replicas hold the same
-parameters (checked at the end). Prints loss per epoch and time per step.
+parameters (checked at the end). Prints loss per epoch and time per step. The
+loss curve is the same for both DDPs on both backends.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -16,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import ringcomm  # noqa: F401  (registers the backend; fills in rendezvous under mpiexec)
+from ringcomm import trace
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20, help="steps per epoch")
     ap.add_argument("--batch", type=int, default=64, help="per-rank batch size")
+    ap.add_argument("--trace", metavar="PATH",
+                    help="record the training's timeline: each rank writes PATH with "
+                    ".rank<r> before the suffix; merge them with python -m ringcomm.trace merge")
     args = ap.parse_args(argv)
 
     dist.init_process_group(args.backend)
@@ -43,22 +51,29 @@ def main(argv: list[str] | None = None) -> int:
     true_w = torch.randn(32, 1, generator=torch.Generator().manual_seed(0))
     data = torch.Generator().manual_seed(1000 + rank)
 
-    for epoch in range(args.epochs):
-        start, total = time.perf_counter(), 0.0
-        for _ in range(args.steps):
-            x = torch.randn(args.batch, 32, generator=data)
-            y = x @ true_w + 0.01 * torch.randn(args.batch, 1, generator=data)
-            loss = nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            total += loss.item()
-        mean = torch.tensor([total / args.steps])
-        dist.all_reduce(mean)
-        if rank == 0:
-            ms = (time.perf_counter() - start) / args.steps * 1e3
-            print(f"epoch {epoch}: loss {mean.item() / world:.4f}  {ms:.1f} ms/step "
-                  f"({args.ddp} DDP on {args.backend}, {world} ranks)", flush=True)
+    with trace.recording(args.trace) if args.trace else contextlib.nullcontext():
+        for epoch in range(args.epochs):
+            start, total = time.perf_counter(), 0.0
+            for _ in range(args.steps):
+                x = torch.randn(args.batch, 32, generator=data)
+                y = x @ true_w + 0.01 * torch.randn(args.batch, 1, generator=data)
+                with trace.span("forward", "train"):
+                    loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                total += loss.item()
+            mean = torch.tensor([total / args.steps])
+            dist.all_reduce(mean)
+            if rank == 0:
+                ms = (time.perf_counter() - start) / args.steps * 1e3
+                print(f"epoch {epoch}: loss {mean.item() / world:.6f}  {ms:.1f} ms/step "
+                      f"({args.ddp} DDP on {args.backend}, {world} ranks)", flush=True)
+    if args.trace and rank == 0:
+        merged = trace.rank_path(args.trace, 0).with_name(
+            trace.rank_path(args.trace, 0).name.replace(".rank0", ""))
+        print(f"trace: one file per rank; merge with: python -m ringcomm.trace merge {merged} "
+              + " ".join(str(trace.rank_path(args.trace, r)) for r in range(world)), flush=True)
 
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     ref = flat.clone()

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from . import bootstrap, checker, schedule, settings
+from . import bootstrap, checker, schedule, settings, trace
 from .algorithms import REGISTRY, register_algorithm
 from .process_group import ProcessGroupRingcomm
 from .settings import Options
@@ -108,4 +108,5 @@ if bootstrap.launched_by_mpi():
     bootstrap.setup_env_from_mpi()
 
 dist.Backend.register_backend("ringcomm", _create, extended_api=True, devices=["cpu", "cuda"])
+trace.start_from_environment()
 atexit.register(_shutdown_all)

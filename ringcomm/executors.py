@@ -23,7 +23,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from . import ops
+from . import ops, trace
 from .schedule import Reduce, Region, Schedule, buffer_lengths
 
 #: receives the point-to-point executor keeps posted ahead of the step it waits on
@@ -169,6 +169,25 @@ class Plan:
         self.p2p_steps = [(self.send_upto[i], self.recv_upto[i], self.step_recvs[i],
                            self.step_send_waits[i], st[2]) for i, st in enumerate(self.steps)]
 
+    @property
+    def peers(self) -> list[int]:
+        """The ranks this rank exchanges messages with."""
+        return sorted({peer for peer, _ in self.send_list} | {peer for peer, _ in self.recv_list})
+
+    def trace_step(self, i: int, start_us: float) -> float:
+        """Record step ``i`` (from ``start_us`` to now) in the trace, with its
+        messages as ``[peer, elements]``; return now."""
+        sends, recvs, _ = self.steps[i]
+        end = trace.now()
+        trace.complete(f"step {i}", "step", start_us, end,
+                       sends=[[p, self._elements(v)] for p, v in sends],
+                       recvs=[[p, self._elements(v)] for p, v in recvs])
+        return end
+
+    def _elements(self, v: int) -> int:
+        _, a, e, _ = self.regions[v]
+        return e - a
+
     def bind(self, bufs: Sequence[torch.Tensor | None], scratch) -> list:
         """Tensor views of every region, for ``bufs`` (the caller's 1-D buffers) and
         scratch buffers from ``scratch(slot, numel)``."""
@@ -204,6 +223,10 @@ def run_p2p(plan: Plan, tp, views: list, op) -> None:
     ns = nr = 0
     isend, irecv, wait_all = tp.isend, tp.irecv, tp.wait_all
     reduce_ = ops.reducer(op) if op is not None else None
+    traced = trace.active()
+    if traced:
+        trace.annotate(peers=plan.peers, steps=len(plan.steps))
+        t0, step = trace.now(), 0
     for send_upto, recv_upto, mine, send_waits, local in plan.p2p_steps:
         while ns < send_upto:
             peer, v = sends[ns]
@@ -223,6 +246,8 @@ def run_p2p(plan: Plan, tp, views: list, op) -> None:
                 reduce_(views[d], views[s])
             else:
                 views[d].copy_(views[s])
+        if traced:
+            t0, step = plan.trace_step(step, t0), step + 1
     if plan.tail_sends:
         wait_all([sreq[k] for k in plan.tail_sends])
 
@@ -246,6 +271,10 @@ class GroupComm(Protocol):
 
 def run_grouped(plan: Plan, comm: GroupComm, views: list, op) -> None:
     """Enqueue ``plan`` on ``comm``: one group per step, local work after it."""
+    traced = trace.active()
+    if traced:
+        trace.annotate(peers=plan.peers, steps=len(plan.steps))
+        t0 = trace.now()
     for i, (sends, recvs, local) in enumerate(plan.steps):
         if sends or recvs:
             comm.group_start()
@@ -259,3 +288,5 @@ def run_grouped(plan: Plan, comm: GroupComm, views: list, op) -> None:
                 comm.local_reduce(views[d], views[s], op)
             else:
                 comm.local_copy(views[d], views[s])
+        if traced:  # the time to enqueue the step
+            t0 = plan.trace_step(i, t0)

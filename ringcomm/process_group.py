@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import requests
+from . import requests, trace
 from .algorithms import check_choice
 from .checks import Inputs
 from .engine import Engine
@@ -148,13 +148,30 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     # -- collectives ----------------------------------------------------------
     def _submit(self, req: Request) -> dist.Work:
         """Run (MPI) or enqueue (NCCL) ``req`` on its lane."""
-        lane, timeout_s = req.lane, self._timeout(req.opts)
+        lane, timeout_s, run = req.lane, self._timeout(req.opts), req.run
+        if trace.active():
+            run = self._traced(req)
         if lane.on_stream:
-            return lane.engine.submit(req.op, req.run, async_op=True, timeout_s=timeout_s,
+            return lane.engine.submit(req.op, run, async_op=True, timeout_s=timeout_s,
                                       keep=req.keep, blocking=req.blocking)
-        return lane.engine.submit(req.op, req.run,
+        return lane.engine.submit(req.op, run,
                                   async_op=bool(getattr(req.opts, "asyncOp", True)),
                                   timeout_s=timeout_s, tag=self._seq % lane.tp.tag_limit)
+
+    def _traced(self, req: Request) -> Callable[[], Any]:
+        """``req.run`` recorded in the trace: its enqueue now, on the caller's thread,
+        and its run where it runs (on a stream: the time to issue it)."""
+        args = {"group": self._describe(), "seq": self._seq, "device": req.lane.key,
+                "bytes": sum(t.numel() * t.element_size() for t in req.keep
+                             if isinstance(t, torch.Tensor))}
+        trace.instant(f"enqueue {req.op}", "enqueue", **args)
+        enqueued = trace.now()
+
+        def run() -> Any:
+            with trace.span(req.op, "collective", enqueued_us=enqueued, **args):
+                return req.run()
+
+        return run
 
     def _timeout(self, opts: Any) -> float:
         t = getattr(opts, "timeout", None)

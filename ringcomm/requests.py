@@ -66,6 +66,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def _named(op: str, algorithms: list[str]) -> str:
+    """The name of a request that runs one or more parts: ``op[ring]``, ``op[ring+tree]``."""
+    return f"{op}[{'+'.join(sorted(set(algorithms)))}]"
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -126,12 +131,12 @@ def allreduce_coalesced(g: Group, tensors: list[torch.Tensor], opts: Any = None)
     for dtype, members in by_dtype.items():
         op = ops.resolve(opts.reduceOp, dtype, name)
         n = sum(t.numel() for t in members)
-        parts.append((members, op, g.planner.prepare(lane, "allreduce", (n,), dtype, op=op,
-                                                     nbytes=n * dtype.itemsize)[1]))
+        parts.append((members, op, *g.planner.prepare(lane, "allreduce", (n,), dtype, op=op,
+                                                      nbytes=n * dtype.itemsize)))
     size = g.inputs.size
 
     def run():
-        for members, op, algo in parts:
+        for members, op, _, algo in parts:
             flat = torch.cat([t.reshape(-1) for t in members])
             _same_call(g, lane, name, [flat.numel(), int(op)])
             if flat.numel():
@@ -143,7 +148,7 @@ def allreduce_coalesced(g: Group, tensors: list[torch.Tensor], opts: Any = None)
                 off += t.numel()
         return tensors
 
-    return Request(name, lane, run, opts, tensors)
+    return Request(_named(name, [p[2] for p in parts]), lane, run, opts, tensors)
 
 
 def reduce(g: Group, tensors: list[torch.Tensor], opts: Any = None) -> Request:
@@ -184,9 +189,11 @@ def _reduce_scatter(g: Group, name: str, jobs: list, opts: Any, value: Any) -> R
         for i, x in enumerate(ins):
             g.inputs.tensor(x, name, f"input {i} of output {k}", out0)
     lane = g.lanes.for_tensor(out0, name)
-    algos = [g.planner.prepare(lane, "reduce_scatter", tuple(i.numel() for i in ins), out.dtype,
-                               op=op, nbytes=sum(i.numel() for i in ins) * out.element_size())[1]
-             for out, ins in jobs]
+    prepared = [g.planner.prepare(lane, "reduce_scatter", tuple(i.numel() for i in ins),
+                                  out.dtype, op=op,
+                                  nbytes=sum(i.numel() for i in ins) * out.element_size())
+                for out, ins in jobs]
+    algos = [algo for _, algo in prepared]
     size = g.inputs.size
 
     def run():
@@ -202,7 +209,8 @@ def _reduce_scatter(g: Group, name: str, jobs: list, opts: Any, value: Any) -> R
                 ops.finalize_(flat, op, size)
         return value
 
-    return Request(name, lane, run, opts, [t for out, ins in jobs for t in (out, *ins)])
+    return Request(_named(name, [n for n, _ in prepared]), lane, run, opts,
+                   [t for out, ins in jobs for t in (out, *ins)])
 
 
 def reduce_scatter(g: Group, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
@@ -263,10 +271,11 @@ def broadcast(g: Group, tensors: list[torch.Tensor], opts: Any = None) -> Reques
 
 
 def _allgather_run(g: Group, lane: Lane, outs: list[torch.Tensor], t: torch.Tensor,
-                   op: str) -> Callable[[], None]:
+                   op: str) -> tuple[str, Callable[[], None]]:
+    """(algorithm, run) of one all_gather into ``outs``."""
     # Sizes may differ across ranks; every rank knows all output sizes alike.
     layout = tuple(_nbytes(o) for o in outs)
-    algo = g.planner.prepare(lane, "allgather", layout, torch.uint8, nbytes=max(layout))[1]
+    name, algo = g.planner.prepare(lane, "allgather", layout, torch.uint8, nbytes=max(layout))
 
     def run():
         _same_call(g, lane, op, [t.numel()])
@@ -274,7 +283,7 @@ def _allgather_run(g: Group, lane: Lane, outs: list[torch.Tensor], t: torch.Tens
             flats = [_bytes(stack.enter_context(_flat(o, copy_in=False))) for o in outs]
             algo([*flats, _bytes(t.reshape(-1).contiguous())])
 
-    return run
+    return name, run
 
 
 def allgather(g: Group, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -288,13 +297,13 @@ def allgather(g: Group, output_lists: list[list[torch.Tensor]], inputs: list[tor
     t = g.inputs.tensor(inputs[0], "allgather", "input")
     g.inputs.per_rank(output_lists[0], t, "allgather")
     lane = g.lanes.for_tensor(t, "allgather")
-    gather = _allgather_run(g, lane, output_lists[0], t, "allgather")
+    name, gather = _allgather_run(g, lane, output_lists[0], t, "allgather")
 
     def run():
         gather()
         return output_lists
 
-    return Request("allgather", lane, run, opts, [*output_lists[0], t])
+    return Request(f"allgather[{name}]", lane, run, opts, [*output_lists[0], t])
 
 
 def allgather_coalesced(g: Group, output_lists: list[list[torch.Tensor]],
@@ -306,23 +315,25 @@ def allgather_coalesced(g: Group, output_lists: list[list[torch.Tensor]],
     name, p = "allgather_coalesced", g.inputs.size
     g.inputs.coalesced_lists(output_lists, inputs, name)
     lane = g.lanes.for_tensor(inputs[0], name)
-    runs = [_allgather_run(g, lane, [output_lists[r][i] for r in range(p)], x, name)
-            for i, x in enumerate(inputs)]
+    parts = [_allgather_run(g, lane, [output_lists[r][i] for r in range(p)], x, name)
+             for i, x in enumerate(inputs)]
 
     def run():
-        for r in runs:
+        for _, r in parts:
             r()
         return output_lists
 
-    return Request(name, lane, run, opts, [*inputs, *(o for outs in output_lists for o in outs)])
+    return Request(_named(name, [n for n, _ in parts]), lane, run, opts,
+                   [*inputs, *(o for outs in output_lists for o in outs)])
 
 
 def _gather_into(g: Group, name: str, pairs: list, opts: Any, value: Any) -> Request:
     """``pairs``: (output, input) of all_gather_into_tensor, gathered in turn."""
     lane = g.lanes.for_tensor(pairs[0][1], name)
     p = g.inputs.size
-    algos = [g.planner.prepare(lane, "allgather", (_nbytes(i),) * p, torch.uint8,
-                               nbytes=_nbytes(i))[1] for _, i in pairs]
+    prepared = [g.planner.prepare(lane, "allgather", (_nbytes(i),) * p, torch.uint8,
+                                  nbytes=_nbytes(i)) for _, i in pairs]
+    algos = [algo for _, algo in prepared]
 
     def run():
         for (out, inp), algo in zip(pairs, algos):
@@ -333,7 +344,8 @@ def _gather_into(g: Group, name: str, pairs: list, opts: Any, value: Any) -> Req
                     algo([*_bytes(flat).view(p, -1).unbind(0), src])
         return value
 
-    return Request(name, lane, run, opts, [t for pair in pairs for t in pair])
+    return Request(_named(name, [n for n, _ in prepared]), lane, run, opts,
+                   [t for pair in pairs for t in pair])
 
 
 def all_gather_into_tensor(g: Group, output: torch.Tensor, input: torch.Tensor,

@@ -118,6 +118,9 @@ SETTINGS: tuple[Setting, ...] = (
             "how long a wait on MPI polls without sleeping, in microseconds", minimum=0),
     Setting("RINGCOMM_MAX_SLEEP_US", "float", 500.0,
             "longest nap between polls once spinning is over, in microseconds", minimum=0),
+    Setting("RINGCOMM_TRACE", "path", None,
+            "record a timeline of collectives and DDP buckets; each rank writes this "
+            "path with `.rank<r>` before the suffix at exit (`ringcomm.trace`)"),
     Setting("RINGCOMM_NCCL_HOSTID_PER_RANK", "bool", False,
             "give each rank its own `NCCL_HOSTID`, so ranks can share one GPU with "
             "NCCL < 2.30.3", scope="benchmark"),

@@ -1,5 +1,6 @@
 """Write the benchmark numbers in README.md and docs/benchmarks.md from committed
-result JSON, so the docs never state a number that no file backs.
+result JSON, so the docs never state a number that no file backs; and README.md's
+settings table from ``ringcomm/settings.py``.
 
     python scripts/doc_numbers.py                  # rewrite the generated blocks
     python scripts/doc_numbers.py --check          # exit 1 if a block is stale
@@ -11,7 +12,9 @@ made by :func:`benchmarks_blocks`. Both come from ``docs/data/compare_2ranks.jso
 (a ``python -m ringcomm.bench --json`` result, rendered with the benchmark's own
 report functions); the layer table comes from ``docs/data/layers_2ranks.json``
 (``scripts/bench_layers.py --json``) and the list of shipped speed targets from
-``ringcomm/bench/targets.json``. Needs ringcomm importable (an installed
+``ringcomm/bench/targets.json``. The settings table sits between
+``<!-- settings:begin -->`` and ``<!-- settings:end -->``
+(:func:`ringcomm.settings.render_into`). Needs ringcomm importable (an installed
 checkout, or ``PYTHONPATH`` set to it).
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 from pathlib import Path
 
 import ringcomm
+from ringcomm import settings
 from ringcomm.bench.analysis import model_text
 from ringcomm.bench.columns import Column
 from ringcomm.bench.report import markdown_tables, table_heading, table_row
@@ -243,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    new[readme] = f"{head}{BEGIN}\n{render(doc, source)}\n{END}{tail}"
     try:
+        new[readme] = settings.render_into(f"{head}{BEGIN}\n{render(doc, source)}\n{END}{tail}")
         new[bench] = replace_blocks(bench.read_text(), benchmarks_blocks(
             doc, source, layers, _relative(Path(a.layers))), str(bench))
     except ValueError as e:

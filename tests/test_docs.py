@@ -1,5 +1,7 @@
 """Numbers in the README and docs/benchmarks.md come from the committed benchmark
-JSON, never by hand; the other generated docs are renderings of their JSON."""
+JSON, never by hand (the README's settings table from ringcomm/settings.py); the
+other generated docs are renderings of their JSON; the architecture's worked
+path matches the code."""
 from __future__ import annotations
 
 import subprocess
@@ -16,12 +18,14 @@ def test_readme_and_benchmarks_doc_match_committed_json():
 
 def test_stale_readme_is_detected(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text("x\n<!-- bench:begin -->\n| 4 KiB | 1 us |\n<!-- bench:end -->\n")
+    readme.write_text("x\n<!-- bench:begin -->\n| 4 KiB | 1 us |\n<!-- bench:end -->\n"
+                      "<!-- settings:begin -->\n| `RINGCOMM_OLD` |\n<!-- settings:end -->\n")
     cmd = [sys.executable, str(ROOT / "scripts" / "doc_numbers.py"), "--readme", str(readme)]
     assert subprocess.run(cmd + ["--check"], capture_output=True, timeout=60).returncode == 1
     assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
     text = readme.read_text()
     assert "4 KiB time per call" in text and "| 4 KiB | 1 us |" not in text
+    assert "`RINGCOMM_OLD`" not in text and "| `RINGCOMM_SEGMENT_BYTES` |" in text
     assert subprocess.run(cmd + ["--check"], capture_output=True, timeout=60).returncode == 0
 
 
@@ -82,3 +86,30 @@ def test_conformance_doc_is_current_complete_and_every_skip_explained():
     assert not [t["name"] for t in doc["tests"] if t["outcome"] == "failed"]
     assert sum(t["outcome"] == "passed" for t in doc["tests"]) >= 90
     assert "not reviewed yet" not in (ROOT / "docs" / "conformance.md").read_text()
+
+
+def test_architecture_worked_path_names_what_the_code_does():
+    """docs/architecture.md walks a 4 KiB allreduce on 2 ranks through the layers:
+    the algorithm it names is the one auto picks, and every module and function it
+    names exists."""
+    import importlib
+    import re
+
+    from ringcomm.algorithms import select
+    from ringcomm.process_group import METHODS
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    path = text[text.index("## Worked path"):]
+    path = path[:path.index("\n## ", 1)]
+    chosen = select.choose(select.load_tuning(None), "allreduce", 4096, 2)
+    assert f"`{chosen}`" in path and f'Request("allreduce[{chosen}]"' in path, chosen
+    assert METHODS["allreduce"].__name__ == "allreduce"
+    for module, name in (("requests", "allreduce"), ("checks", "options"),
+                         ("plans", "Planner"), ("lanes", "Lanes"), ("engine", "Engine"),
+                         ("executors", "run_p2p"), ("ops", "finalize_"),
+                         ("transport.mpi", "MPITransport")):
+        assert f"{module.split('.')[-1]}.py" in path or f"{module}" in path, module
+        assert hasattr(importlib.import_module(f"ringcomm.{module}"), name), (module, name)
+    for method in re.findall(r"`transport\.(\w+)\(", path):
+        from ringcomm.transport.mpi import MPITransport
+        assert hasattr(MPITransport, method), method

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
+from ringcomm import settings
 from ringcomm.bench.sizes import REDUCING, TORCH_DTYPE, Shape
 
 PEER_NAMES = ("mpi", "gloo", "nccl", "floor")
@@ -72,13 +73,13 @@ def gpu_sharing() -> bool:
     ``NCCL_MULTI_RANK_GPU_ENABLE=1``, or a distinct ``NCCL_HOSTID`` per rank (the ranks
     then look like separate hosts to NCCL; ``RINGCOMM_NCCL_HOSTID_PER_RANK=1`` sets it)."""
     return (os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1" or "NCCL_HOSTID" in os.environ
-            or os.environ.get("RINGCOMM_NCCL_HOSTID_PER_RANK") == "1")
+            or settings.get("RINGCOMM_NCCL_HOSTID_PER_RANK"))
 
 
 def host_id_per_rank() -> None:
     """With ``RINGCOMM_NCCL_HOSTID_PER_RANK=1``, give this rank an NCCL host id of its own
     (before NCCL starts): how ranks share one GPU with NCCL < 2.30.3."""
-    if os.environ.get("RINGCOMM_NCCL_HOSTID_PER_RANK") == "1":
+    if settings.get("RINGCOMM_NCCL_HOSTID_PER_RANK"):
         os.environ["NCCL_HOSTID"] = f"ringcomm-rank-{os.environ.get('RANK', '0')}"
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
+from ringcomm import settings
 from ringcomm.bench.columns import (Calls, Column, mpi_comm, mpi_missing, nccl_needed,
                                     nccl_version, plan_columns)
 
@@ -122,7 +123,8 @@ class Session:
             "device": {"cpu": cpu_model(), "cores": os.cpu_count(), "cuda": cuda,
                        "torch_threads_per_rank": self.threads},
             "ringcomm": {"segment_bytes": self.pg.segment_bytes,
-                         "tuning_file": a.tuning or os.environ.get("RINGCOMM_TUNING"),
+                         "tuning_file": a.tuning or settings.get("RINGCOMM_TUNING"),
+                         # the variable as given (its choices are in each row's "auto")
                          "RINGCOMM_ALGO": os.environ.get("RINGCOMM_ALGO")},
             "timing": {"warmup": a.warmup, "iters_min": a.iters, "rounds": a.rounds,
                        "min_time_s": a.min_time, "max_iters": a.max_iters,

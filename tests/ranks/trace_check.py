@@ -1,0 +1,44 @@
+"""Under RINGCOMM_TRACE: a few DDP iterations whose trace tests/test_trace.py
+checks after the run (the ranks' files, merged). Here: the recording is on from
+import, and ringcomm's spans show up in a torch.profiler trace as
+record_function ranges."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from _common import Checker
+
+import ddp
+from ringcomm import trace
+
+
+def main() -> None:
+    dist.init_process_group("ringcomm")
+    rank = dist.get_rank()
+    c = Checker(rank)
+    c.check(trace.active(), "RINGCOMM_TRACE starts a recording at import")
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(256, 256), torch.nn.Tanh()]
+    model = ddp.DistributedDataParallel(torch.nn.Sequential(*layers), bucket_cap_mb=0.3)
+    c.check(len(model.reducer.buckets) >= 3, f"{len(model.reducer.buckets)} buckets, want >= 3")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        loss = model(torch.randn(64, 256, generator=g)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dist.all_reduce(torch.ones(100))
+    names = {e.key for e in prof.key_averages()}
+    c.check(any(n.startswith("ringcomm: allreduce[") for n in names),
+            f"ringcomm's allreduce is a profiler range: {sorted(names)[:20]}")
+    dist.barrier()
+    dist.destroy_process_group()
+    c.finish()
+
+
+if __name__ == "__main__":
+    main()
