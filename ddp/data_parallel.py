@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringcomm import trace
+
 from .buckets import FIRST_BUCKET_CAP_BYTES, MB
 from .comm_hooks import CommHook
 from .reducer import Reducer
@@ -279,6 +281,10 @@ class DistributedDataParallel(nn.Module):
         Raises:
             RuntimeError: the previous synchronized backward never finished reducing.
         """
+        with trace.span("forward", "ddp"):
+            return self._forward(*inputs, **kwargs)
+
+    def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self.reducer.check_idle()
             # Before the forward allocates activations: the old and new buckets

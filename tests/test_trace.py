@@ -156,3 +156,24 @@ def test_merge_refuses_what_it_cannot_merge(tmp_path):
                            str(tmp_path / "o.json"), str(bad)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "cannot read" in proc.stderr and "bad.json" in proc.stderr
+
+
+def test_one_iteration_is_drawn(merged, tmp_path):
+    pytest.importorskip("matplotlib")
+    from ringcomm.trace import timeline
+
+    start, end = timeline.iteration_window(merged, 2)
+    assert start < end
+    out = tmp_path / "iteration.png"
+    timeline.draw(merged, str(out), (start, end), "iteration 2")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="has 4 optimizer steps; iteration 9 needs 10"):
+        timeline.iteration_window(merged, 9)
+
+
+def test_each_iteration_is_forward_then_backward_then_optimizer_step(merged):
+    for events in _per_rank(merged).values():
+        forwards = sorted((e for e in events if e["name"] == "forward"), key=lambda e: e["ts"])
+        assert len(forwards) == 4
+        for fwd, (back, step, _) in zip(forwards, _iterations(events)):
+            assert fwd["ts"] + fwd["dur"] <= back["ts"] + back["dur"] <= step["ts"]
