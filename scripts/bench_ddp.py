@@ -142,7 +142,7 @@ class TinyBert(nn.Module):
 MODEL_SIZES = {
     "resnet": {"full": dict(widths=(64, 128, 256, 512), classes=100, image=8, batch=8),
                "quick": dict(widths=(32, 64, 128, 256), classes=100, image=8, batch=8)},
-    "bert": {"full": dict(vocab=8192, d=256, layers=3, heads=4, ff=1024, seq=32, batch=8),
+    "bert": {"full": dict(vocab=8192, d=256, layers=2, heads=4, ff=1024, seq=32, batch=4),
              "quick": dict(vocab=4096, d=128, layers=2, heads=4, ff=512, seq=32, batch=8)},
 }
 
@@ -299,6 +299,16 @@ class Replica:
 # ----------------------------------------------------------------------------
 # the world: process groups side by side, untimed exchanges
 # ----------------------------------------------------------------------------
+def auto_threads(ranks: int) -> int:
+    """torch threads per rank for ``--threads auto``: ``$OMP_NUM_THREADS`` when set (a
+    launcher or the user chose), else the cores shared out among the ranks. More
+    threads than cores per rank starve the backends' communication threads."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
 class World:
     """This rank, the process group of each backend (the default group's backend
     first, the others from ``dist.new_group``), subgroups of the first k ranks for
@@ -312,8 +322,7 @@ class World:
             self.groups[b] = dist.new_group(backend=b, timeout=timeout)
         self.ctrl = dist.new_group(backend="gloo", timeout=timeout)
         self.cores = os.cpu_count() or 1
-        self.threads = (max(1, self.cores // self.size) if args.threads == "auto"
-                        else int(args.threads))
+        self.threads = int(args.threads) if args.threads != "auto" else auto_threads(self.size)
         torch.set_num_threads(self.threads)
         self.scaling_worlds = sorted({k for k in SCALING_WORLDS if k <= self.size} | {self.size})
         # per k: (backend -> group, control group); None on ranks outside the first k
@@ -759,7 +768,10 @@ def header_text(meta: dict) -> str:
               f"in {t['rounds']} rounds across configurations; {t['statistic']}",
               f"# {t['exposed_comm']}",
               f"# {meta['overlap_off']}",
-              f"# optimizer: {meta['optimizer']}"]
+              f"# optimizer: {meta['optimizer']}",
+              "# load average at start: " + " ".join(
+                  f"{x:.2f}" for x in meta["load_average"]["start"] or [])
+              + f" (other processes on these {meta['cores']} cores skew every number)"]
     return "\n".join(lines)
 
 
@@ -880,7 +892,7 @@ def plot(doc: dict, out_dir: str) -> list[str]:
         return fig, list(zip(models, axes[0]))
 
     def save(fig: Any, section: str, title: str) -> None:
-        fig.suptitle(f"{title} ({sub})", fontsize=10)
+        fig.suptitle(f"{title}\n{sub}", fontsize=10)
         fig.tight_layout()
         path = os.path.join(out_dir, f"bench_ddp_{section}.png")
         fig.savefig(path, dpi=110)
@@ -992,13 +1004,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smaller models, fewer iterations and bucket sizes (under a minute "
                         "on 2 ranks)")
     p.add_argument("--iters", type=int, default=None,
-                   help="timed iterations per configuration (default 10, 3 with --quick)")
+                   help="timed iterations per configuration (default 8, 3 with --quick)")
     p.add_argument("--warmup", type=int, default=2, help="synchronized iterations first")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds that visit the configurations in turn (default 2, 1 with "
                         "--quick)")
     p.add_argument("--threads", default="auto",
-                   help="torch threads per rank; auto = cores / ranks")
+                   help="torch threads per rank; auto = $OMP_NUM_THREADS if set, else "
+                        "cores / ranks")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds any collective may take (process group timeout)")
     p.add_argument("--json", metavar="FILE", help="write every measured number as JSON")
@@ -1024,7 +1037,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         a.backend_list = _names(a.backends, BACKENDS, "backend (--backends)")
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
-    a.iters = a.iters if a.iters is not None else (3 if a.quick else 10)
+    a.iters = a.iters if a.iters is not None else (3 if a.quick else 8)
     a.rounds = a.rounds if a.rounds is not None else (1 if a.quick else 2)
     a.caps = QUICK_BUCKET_CAPS if a.quick else BUCKET_CAPS
     for flag, v, low in (("--iters", a.iters, 1), ("--rounds", a.rounds, 1),
@@ -1082,6 +1095,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def finish(doc: dict, args: argparse.Namespace) -> int:
     """Rank 0 after the run: targets, JSON, plots. Returns the exit status."""
+    print("# load average at end: " + " ".join(
+        f"{x:.2f}" for x in doc["meta"]["load_average"]["end"] or []), flush=True)
     if args.targets:
         text, recs = check_targets(doc, args.target_list)
         doc["targets"] = {"file": os.path.relpath(args.targets, ROOT)
