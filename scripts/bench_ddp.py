@@ -355,6 +355,11 @@ class World:
 # ----------------------------------------------------------------------------
 # measuring
 # ----------------------------------------------------------------------------
+def nosync_cycles(iters: int, n: int) -> int:
+    """Timed cycles of n iterations: about ``iters`` iterations, at least 3 cycles."""
+    return max(3, math.ceil(iters / n))
+
+
 def measure(replicas: dict[str, Replica], cycles: int, warmup: int, rounds: int,
             ctrl: Any, progress: Progress, what: str) -> dict[str, dict]:
     """Time ``cycles`` cycles (``every`` iterations each) of every replica on this rank.
@@ -435,7 +440,8 @@ class Bench:
         per_model = {"breakdown": (2 * nc + len(self.offs)) * a.rounds,
                      "buckets": len(a.caps) * nc * a.rounds,
                      "scaling": len(self.w.scaling_worlds) * nc * a.rounds,
-                     "nosync": len(NOSYNC_EVERY) * nc * a.rounds}
+                     "nosync": nc * sum(min(a.rounds, nosync_cycles(a.iters, n))
+                                        for n in NOSYNC_EVERY)}
         return len(self.specs) * sum(per_model[s] for s in a.section_list)
 
     def _timed(self, replicas: dict[str, Replica], cycles: int, what: str,
@@ -572,7 +578,7 @@ class Bench:
         for n in NOSYNC_EVERY:
             reps = {c.name: Replica(spec, c, self.w.groups[c.backend], every=n)
                     for c in self.configs}
-            cycles = max(3, math.ceil(self.a.iters / n))
+            cycles = nosync_cycles(self.a.iters, n)
             st = self._timed(reps, cycles, f"nosync {spec.name} n={n}")
             for c in self.configs:
                 rows.append({"config": c.name, "impl": c.impl, "backend": c.backend, "n": n,
@@ -1007,8 +1013,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed iterations per configuration (default 8, 3 with --quick)")
     p.add_argument("--warmup", type=int, default=2, help="synchronized iterations first")
     p.add_argument("--rounds", type=int, default=None,
-                   help="rounds that visit the configurations in turn (default 2, 1 with "
-                        "--quick)")
+                   help="rounds that visit the configurations in turn, rotating the order "
+                        "(default: one per timed iteration, the finest interleaving, so that "
+                        "bursts of load from other processes fall on every configuration)")
     p.add_argument("--threads", default="auto",
                    help="torch threads per rank; auto = $OMP_NUM_THREADS if set, else "
                         "cores / ranks")
@@ -1038,7 +1045,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
     a.iters = a.iters if a.iters is not None else (3 if a.quick else 8)
-    a.rounds = a.rounds if a.rounds is not None else (1 if a.quick else 2)
+    a.rounds = a.rounds if a.rounds is not None else a.iters
     a.caps = QUICK_BUCKET_CAPS if a.quick else BUCKET_CAPS
     for flag, v, low in (("--iters", a.iters, 1), ("--rounds", a.rounds, 1),
                          ("--warmup", a.warmup, 1)):
