@@ -928,8 +928,9 @@ def plot(doc: dict, out_dir: str) -> list[str]:
                 bottom += vals
             ax.set_title(model)
             ax.set_ylabel("ms per iteration")
+            ax.set_ylim(0, 1.3 * max(bottom))  # room for the legend above the bars
             ax.tick_params(axis="x", rotation=30)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, ncol=2, loc="upper center")
             ax.grid(True, axis="y", alpha=0.3)
         save(fig, "breakdown", "Latency breakdown (off = no overlap: flat allreduce after backward)")
 
