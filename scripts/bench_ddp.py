@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:  # this checkout's ddp/ when run as a script
     sys.path.insert(0, str(ROOT))
 
 import ringcomm  # noqa: E402  (registers the backend; under mpiexec it fills in RANK etc.)
-from ringcomm.bench.cli import _env_rank, _free_port, _names, _Parser  # noqa: E402
+from ringcomm.bench.cli import _free_port, _names, _Parser  # noqa: E402
 from ringcomm.bench.session import cpu_model, loadavg, mpi_library, version_of  # noqa: E402
 from ringcomm.bench.sizes import format_size  # noqa: E402
 from ringcomm.bench.timing import Progress  # noqa: E402
