@@ -33,7 +33,8 @@ def compute_bucket_assignment(params: Sequence[torch.Tensor], order: Sequence[in
     Parameters are visited in ``order``; each joins the open bucket of its
     (dtype, device), which closes once it holds at least its cap (so a bucket
     exceeds the cap by at most one parameter, and a parameter larger than the cap
-    gets a bucket of its own). The first bucket of each (dtype, device) is capped
+    gets a bucket of its own; a cap of 0 gives every parameter its own bucket, as
+    ``bucket_cap_mb=0`` does in torch's DDP). The first bucket of each (dtype, device) is capped
     by ``min(first_bucket_cap_bytes, bucket_cap_bytes)``, later ones by
     ``bucket_cap_bytes``. Buckets are returned sorted by the position in
     ``order`` of their first parameter.
@@ -42,20 +43,20 @@ def compute_bucket_assignment(params: Sequence[torch.Tensor], order: Sequence[in
         params: the parameters (only ``numel``, ``element_size``, ``dtype`` and
             ``device`` are read, so ``meta`` tensors do).
         order: a permutation of ``range(len(params))``.
-        bucket_cap_bytes: size at which a bucket is closed.
+        bucket_cap_bytes: size at which a bucket is closed (0: after every parameter).
         first_bucket_cap_bytes: cap of the first bucket (default
             :data:`FIRST_BUCKET_CAP_BYTES`).
     Returns:
         One list of parameter indices per bucket; within a bucket, in ``order``.
     Raises:
         ValueError: ``order`` is not a permutation of the parameter indices, or a
-            cap is not positive.
+            cap is negative.
     """
-    if bucket_cap_bytes <= 0:
-        raise ValueError(f"bucket cap must be positive, got {bucket_cap_bytes} bytes")
+    if bucket_cap_bytes < 0:
+        raise ValueError(f"bucket cap must not be negative, got {bucket_cap_bytes} bytes")
     first = FIRST_BUCKET_CAP_BYTES if first_bucket_cap_bytes is None else first_bucket_cap_bytes
-    if first <= 0:
-        raise ValueError(f"first bucket cap must be positive, got {first} bytes")
+    if first < 0:
+        raise ValueError(f"first bucket cap must not be negative, got {first} bytes")
     order = list(order)
     if sorted(order) != list(range(len(params))):
         raise ValueError(f"bucket order must be a permutation of 0..{len(params) - 1}, "

@@ -189,7 +189,9 @@ class DistributedDataParallel(nn.Module):
             backend works (ringcomm, gloo, mpi); only all_reduce, broadcast,
             all_gather are used.
         bucket_cap_mb: bucket size cap in MiB (the first bucket is capped at
-            ``min(1, bucket_cap_mb)`` MiB so communication starts early).
+            ``min(1, bucket_cap_mb)`` MiB so communication starts early). 0 gives
+            every parameter its own bucket (one allreduce per parameter), as in
+            torch's DDP.
         find_unused_parameters: walk the autograd graph after each forward to
             find parameters that get no gradient this iteration, so their buckets
             need not wait for them; parameters no rank used keep ``grad``
@@ -201,8 +203,8 @@ class DistributedDataParallel(nn.Module):
             are never synchronized, not even at construction (as in torch).
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
-        ValueError: ``bucket_cap_mb`` is not positive, or this process is not in
-            ``process_group``.
+        ValueError: ``bucket_cap_mb`` is negative or not a number, or this process
+            is not in ``process_group``.
         RuntimeError: no process group is initialized; the model differs across
             ranks (on every rank); no parameter requires a gradient; the model has
             sparse embeddings.
@@ -219,9 +221,9 @@ class DistributedDataParallel(nn.Module):
                             f"got {type(module).__name__}")
         if bucket_cap_mb is None:
             bucket_cap_mb = 25
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be positive, "
-                             f"got {bucket_cap_mb}")
+        if not bucket_cap_mb >= 0:  # also refuses NaN
+            raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be 0 (one bucket "
+                             f"per parameter) or positive, got {bucket_cap_mb}")
         if process_group is None:
             if not dist.is_initialized():
                 raise RuntimeError("DistributedDataParallel: no process group; call "

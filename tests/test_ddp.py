@@ -73,8 +73,48 @@ def test_buckets_follow_given_order_and_reject_bad_input():
     assert compute_bucket_assignment(ps, [1, 2, 0], 4, 4) == [[1], [2], [0]]
     with pytest.raises(ValueError, match="permutation"):
         compute_bucket_assignment(ps, [0, 0, 1], 4, 4)
-    with pytest.raises(ValueError, match="positive"):
-        compute_bucket_assignment(ps, [0, 1, 2], 0)
+    with pytest.raises(ValueError, match="must not be negative, got -1 bytes"):
+        compute_bucket_assignment(ps, [0, 1, 2], -1)
+    with pytest.raises(ValueError, match="first bucket cap must not be negative"):
+        compute_bucket_assignment(ps, [0, 1, 2], 4, -4)
+
+
+def test_buckets_cap_zero_gives_each_parameter_its_own_bucket():
+    # torch's DDP with bucket_cap_mb=0: one allreduce per parameter.
+    ps = meta(1, 300, 10, 10_000)
+    assert compute_bucket_assignment(ps, reverse_order(4), 0) == [[3], [2], [1], [0]]
+    assert compute_bucket_assignment(ps, [1, 3, 0, 2], 0, 0) == [[1], [3], [0], [2]]
+
+
+def test_ddp_accepts_cap_zero_and_refuses_negative_caps():
+    import torch.distributed as dist
+
+    from ddp import DistributedDataParallel as DDP
+
+    with pytest.raises(ValueError, match=r"bucket_cap_mb must be 0 .* or positive, got -1"):
+        DDP(nn.Linear(2, 2), bucket_cap_mb=-1)  # checked before any process group is needed
+    with pytest.raises(ValueError, match="got nan"):
+        DDP(nn.Linear(2, 2), bucket_cap_mb=float("nan"))
+    # A one-rank gloo group in this process: cap 0 builds one bucket per parameter,
+    # and the averaged gradients of one rank are its own.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+        ref = [p.detach().clone() for p in net.parameters()]
+        model = DDP(net, bucket_cap_mb=0)
+        assert model.reducer.bucket_assignment() == [[3], [2], [1], [0]]
+        x = torch.randn(5, 3)
+        model(x).square().sum().backward()
+        plain = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+        with torch.no_grad():
+            for p, r in zip(plain.parameters(), ref):
+                p.copy_(r)
+        plain(x).square().sum().backward()
+        for p, q in zip(net.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_complete_order_appends_missing_in_reverse_registration():

@@ -203,8 +203,8 @@ def construction_errors(c, rank, world, group, backend):
         except exc as e:
             c.check(all(w in str(e) for w in words), f"{what}: unclear error: {e}")
 
-    expect(ValueError, ["bucket_cap_mb", "positive"],
-           lambda: DDP(tiny_lm(seed=1), process_group=group, bucket_cap_mb=0), "cap 0")
+    expect(ValueError, ["bucket_cap_mb", "positive", "-1"],
+           lambda: DDP(tiny_lm(seed=1), process_group=group, bucket_cap_mb=-1), "cap -1")
     expect(TypeError, ["nn.Module"], lambda: DDP(lambda x: x, process_group=group), "not module")
     frozen = tiny_lm(seed=1).requires_grad_(False)
     expect(RuntimeError, ["requires a gradient"], lambda: DDP(frozen, process_group=group),

@@ -1,0 +1,175 @@
+"""scripts/bench_ddp.py, the DDP paper's experiments: a quick run on 2 ranks under
+mpiexec (every section in the JSON, positive times, the overlap saving, the
+targets' verdicts, the plots), a run on one process without a launcher, and the
+errors for bad flags and a bad targets file. No timing assertions: the numbers
+depend on the machine and its load."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, _checked, _env, mpirun
+
+SCRIPT = ROOT / "scripts" / "bench_ddp.py"
+SECTIONS = ("breakdown", "buckets", "scaling", "nosync")
+
+
+def load_script():
+    """The script as a module (imported once; dataclasses need it in sys.modules)."""
+    if "bench_ddp" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_ddp", SCRIPT)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["bench_ddp"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["bench_ddp"]
+
+
+def spans_positive(rec: dict) -> None:
+    for span, ms in rec["ms"].items():
+        assert ms >= 0, (span, rec)
+    assert rec["ms"]["total"] > 0 and rec["ms"]["forward"] > 0 and rec["ms"]["backward"] > 0
+
+
+def check_document(doc: dict, world: int) -> None:
+    assert doc["schema"] == "ringcomm.bench_ddp/1"
+    meta = doc["meta"]
+    assert meta["world_size"] == world and meta["cores"] >= 1
+    assert meta["oversubscribed"] == (world > meta["cores"])
+    assert meta["configurations"] == ["ours/ringcomm", "torch/ringcomm", "ours/gloo",
+                                      "torch/gloo"]
+    model = meta["models"]["resnet"]
+    assert model["gradient_bytes"] > 0 and model["batch_per_rank"] > 0
+    assert "no_sync" in meta["timing"]["exposed_comm"]
+    assert all(r["ok"] for r in doc["verification"]["resnet"].values())
+    for s in SECTIONS:
+        assert set(doc[s]) == {"resnet"}, s
+
+    bd = doc["breakdown"]["resnet"]
+    assert set(bd["rows"]) == set(meta["configurations"]) | {"off/ringcomm", "off/gloo"}
+    for name, r in bd["rows"].items():
+        assert r["total_ms"] > 0 and r["forward_ms"] > 0, name
+        if r["impl"] == "off":
+            assert r["comm_ms"] > 0
+            spans_positive(r["spans"])
+        else:
+            assert r["backward_compute_ms"] > 0
+            assert r["exposed_comm_ms"] == pytest.approx(r["backward_ms"]
+                                                         - r["backward_compute_ms"], abs=2e-3)
+            spans_positive(r["sync"])
+            spans_positive(r["no_sync"])
+            assert len(r["sync"]["rank_median_ms"]["total"]) == world
+    for backend in ("ringcomm", "gloo"):
+        o = bd["overlap"][backend]
+        for impl in ("ours", "torch"):
+            e = o[impl]
+            assert isinstance(e["saving_ms"], float) and isinstance(e["saving_pct"], float)
+            assert e["saving_ms"] == pytest.approx(o["off_total_ms"] - e["on_total_ms"], abs=2e-3)
+
+    rows = doc["buckets"]["resnet"]["rows"]
+    caps = [r["bucket_cap_mb"] for r in rows if r["config"] == "ours/ringcomm"]
+    assert caps == [0, 25, "all"]
+    n_params = model["parameter_tensors"]
+    for r in rows:
+        assert r["total_ms"] > 0
+        if r["impl"] == "ours" and r["bucket_cap_mb"] == 0:
+            assert r["buckets"] == n_params  # one bucket per parameter
+        if r["impl"] == "ours" and r["bucket_cap_mb"] == "all":
+            assert r["buckets"] <= 2  # the first bucket is capped at 1 MiB, the rest is one
+
+    rows = doc["scaling"]["resnet"]["rows"]
+    assert sorted({r["world"] for r in rows}) == sorted({1, world})
+    for r in rows:
+        assert r["samples_per_s"] > 0 and r["scaling_fraction"] > 0
+        if r["world"] == 1:
+            assert r["scaling_fraction"] == pytest.approx(1.0)
+
+    rows = doc["nosync"]["resnet"]["rows"]
+    assert sorted({r["n"] for r in rows}) == [1, 2, 4, 8]
+    assert all(r["amortized_ms"] > 0 for r in rows)
+
+
+def test_quick_run_on_two_ranks(tmp_path):
+    out, plots = tmp_path / "out.json", tmp_path / "plots"
+    proc = mpirun(2, str(SCRIPT), "--quick", "--json", str(out), "--plot", str(plots),
+                  timeout=150)
+    doc = json.loads(out.read_text())
+    check_document(doc, 2)
+    recs = doc["targets"]["results"]
+    assert len(recs) == 3
+    for rec in recs:  # the verdicts: met or missed, with the measured ratio
+        assert rec["met"] in (True, False), rec
+        assert rec["ratio"] > 0 and rec["per_model"]
+    saving = next(r for r in recs if r["metric"] == "overlap_saving")
+    assert saving["worst_model"] == "resnet"
+    for line in ("# 1. latency breakdown", "# 2. time per iteration", "# 3. scaling",
+                 "# 4. skipping synchronization", "# speed targets", "# verification:"):
+        assert line in proc.stdout, line
+    assert ("MET" in proc.stdout) or ("MISSED" in proc.stdout)
+    pytest.importorskip("matplotlib")
+    assert sorted(p.name for p in plots.iterdir()) == [f"bench_ddp_{s}.png" for s in
+                                                       sorted(SECTIONS)]
+
+
+def test_one_process_without_a_launcher(tmp_path):
+    out = tmp_path / "one.json"
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--iters", "1", "--warmup", "1", "--json",
+           str(out), "--targets", "none"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(None), capture_output=True, text=True,
+                          timeout=120, start_new_session=True)
+    _checked(proc, cmd, True)
+    assert "no launcher found; running 1 rank" in proc.stderr
+    doc = json.loads(out.read_text())
+    check_document(doc, 1)
+    assert "targets" not in doc
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--sections", "breakdown,warp"], ["unknown section (--sections) 'warp'", "breakdown",
+                                        "nosync"]),
+    (["--model", "gpt"], ["unknown model (--model) 'gpt'", "resnet", "bert"]),
+    (["--backends", "nccl2"], ["unknown backend (--backends) 'nccl2'", "gloo"]),
+    (["--iters", "0"], ["--iters must be at least 1, got 0"]),
+])
+def test_bad_flags_exit_2_naming_them(argv, words, capsys):
+    mod = load_script()
+    with pytest.raises(SystemExit) as e:
+        mod.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_bad_targets_file_is_named(tmp_path, capsys):
+    mod = load_script()
+    bad = tmp_path / "t.json"
+    bad.write_text(json.dumps({"schema": mod.TARGETS_SCHEMA, "targets": [
+        {"name": "x", "metric": "speed", "models": "each", "of": "ours/ringcomm",
+         "versus": "torch/gloo", "bound": "<=", "goal": 1.0}]}))
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--targets", str(bad)])
+    assert "metric must be one of iteration_ratio, overlap_saving, got 'speed'" in \
+        capsys.readouterr().err
+    assert mod.load_targets(mod.DEFAULT_TARGETS)  # the shipped file is valid
+
+
+def test_targets_verdicts_from_a_document():
+    mod = load_script()
+    rows = {"ours/ringcomm": {"total_ms": 90.0}, "torch/gloo": {"total_ms": 100.0},
+            "torch/ringcomm": {"total_ms": 80.0}, "off/ringcomm": {"total_ms": 120.0}}
+    doc = {"meta": {"world_size": 2, "default_group_backend": "ringcomm"},
+           "breakdown": {"resnet": {"rows": rows, "overlap": {"ringcomm": {"comm_share_off": 0.3}}},
+                         "bert": {"rows": rows, "overlap": {"ringcomm": {"comm_share_off": 0.1}}}}}
+    text, recs = mod.check_targets(doc, mod.load_targets(mod.DEFAULT_TARGETS))
+    by = {r["name"]: r for r in recs}
+    assert by["ours/ringcomm <= 1.0x torch/gloo"]["met"] is True
+    assert by["ours/ringcomm <= 1.0x torch/gloo"]["ratio"] == pytest.approx(0.9)
+    assert by["ours/ringcomm <= 1.05x torch/ringcomm"]["met"] is False  # 1.125x
+    over = next(r for r in recs if r["metric"] == "overlap_saving")
+    assert over["worst_model"] == "resnet" and over["met"] is True  # saves 25%
+    assert over["value"] == pytest.approx(0.25)
+    assert "MISSED" in text and "MET" in text
