@@ -111,6 +111,11 @@ def allreduce_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch
     group = _group(state, bucket)
     buf = bucket.buffer()
     buf.div_(dist.get_world_size(group))
+    return allreduce_sum(group, buf)
+
+
+def allreduce_sum(group: dist.ProcessGroup, buf: torch.Tensor) -> torch.futures.Future:
+    """Sum ``buf`` over ``group`` in place, asynchronously; the future holds ``buf``."""
     work = dist.all_reduce(buf, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 

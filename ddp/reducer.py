@@ -38,7 +38,7 @@ from ringcomm import trace
 
 from .buckets import (Bucket, complete_order, compute_bucket_assignment, make_buckets,
                       reverse_order)
-from .comm_hooks import CommHook, GradBucket, allreduce_hook
+from .comm_hooks import CommHook, GradBucket, allreduce_hook, allreduce_sum
 
 log = logging.getLogger("ddp")
 
@@ -164,6 +164,11 @@ class Reducer:
         self._comm_hook: CommHook = allreduce_hook
         self._comm_hook_state: Any = None
         self._comm_hook_registered = False
+        #: with the default hook and bucket slots apart from the gradients, the
+        #: division by the world size happens while each gradient is copied into its
+        #: slot (as in torch's reducer): one pass over the gradients instead of two
+        self._prescale: float | None = (None if gradient_as_bucket_view
+                                        else 1.0 / self.world_size)
 
         self.buckets: list[Bucket] = []
         self._install(compute_bucket_assignment(self.params, reverse_order(len(self.params)),
@@ -237,6 +242,7 @@ class Reducer:
                                "iteration with the same hook")
         self._comm_hook, self._comm_hook_state = hook, state
         self._comm_hook_registered = True
+        self._prescale = None  # a hook gets the bucket as it is, and averages it itself
 
     # -- per iteration ----------------------------------------------------------
     def check_idle(self) -> None:
@@ -371,7 +377,14 @@ class Reducer:
                 view.copy_(g)
                 p.grad = view
         else:
+            self._fill(view, g)
+
+    def _fill(self, view: torch.Tensor, g: torch.Tensor) -> None:
+        """Put gradient ``g`` into its bucket slot (already divided, see ``_prescale``)."""
+        if self._prescale is None:
             view.copy_(g)
+        else:
+            torch.mul(g, self._prescale, out=view)
 
     def _mark_ready(self, i: int, used: bool) -> None:
         if used:
@@ -392,7 +405,7 @@ class Reducer:
                 if self.find_unused_parameters:
                     self._saved_slots[i] = view.clone()
             else:
-                view.copy_(g)
+                self._fill(view, g)
         self._ready[i] = True
         b = self._bucket_of[i]
         self._pending[b] -= 1
@@ -405,7 +418,10 @@ class Reducer:
         while self._launched < len(self.buckets) and self._pending[self._launched] == 0:
             b = self._launched
             trace.instant(f"bucket {b} launch", "ddp", bucket=b)
-            fut = self._comm_hook(self._comm_hook_state, self._grad_buckets[b])
+            if self._prescale is not None:  # the default hook, its division already done
+                fut = allreduce_sum(self.process_group, self._grad_buckets[b].buffer())
+            else:
+                fut = self._comm_hook(self._comm_hook_state, self._grad_buckets[b])
             # torch.futures.Future is the Python face of torch._C.Future; collectives'
             # get_future() returns the latter.
             if not isinstance(fut, torch._C.Future):
