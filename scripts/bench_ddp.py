@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:  # this checkout's ddp/ when run as a script
     sys.path.insert(0, str(ROOT))
 
 import ringcomm  # noqa: E402  (registers the backend; under mpiexec it fills in RANK etc.)
-from ringcomm.bench.cli import _free_port, _names, _Parser  # noqa: E402
+from ringcomm.bench.cli import Parser, free_port, names  # noqa: E402
 from ringcomm.bench.session import cpu_model, loadavg, mpi_library, version_of  # noqa: E402
 from ringcomm.bench.sizes import format_size  # noqa: E402
 from ringcomm.bench.timing import Progress  # noqa: E402
@@ -997,7 +997,7 @@ def plot(doc: dict, out_dir: str) -> list[str]:
 # command line
 # ----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+    p = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--sections", default="all",
                    help=f"comma list of {', '.join(SECTIONS)}, or all")
@@ -1037,12 +1037,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     a = parser.parse_args(argv)
     try:
-        a.section_list = _names(a.sections, SECTIONS, "section (--sections)")
+        a.section_list = names(a.sections, SECTIONS, "section (--sections)")
         model = a.model if a.model is not None else ("resnet" if a.quick else "both")
         a.model_list = (list(MODELS) if model.strip().lower() == "both"
-                        else _names(model, MODELS, "model (--model)"))
-        a.impl_list = _names(a.impls, IMPLS, "DDP implementation (--impls)")
-        a.backend_list = _names(a.backends, BACKENDS, "backend (--backends)")
+                        else names(model, MODELS, "model (--model)"))
+        a.impl_list = names(a.impls, IMPLS, "DDP implementation (--impls)")
+        a.backend_list = names(a.backends, BACKENDS, "backend (--backends)")
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
     a.iters = a.iters if a.iters is not None else (3 if a.quick else 8)
@@ -1077,7 +1077,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group(args.backend_list[0],
                             timeout=datetime.timedelta(seconds=args.timeout))
     rc = 0
