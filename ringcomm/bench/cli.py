@@ -175,9 +175,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     a = parser.parse_args(argv)
     try:
         a.collectives = names(a.collective, COLLECTIVES, "collective",
-                               {"all_reduce": "allreduce", "all_gather": "allgather",
-                                "reducescatter": "reduce_scatter", "all_to_all": "alltoall",
-                                "bcast": "broadcast"})
+                              {"all_reduce": "allreduce", "all_gather": "allgather",
+                               "reducescatter": "reduce_scatter", "all_to_all": "alltoall",
+                               "bcast": "broadcast"})
         a.ops = names(a.op, OP_NAMES, "reduction op (-o)", {"product": "prod"})
         a.dtypes = names(a.dtype, DTYPE_NAMES, "data type (-d)", DTYPE_ALIASES)
         a.algo_list = [s.strip() for s in a.algos.split(",") if s.strip()]
