@@ -1,11 +1,10 @@
-"""scripts/bench_ddp.py, the DDP paper's experiments: a quick run on 2 ranks under
+"""ddp.bench (scripts/bench_ddp.py), the DDP paper's experiments: a quick run on 2 ranks under
 mpiexec (every section in the JSON, positive times, the overlap saving, the
 targets' verdicts, the plots), a run on one process without a launcher, and the
 errors for bad flags and a bad targets file. No timing assertions: the numbers
 depend on the machine and its load."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,19 +12,11 @@ import sys
 import pytest
 
 from conftest import ROOT, _checked, _env, mpirun
+from ddp.bench import cli, targets
+from ddp.bench.constants import DEFAULT_TARGETS, TARGETS_SCHEMA
 
 SCRIPT = ROOT / "scripts" / "bench_ddp.py"
 SECTIONS = ("breakdown", "buckets", "scaling", "nosync")
-
-
-def load_script():
-    """The script as a module (imported once; dataclasses need it in sys.modules)."""
-    if "bench_ddp" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_ddp", SCRIPT)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["bench_ddp"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["bench_ddp"]
 
 
 def spans_positive(rec: dict) -> None:
@@ -135,9 +126,8 @@ def test_one_process_without_a_launcher(tmp_path):
     (["--iters", "0"], ["--iters must be at least 1, got 0"]),
 ])
 def test_bad_flags_exit_2_naming_them(argv, words, capsys):
-    mod = load_script()
     with pytest.raises(SystemExit) as e:
-        mod.parse_args(argv)
+        cli.parse_args(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     for w in words:
@@ -145,26 +135,24 @@ def test_bad_flags_exit_2_naming_them(argv, words, capsys):
 
 
 def test_bad_targets_file_is_named(tmp_path, capsys):
-    mod = load_script()
     bad = tmp_path / "t.json"
-    bad.write_text(json.dumps({"schema": mod.TARGETS_SCHEMA, "targets": [
+    bad.write_text(json.dumps({"schema": TARGETS_SCHEMA, "targets": [
         {"name": "x", "metric": "speed", "models": "each", "of": "ours/ringcomm",
          "versus": "torch/gloo", "bound": "<=", "goal": 1.0}]}))
     with pytest.raises(SystemExit):
-        mod.parse_args(["--targets", str(bad)])
+        cli.parse_args(["--targets", str(bad)])
     assert "metric must be one of iteration_ratio, overlap_saving, got 'speed'" in \
         capsys.readouterr().err
-    assert mod.load_targets(mod.DEFAULT_TARGETS)  # the shipped file is valid
+    assert targets.load_targets(DEFAULT_TARGETS)  # the shipped file is valid
 
 
 def test_targets_verdicts_from_a_document():
-    mod = load_script()
     rows = {"ours/ringcomm": {"total_ms": 90.0}, "torch/gloo": {"total_ms": 100.0},
             "torch/ringcomm": {"total_ms": 80.0}, "off/ringcomm": {"total_ms": 120.0}}
     doc = {"meta": {"world_size": 2, "default_group_backend": "ringcomm"},
            "breakdown": {"resnet": {"rows": rows, "overlap": {"ringcomm": {"comm_share_off": 0.3}}},
                          "bert": {"rows": rows, "overlap": {"ringcomm": {"comm_share_off": 0.1}}}}}
-    text, recs = mod.check_targets(doc, mod.load_targets(mod.DEFAULT_TARGETS))
+    text, recs = targets.check_targets(doc, targets.load_targets(DEFAULT_TARGETS))
     by = {r["name"]: r for r in recs}
     assert by["ours/ringcomm <= 1.0x torch/gloo"]["met"] is True
     assert by["ours/ringcomm <= 1.0x torch/gloo"]["ratio"] == pytest.approx(0.9)
