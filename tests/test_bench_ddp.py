@@ -81,14 +81,47 @@ def check_document(doc: dict, world: int) -> None:
     rows = doc["nosync"]["resnet"]["rows"]
     assert sorted({r["n"] for r in rows}) == [1, 2, 4, 8]
     assert all(r["amortized_ms"] > 0 for r in rows)
+    check_trace_parts(bd, world)
+
+
+def check_trace_parts(bd: dict, world: int) -> None:
+    """The trace overhead (ours/ringcomm with a recording on and off) and the breakdown
+    read from one traced iteration, next to the wall-clock one."""
+    t = bd["trace_overhead"]
+    assert t["config"] == "ours/ringcomm" and t["off_total_ms"] == bd["rows"]["ours/ringcomm"][
+        "total_ms"]
+    assert t["on_total_ms"] > 0 and isinstance(t["overhead_pct"], float)
+    assert t["overhead_ms"] == pytest.approx(t["on_total_ms"] - t["off_total_ms"], abs=2e-3)
+    spans_positive(t["traced"])
+    b = bd["trace_breakdown"]
+    assert "error" not in b, b
+    assert b["config"] == "ours/ringcomm" and "'copy-back'" in b["method"]
+    for k in ("forward", "backward", "exposed_comm", "optimizer", "total"):
+        assert b["ms"][k] >= 0 and len(b["rank_ms"][k]) == world, k
+        assert k in b["wall_clock_ms"]
+    m = b["ms"]
+    assert m["total"] >= max(m["forward"], m["backward"], m["optimizer"]) > 0
+    assert b["wall_clock_ms"]["total"] == bd["rows"]["ours/ringcomm"]["total_ms"]
+    assert b["off"]["ms"]["allreduce"] > 0 and b["off"]["config"] == "off/ringcomm"
 
 
 def test_quick_run_on_two_ranks(tmp_path):
-    out, plots = tmp_path / "out.json", tmp_path / "plots"
+    out, plots, traced = tmp_path / "out.json", tmp_path / "plots", tmp_path / "run.json"
     proc = mpirun(2, str(SCRIPT), "--quick", "--json", str(out), "--plot", str(plots),
-                  timeout=150)
+                  "--trace", str(traced), timeout=150)
     doc = json.loads(out.read_text())
     check_document(doc, 2)
+    assert doc["meta"]["trace"]["path"] == str(traced)
+    # --trace: each rank's file, merged by rank 0 into one Chrome trace of both ranks
+    merged = json.loads(traced.read_text())
+    assert merged["otherData"]["ranks"] == [0, 1]
+    assert (tmp_path / "run.rank0.json").exists() and (tmp_path / "run.rank1.json").exists()
+    names = {e["name"] for e in merged["traceEvents"] if e.get("ph") == "X"}
+    assert {"forward", "backward", "copy-back", "optimizer step"} <= names
+    assert any(n.startswith("allreduce[") for n in names)
+    for line in ("# trace overhead, ours/ringcomm:", "# breakdown of ours/ringcomm by two methods",
+                 "#   trace spans, one iteration", "# trace: "):
+        assert line in proc.stdout, line
     recs = doc["targets"]["results"]
     assert len(recs) == 3
     for rec in recs:  # the verdicts: met or missed, with the measured ratio
@@ -101,8 +134,9 @@ def test_quick_run_on_two_ranks(tmp_path):
         assert line in proc.stdout, line
     assert ("MET" in proc.stdout) or ("MISSED" in proc.stdout)
     pytest.importorskip("matplotlib")
-    assert sorted(p.name for p in plots.iterdir()) == [f"bench_ddp_{s}.png" for s in
-                                                       sorted(SECTIONS)]
+    assert sorted(p.name for p in plots.iterdir()) == sorted(
+        [f"bench_ddp_{s}.png" for s in SECTIONS]
+        + ["bench_ddp_timeline.png", "bench_ddp_timeline_off.png"])
 
 
 def test_one_process_without_a_launcher(tmp_path):

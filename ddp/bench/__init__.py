@@ -13,6 +13,9 @@ Sections (``--sections``, default all):
    optimizer step per iteration, for every configuration (DDP implementation x
    backend); and overlap on (bucketed DDP) against overlap off (backward under
    ``no_sync()``, then one allreduce of all gradients flattened into one buffer).
+   Also ``ours/ringcomm`` with a ``ringcomm.trace`` recording on (the trace
+   overhead), and one traced iteration of it (and of overlap off): the breakdown
+   read from its spans, as a cross-check, and with ``--plot`` its timeline.
 2. ``buckets``: time per iteration against ``bucket_cap_mb`` (0 = one allreduce
    per parameter, ..., one bucket for everything).
 3. ``scaling``: throughput on the first k ranks (subgroups) for k = 1, 2, 4 up
@@ -31,7 +34,8 @@ speed targets in ``ddp/bench/targets.json`` are checked and reported
 Modules: :mod:`~ddp.bench.models` (the models and their data),
 :mod:`~ddp.bench.configs` (configurations, replicas, the world of process
 groups), :mod:`~ddp.bench.measure` (timing and statistics),
-:mod:`~ddp.bench.experiments` (the sections), :mod:`~ddp.bench.targets`,
-:mod:`~ddp.bench.report` (text), :mod:`~ddp.bench.plots` and
-:mod:`~ddp.bench.cli`.
+:mod:`~ddp.bench.experiments` (the sections), :mod:`~ddp.bench.tracing`
+(``--trace``, the trace overhead, one traced iteration: its breakdown and
+timeline), :mod:`~ddp.bench.targets`, :mod:`~ddp.bench.report` (text),
+:mod:`~ddp.bench.plots` and :mod:`~ddp.bench.cli`.
 """

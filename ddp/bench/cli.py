@@ -21,7 +21,9 @@ from ddp.bench.constants import (BACKENDS, BUCKET_CAPS, DEFAULT_TARGETS, IMPLS, 
                                  QUICK_BUCKET_CAPS, SECTIONS)
 from ddp.bench.experiments import Bench
 from ddp.bench.plots import plot
-from ddp.bench.targets import check_targets, load_targets
+from ddp.bench import tracing
+from ddp.bench.targets import check_targets, comm_heavy_model, load_targets
+from ddp.bench.tracing import Tracer
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -52,7 +54,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds any collective may take (process group timeout)")
     p.add_argument("--json", metavar="FILE", help="write every measured number as JSON")
-    p.add_argument("--plot", metavar="DIR", help="write one PNG per section (matplotlib)")
+    p.add_argument("--plot", metavar="DIR",
+                   help="write one PNG per section, and the timeline of one traced iteration "
+                        "of ours/ringcomm (and of overlap off) (matplotlib)")
+    p.add_argument("--trace", metavar="PATH",
+                   help="record the run with ringcomm.trace: each rank writes PATH with "
+                        ".rank<r> before the suffix, rank 0 merges them into PATH (Chrome "
+                        "trace format; open in ui.perfetto.dev)")
     p.add_argument("--targets", metavar="JSON", default=DEFAULT_TARGETS,
                    help="speed targets to check; 'none' for none")
     p.add_argument("--progress", nargs="?", const="on", choices=("auto", "on", "off"),
@@ -112,26 +120,36 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     rc = 0
     try:
         world = World(args)
+        tracer = Tracer(args.trace)
+        tracer.start()
         err = None
         try:
-            doc = Bench(args, world).run()
+            bench = Bench(args, world, tracer)
+            doc = bench.run()
         except RuntimeError as e:  # verification failed (on every rank), or a backend error
             err = str(e)
+        try:
+            traced = tracer.finish(world.ctrl)
+        except (OSError, ValueError) as e:
+            err, traced = err or f"--trace {args.trace}: {e}", None
         err = world.agree(err)
         if err:
             if world.rank == 0:
                 print(f"bench_ddp: error: {err}", file=sys.stderr, flush=True)
             return 1
         if world.rank == 0:
-            rc = finish(doc, args)
+            if traced:
+                print(traced, flush=True)
+            rc = finish(doc, args, bench.traces)
         rc = world.gather(rc)[0]
     finally:
         dist.destroy_process_group()
     return rc
 
 
-def finish(doc: dict, args: argparse.Namespace) -> int:
-    """Rank 0 after the run: targets, JSON, plots. Returns the exit status."""
+def finish(doc: dict, args: argparse.Namespace, traces: dict | None = None) -> int:
+    """Rank 0 after the run: targets, JSON, plots (with ``traces``, model -> configuration
+    -> merged trace of one iteration: the timeline). Returns the exit status."""
     print("# load average at end: " + " ".join(
         f"{x:.2f}" for x in doc["meta"]["load_average"]["end"] or []), flush=True)
     if args.targets:
@@ -143,7 +161,12 @@ def finish(doc: dict, args: argparse.Namespace) -> int:
     try:
         if args.plot:
             try:
-                for path in plot(doc, args.plot):
+                paths = plot(doc, args.plot)
+                if traces:
+                    model = comm_heavy_model(doc) if comm_heavy_model(doc) in traces else \
+                        next(iter(traces))
+                    paths += tracing.draw(traces[model], model, args.plot)
+                for path in paths:
                     print(f"# plot: {path}", flush=True)
             except ImportError as e:
                 print(f"# plots skipped: matplotlib is not installed ({e}); "

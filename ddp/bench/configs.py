@@ -53,11 +53,13 @@ class Replica:
         cap_mb: bucket cap (None: default; "all": one bucket for everything).
         every: synchronize every ``every``-th iteration (no_sync the others); 0: never
             (backward alone, for the exposed-communication difference).
+        traced: timed with a ringcomm.trace recording on (the trace overhead).
     """
 
     def __init__(self, spec: ModelSpec, config: Config, group: dist.ProcessGroup,
-                 cap_mb: float | str | None = None, every: int = 1):
+                 cap_mb: float | str | None = None, every: int = 1, traced: bool = False):
         self.spec, self.config, self.group, self.every = spec, config, group, every
+        self.traced = traced
         self.world = dist.get_world_size(group)
         module = spec.build()
         if cap_mb == "all":

@@ -6,31 +6,39 @@ import datetime
 import os
 import platform
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import ringcomm
+from ringcomm import trace
 from ringcomm.bench.session import cpu_model, loadavg, mpi_library, version_of
 from ringcomm.bench.timing import Progress
 from ringcomm.bootstrap import MPI_LAUNCHER_VARS
 
+from ddp.bench import tracing
 from ddp.bench.configs import Config, Replica, World
 from ddp.bench.constants import (EXPOSED_METHOD, LR, MOMENTUM, NOSYNC_EVERY, OVERLAP_OFF,
                                  SCHEMA, VERIFY_ATOL, VERIFY_RTOL, VERIFY_STEPS)
 from ddp.bench.measure import measure, nosync_cycles, statistics
 from ddp.bench.models import MODEL_SIZES, ModelSpec
 from ddp.bench.report import SECTION_TEXT, header_text, verification_text
+from ddp.bench.tracing import Tracer
 
 class Bench:
     """Runs the selected sections for the selected models on this rank."""
 
-    def __init__(self, args: argparse.Namespace, world: World):
+    def __init__(self, args: argparse.Namespace, world: World, tracer: Tracer | None = None):
         self.a, self.w = args, world
+        self.tracer = tracer or Tracer(None)
         self.configs = [Config(i, b) for b in args.backend_list for i in args.impl_list]
         self.offs = [Config("off", b) for b in args.backend_list]
+        #: the configuration whose trace overhead and traced iteration are measured
+        self.traced = next((c for c in self.configs if c.name == tracing.TRACED), None)
+        #: model -> configuration -> merged trace of one iteration (rank 0; for the timeline)
+        self.traces: dict[str, dict[str, dict]] = {}
         size = "quick" if args.quick else "full"
         self.specs = [ModelSpec(m, MODEL_SIZES[m][size], seed=17 + i)
                       for i, m in enumerate(args.model_list)]
@@ -40,7 +48,7 @@ class Bench:
 
     def _planned_steps(self) -> int:
         a, nc = self.a, len(self.configs)
-        per_model = {"breakdown": (2 * nc + len(self.offs)) * a.rounds,
+        per_model = {"breakdown": (2 * nc + len(self.offs) + bool(self.traced)) * a.rounds,
                      "buckets": len(a.caps) * nc * a.rounds,
                      "scaling": len(self.w.scaling_worlds) * nc * a.rounds,
                      "nosync": nc * sum(min(a.rounds, nosync_cycles(a.iters, n))
@@ -48,11 +56,11 @@ class Bench:
         return len(self.specs) * sum(per_model[s] for s in a.section_list)
 
     def _timed(self, replicas: dict[str, Replica], cycles: int, what: str,
-               ctrl: Any = None) -> dict[str, dict]:
+               ctrl: Any = None, session: Callable | None = None) -> dict[str, dict]:
         mine = None
         if replicas is not None:
             mine = measure(replicas, cycles, self.a.warmup, self.a.rounds,
-                           ctrl or self.w.ctrl, self.progress, what)
+                           ctrl or self.w.ctrl, self.progress, what, session)
         return statistics(self.w, mine)
 
     # -- verification -------------------------------------------------------------
@@ -101,7 +109,14 @@ class Bench:
             reps[c.name + " no_sync"] = Replica(spec, c, g, every=0)
         for c in self.offs:
             reps[c.name] = Replica(spec, c, self.w.groups[c.backend], every=0)
-        st = self._timed(reps, self.a.iters, f"breakdown {spec.name}")
+        if self.traced:
+            reps[self.traced.name + " traced"] = Replica(
+                spec, self.traced, self.w.groups[self.traced.backend], traced=True)
+
+        def session(r: Replica):  # recording on for the traced replica only
+            return self.tracer.own() if r.traced else self.tracer.off()
+
+        st = self._timed(reps, self.a.iters, f"breakdown {spec.name}", session=session)
         rows = {}
         for c in self.configs:
             s, ns = st[c.name]["ms"], st[c.name + " no_sync"]["ms"]
@@ -131,7 +146,56 @@ class Bench:
                     "hidden_comm_fraction": round(1 - on["exposed_comm_ms"] / o["comm"], 3)
                     if o["comm"] > 0 else None}
             overlap[c.backend] = entry
-        return {"rows": rows, "overlap": overlap}
+        out = {"rows": rows, "overlap": overlap}
+        if self.traced:
+            name = self.traced.name
+            off, on = st[name]["ms"]["total"], st[name + " traced"]["ms"]["total"]
+            out["trace_overhead"] = {
+                "config": name, "method": tracing.OVERHEAD_METHOD, "off_total_ms": off,
+                "on_total_ms": on, "overhead_ms": round(on - off, 3),
+                "overhead_pct": round(100 * (on - off) / off, 2), "traced": st[name + " traced"]}
+            out["trace_breakdown"] = self.traced_iteration(spec, rows)
+        return out
+
+    def traced_iteration(self, spec: ModelSpec, rows: dict) -> dict | None:
+        """One synchronized iteration of the traced configuration (and one of overlap
+        off on its backend), after warm-up, each under a recording of its own; rank 0
+        merges the ranks' traces, keeps them for the timeline and reads the breakdown
+        from the spans (next to the wall-clock one of ``rows``)."""
+        c = self.traced
+        recorded: dict[str, dict] = {}
+        for config, every in ((c, 1), (Config("off", c.backend), 0)):
+            if every == 0 and config not in self.offs:
+                continue
+            rep = Replica(spec, config, self.w.groups[config.backend], every=every)
+            for i in range(max(2, self.a.warmup)):  # the first rebuilds the buckets
+                rep.iteration(i)
+            dist.barrier(group=self.w.ctrl)
+            with self.tracer.own() as rec:
+                rep.iteration(0)
+            recorded[config.name] = rec.document()
+            del rep
+        everyone = self.w.gather(recorded)
+        if self.w.rank != 0:
+            return None
+        ranks = list(range(self.w.size))
+        merged = {n: trace.merge([e[n] for e in everyone]) for n in recorded}
+        self.traces[spec.name] = merged
+        row = rows[c.name]
+        try:
+            spans = tracing.breakdown(merged[c.name], ranks)
+            off = (tracing.off_breakdown(merged[tracing.TRACED_OFF], ranks)
+                   if tracing.TRACED_OFF in merged else None)
+        except ValueError as e:  # rank 0 alone: report it, do not stop the run
+            return {"config": c.name, "method": tracing.TRACE_METHOD, "error": str(e)}
+        out = {"config": c.name, "method": tracing.TRACE_METHOD, **spans,
+               "wall_clock_ms": {"forward": row["forward_ms"], "backward": row["backward_ms"],
+                                 "exposed_comm": row["exposed_comm_ms"],
+                                 "optimizer": row["optimizer_ms"], "total": row["total_ms"]},
+               "events": sum(1 for e in merged[c.name]["traceEvents"] if e.get("ph") != "M")}
+        if off is not None:
+            out["off"] = {"config": tracing.TRACED_OFF, **off}
+        return out
 
     def buckets(self, spec: ModelSpec) -> dict:
         rows = []
@@ -249,7 +313,12 @@ class Bench:
             "timing": {"warmup": a.warmup, "iters": a.iters, "rounds": a.rounds,
                        "clock": "time.perf_counter spans on each rank",
                        "statistic": "max over ranks of each rank's median over iterations",
-                       "exposed_comm": EXPOSED_METHOD},
+                       "exposed_comm": EXPOSED_METHOD,
+                       "trace_overhead": tracing.OVERHEAD_METHOD,
+                       "trace_breakdown": tracing.TRACE_METHOD},
+            "trace": ({"path": a.trace, "note": "--trace: every section but the breakdown "
+                       "(whose untraced runs pause it) was timed with the run's recording on"}
+                      if a.trace else None),
             "verification": {"steps": VERIFY_STEPS, "rtol": VERIFY_RTOL, "atol": VERIFY_ATOL},
             "load_average": {"start": loadavg(), "end": None},
             "argv": sys.argv[1:],

@@ -1,9 +1,10 @@
 """Timing replicas on every rank and combining the ranks' spans into statistics."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import numpy as np
 import torch.distributed as dist
@@ -19,7 +20,8 @@ def nosync_cycles(iters: int, n: int) -> int:
 
 
 def measure(replicas: dict[str, Replica], cycles: int, warmup: int, rounds: int,
-            ctrl: Any, progress: Progress, what: str) -> dict[str, dict]:
+            ctrl: Any, progress: Progress, what: str,
+            session: Callable[[Replica], ContextManager] | None = None) -> dict[str, dict]:
     """Time ``cycles`` cycles (``every`` iterations each) of every replica on this rank.
 
     Each replica first runs ``warmup`` synchronized iterations (the first builds the
@@ -28,6 +30,8 @@ def measure(replicas: dict[str, Replica], cycles: int, warmup: int, rounds: int,
     from other processes falls on all of them alike; the ranks of ``ctrl`` start each
     batch together. Returns per replica this rank's per-cycle spans (seconds per
     iteration, amortized over the cycle), as a list of rows in SPANS order.
+    ``session(replica)``, if given, is entered around each of a replica's batches of
+    timed cycles (outside the timed spans): e.g. a trace recording on or off.
     """
     names = list(replicas)
     for name in names:
@@ -48,11 +52,12 @@ def measure(replicas: dict[str, Replica], cycles: int, warmup: int, rounds: int,
                 cycle = max(1, r.every)
                 n = cycles // rounds + (1 if rnd < cycles % rounds else 0)
                 dist.barrier(group=ctrl)
-                for _ in range(n):
-                    spans = np.zeros(len(SPANS))
-                    for i in range(cycle):
-                        spans += r.iteration(i)
-                    times[name].append((spans / cycle).tolist())
+                with session(r) if session else contextlib.nullcontext():
+                    for _ in range(n):
+                        spans = np.zeros(len(SPANS))
+                        for i in range(cycle):
+                            spans += r.iteration(i)
+                        times[name].append((spans / cycle).tolist())
     finally:
         if gc_was:
             gc.enable()

@@ -75,7 +75,41 @@ def breakdown_text(model: str, part: dict, meta: dict) -> str:
                         for impl, e in o.items() if isinstance(e, dict))
         lines.append(f"# overlap on vs off, {b}: off {o['off_total_ms']:.1f} ms (allreduce "
                      f"{o['off_comm_ms']:.1f} ms, {100 * o['comm_share_off']:.0f}%); {per}")
+    lines += trace_lines(part)
     return "\n".join(lines)
+
+
+def trace_lines(part: dict) -> list[str]:
+    """The trace overhead and the breakdown read from one traced iteration, next to
+    the wall-clock one (empty when the breakdown has neither)."""
+    lines = []
+    t = part.get("trace_overhead")
+    if t:
+        lines.append(f"# trace overhead, {t['config']}: recording off {t['off_total_ms']:.1f} ms, "
+                     f"on {t['on_total_ms']:.1f} ms per iteration: {t['overhead_ms']:+.1f} ms "
+                     f"({t['overhead_pct']:+.1f}%)")
+    b = part.get("trace_breakdown")
+    if b and b.get("error"):
+        lines.append(f"# breakdown from the trace: not available ({b['error']})")
+    elif b:
+        w, m = b["wall_clock_ms"], b["ms"]
+        lines += [f"# breakdown of {b['config']} by two methods (ms): {'forward':>8} "
+                  f"{'backward':>9} {'exposed':>8} {'optim':>7} {'total':>8}",
+                  f"#   wall clock, no_sync difference (medians) {w['forward']:8.1f} "
+                  f"{w['backward']:9.1f} {w['exposed_comm']:8.1f} {w['optimizer']:7.1f} "
+                  f"{w['total']:8.1f}",
+                  f"#   trace spans, one iteration               {m['forward']:8.1f} "
+                  f"{m['backward']:9.1f} {m['exposed_comm']:8.1f} {m['optimizer']:7.1f} "
+                  f"{m['total']:8.1f}",
+                  "#   (trace: backward = first gradient hook to end of backward; exposed = "
+                  "end of backward to end of copy-back)"]
+        off = b.get("off")
+        if off:
+            o = off["ms"]
+            lines.append(f"#   trace of {off['config']}, one iteration: forward {o['forward']:.1f}, "
+                         f"allreduce {o['allreduce']:.1f}, optimizer {o['optimizer']:.1f}, "
+                         f"total {o['total']:.1f}")
+    return lines
 
 
 def cap_label(cap: Any) -> str:
