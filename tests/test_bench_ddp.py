@@ -102,6 +102,7 @@ def check_trace_parts(bd: dict, world: int) -> None:
     m = b["ms"]
     assert m["total"] >= max(m["forward"], m["backward"], m["optimizer"]) > 0
     assert b["wall_clock_ms"]["total"] == bd["rows"]["ours/ringcomm"]["total_ms"]
+    assert b["wall_clock_ms"]["backward"] == bd["rows"]["ours/ringcomm"]["backward_compute_ms"]
     assert b["off"]["ms"]["allreduce"] > 0 and b["off"]["config"] == "off/ringcomm"
 
 

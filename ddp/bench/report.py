@@ -101,8 +101,9 @@ def trace_lines(part: dict) -> list[str]:
                   f"#   trace spans, one iteration               {m['forward']:8.1f} "
                   f"{m['backward']:9.1f} {m['exposed_comm']:8.1f} {m['optimizer']:7.1f} "
                   f"{m['total']:8.1f}",
-                  "#   (trace: backward = first gradient hook to end of backward; exposed = "
-                  "end of backward to end of copy-back)"]
+                  "#   (backward leaves out the exposed communication in both: wall clock = "
+                  "backward under no_sync(); trace = first gradient hook to end of backward, "
+                  "exposed = from there to end of copy-back)"]
         off = b.get("off")
         if off:
             o = off["ms"]

@@ -27,7 +27,9 @@ TRACE_METHOD = ("one synchronized iteration after warm-up recorded with ringcomm
                 "hook to the end-of-backward callback), exposed communication = end of "
                 "'backward' to end of 'copy-back' (waiting for the buckets, copying back), "
                 "optimizer = the 'optimizer step' span, total = start of 'forward' to end "
-                "of 'optimizer step'; each the max over ranks")
+                "of 'optimizer step'; each the max over ranks. Next to it (wall_clock_ms) the "
+                "no_sync() method's numbers of the same configuration, backward = backward "
+                "under no_sync()")
 OVERHEAD_METHOD = ("total time per iteration of ours/ringcomm with a ringcomm.trace recording "
                    "on, against the same configuration with it off, timed in the same "
                    "interleaved rounds")
@@ -201,8 +203,8 @@ def draw(traces: dict, model: str, out_dir: str) -> list[str]:
     for config, name, what in (
             (TRACED, "bench_ddp_timeline.png", "overlap on: buckets allreduced on the "
              "progress thread during backward"),
-            (TRACED_OFF, "bench_ddp_timeline_off.png", "overlap off: backward under no_sync(), "
-             "then one flat allreduce")):
+            (TRACED_OFF, "bench_ddp_timeline_off.png", "overlap off: backward under no_sync() "
+             "(not traced: the gap after forward), then one flat allreduce")):
         doc = traces.get(config)
         if doc is None:
             continue
