@@ -37,5 +37,6 @@ groups), :mod:`~ddp.bench.measure` (timing and statistics),
 :mod:`~ddp.bench.experiments` (the sections), :mod:`~ddp.bench.tracing`
 (``--trace``, the trace overhead, one traced iteration: its breakdown and
 timeline), :mod:`~ddp.bench.targets`, :mod:`~ddp.bench.report` (text),
-:mod:`~ddp.bench.plots` and :mod:`~ddp.bench.cli`.
+:mod:`~ddp.bench.plots`, :mod:`~ddp.bench.paper` (the generated blocks of
+docs/paper-reproduction.md) and :mod:`~ddp.bench.cli`.
 """
