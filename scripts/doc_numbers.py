@@ -14,7 +14,11 @@ report functions); the layer table comes from ``docs/data/layers_2ranks.json``
 (``scripts/bench_layers.py --json``) and the list of shipped speed targets from
 ``ringcomm/bench/targets.json``. The settings table sits between
 ``<!-- settings:begin -->`` and ``<!-- settings:end -->``
-(:func:`ringcomm.settings.render_into`). Needs ringcomm importable (an installed
+(:func:`ringcomm.settings.render_into`). docs/paper-reproduction.md (``--paper``;
+``none`` skips it) has ``generated:paper-*`` blocks made by
+:func:`ddp.bench.paper.blocks` from ``docs/data/bench_ddp_2ranks.json``
+(``python -m ddp.bench --json``), and its cost-model predictions from the ring fit
+in ``docs/data/compare_2ranks.json``. Needs ringcomm importable (an installed
 checkout, or ``PYTHONPATH`` set to it).
 """
 from __future__ import annotations
@@ -27,19 +31,26 @@ import shlex
 import sys
 from pathlib import Path
 
-import ringcomm
-from ringcomm import settings
-from ringcomm.bench.analysis import model_text
-from ringcomm.bench.columns import Column
-from ringcomm.bench.report import markdown_tables, table_heading, table_row
-from ringcomm.bench.results import Point
-from ringcomm.bench.sizes import Shape, format_size
-from ringcomm.bench.targets import DEFAULT_TARGETS, check_targets, load_targets, recorded_targets
-from ringcomm.bench.tuning import tuning_report
-
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # this checkout's ddp/ (ddp.bench renders the paper's blocks)
+    sys.path.insert(0, str(ROOT))
+
+import ringcomm  # noqa: E402
+from ringcomm import settings  # noqa: E402
+from ringcomm.bench.analysis import model_text  # noqa: E402
+from ringcomm.bench.columns import Column  # noqa: E402
+from ringcomm.bench.report import markdown_tables, table_heading, table_row  # noqa: E402
+from ringcomm.bench.results import Point  # noqa: E402
+from ringcomm.bench.sizes import Shape, format_size  # noqa: E402
+from ringcomm.bench.targets import (DEFAULT_TARGETS, check_targets, load_targets,  # noqa: E402
+                                    recorded_targets)
+from ringcomm.bench.tuning import tuning_report  # noqa: E402
+
+from ddp.bench import paper  # noqa: E402
+
 DATA = ROOT / "docs" / "data" / "compare_2ranks.json"
 LAYERS = ROOT / "docs" / "data" / "layers_2ranks.json"
+DDP_DATA = ROOT / "docs" / "data" / "bench_ddp_2ranks.json"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -235,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", default=str(LAYERS), help="scripts/bench_layers.py's JSON")
     ap.add_argument("--readme", default=str(ROOT / "README.md"))
     ap.add_argument("--benchmarks", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--paper", default=str(ROOT / "docs" / "paper-reproduction.md"),
+                    help="the DDP paper's reproduction doc; 'none' to leave it out")
+    ap.add_argument("--ddp-data", default=str(DDP_DATA),
+                    help="python -m ddp.bench's result JSON (for --paper)")
     a = ap.parse_args(argv)
     readme, bench = Path(a.readme), Path(a.benchmarks)
     doc = json.loads(Path(a.data).read_text())
@@ -251,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         new[readme] = settings.render_into(f"{head}{BEGIN}\n{render(doc, source)}\n{END}{tail}")
         new[bench] = replace_blocks(bench.read_text(), benchmarks_blocks(
             doc, source, layers, _relative(Path(a.layers))), str(bench))
+        if a.paper.strip().lower() != "none":
+            doc_ddp = json.loads(Path(a.ddp_data).read_text())
+            new[Path(a.paper)] = replace_blocks(Path(a.paper).read_text(), paper.blocks(
+                doc_ddp, _relative(Path(a.ddp_data)), doc, source), a.paper)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

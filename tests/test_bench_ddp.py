@@ -1,11 +1,10 @@
-"""scripts/bench_ddp.py, the DDP paper's experiments: a quick run on 2 ranks under
+"""ddp.bench (scripts/bench_ddp.py), the DDP paper's experiments: a quick run on 2 ranks under
 mpiexec (every section in the JSON, positive times, the overlap saving, the
 targets' verdicts, the plots), a run on one process without a launcher, and the
 errors for bad flags and a bad targets file. No timing assertions: the numbers
 depend on the machine and its load."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,19 +12,11 @@ import sys
 import pytest
 
 from conftest import ROOT, _checked, _env, mpirun
+from ddp.bench import cli, targets
+from ddp.bench.constants import DEFAULT_TARGETS, TARGETS_SCHEMA
 
 SCRIPT = ROOT / "scripts" / "bench_ddp.py"
 SECTIONS = ("breakdown", "buckets", "scaling", "nosync")
-
-
-def load_script():
-    """The script as a module (imported once; dataclasses need it in sys.modules)."""
-    if "bench_ddp" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_ddp", SCRIPT)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["bench_ddp"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["bench_ddp"]
 
 
 def spans_positive(rec: dict) -> None:
@@ -90,14 +81,48 @@ def check_document(doc: dict, world: int) -> None:
     rows = doc["nosync"]["resnet"]["rows"]
     assert sorted({r["n"] for r in rows}) == [1, 2, 4, 8]
     assert all(r["amortized_ms"] > 0 for r in rows)
+    check_trace_parts(bd, world)
+
+
+def check_trace_parts(bd: dict, world: int) -> None:
+    """The trace overhead (ours/ringcomm with a recording on and off) and the breakdown
+    read from one traced iteration, next to the wall-clock one."""
+    t = bd["trace_overhead"]
+    assert t["config"] == "ours/ringcomm" and t["off_total_ms"] == bd["rows"]["ours/ringcomm"][
+        "total_ms"]
+    assert t["on_total_ms"] > 0 and isinstance(t["overhead_pct"], float)
+    assert t["overhead_ms"] == pytest.approx(t["on_total_ms"] - t["off_total_ms"], abs=2e-3)
+    spans_positive(t["traced"])
+    b = bd["trace_breakdown"]
+    assert "error" not in b, b
+    assert b["config"] == "ours/ringcomm" and "'copy-back'" in b["method"]
+    for k in ("forward", "backward", "exposed_comm", "optimizer", "total"):
+        assert b["ms"][k] >= 0 and len(b["rank_ms"][k]) == world, k
+        assert k in b["wall_clock_ms"]
+    m = b["ms"]
+    assert m["total"] >= max(m["forward"], m["backward"], m["optimizer"]) > 0
+    assert b["wall_clock_ms"]["total"] == bd["rows"]["ours/ringcomm"]["total_ms"]
+    assert b["wall_clock_ms"]["backward"] == bd["rows"]["ours/ringcomm"]["backward_compute_ms"]
+    assert b["off"]["ms"]["allreduce"] > 0 and b["off"]["config"] == "off/ringcomm"
 
 
 def test_quick_run_on_two_ranks(tmp_path):
-    out, plots = tmp_path / "out.json", tmp_path / "plots"
+    out, plots, traced = tmp_path / "out.json", tmp_path / "plots", tmp_path / "run.json"
     proc = mpirun(2, str(SCRIPT), "--quick", "--json", str(out), "--plot", str(plots),
-                  timeout=150)
+                  "--trace", str(traced), timeout=150)
     doc = json.loads(out.read_text())
     check_document(doc, 2)
+    assert doc["meta"]["trace"]["path"] == str(traced)
+    # --trace: each rank's file, merged by rank 0 into one Chrome trace of both ranks
+    merged = json.loads(traced.read_text())
+    assert merged["otherData"]["ranks"] == [0, 1]
+    assert (tmp_path / "run.rank0.json").exists() and (tmp_path / "run.rank1.json").exists()
+    names = {e["name"] for e in merged["traceEvents"] if e.get("ph") == "X"}
+    assert {"forward", "backward", "copy-back", "optimizer step"} <= names
+    assert any(n.startswith("allreduce[") for n in names)
+    for line in ("# trace overhead, ours/ringcomm:", "# breakdown of ours/ringcomm by two methods",
+                 "#   trace spans, one iteration", "# trace: "):
+        assert line in proc.stdout, line
     recs = doc["targets"]["results"]
     assert len(recs) == 3
     for rec in recs:  # the verdicts: met or missed, with the measured ratio
@@ -110,8 +135,9 @@ def test_quick_run_on_two_ranks(tmp_path):
         assert line in proc.stdout, line
     assert ("MET" in proc.stdout) or ("MISSED" in proc.stdout)
     pytest.importorskip("matplotlib")
-    assert sorted(p.name for p in plots.iterdir()) == [f"bench_ddp_{s}.png" for s in
-                                                       sorted(SECTIONS)]
+    assert sorted(p.name for p in plots.iterdir()) == sorted(
+        [f"bench_ddp_{s}.png" for s in SECTIONS]
+        + ["bench_ddp_timeline.png", "bench_ddp_timeline_off.png"])
 
 
 def test_one_process_without_a_launcher(tmp_path):
@@ -135,9 +161,8 @@ def test_one_process_without_a_launcher(tmp_path):
     (["--iters", "0"], ["--iters must be at least 1, got 0"]),
 ])
 def test_bad_flags_exit_2_naming_them(argv, words, capsys):
-    mod = load_script()
     with pytest.raises(SystemExit) as e:
-        mod.parse_args(argv)
+        cli.parse_args(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     for w in words:
@@ -145,26 +170,24 @@ def test_bad_flags_exit_2_naming_them(argv, words, capsys):
 
 
 def test_bad_targets_file_is_named(tmp_path, capsys):
-    mod = load_script()
     bad = tmp_path / "t.json"
-    bad.write_text(json.dumps({"schema": mod.TARGETS_SCHEMA, "targets": [
+    bad.write_text(json.dumps({"schema": TARGETS_SCHEMA, "targets": [
         {"name": "x", "metric": "speed", "models": "each", "of": "ours/ringcomm",
          "versus": "torch/gloo", "bound": "<=", "goal": 1.0}]}))
     with pytest.raises(SystemExit):
-        mod.parse_args(["--targets", str(bad)])
+        cli.parse_args(["--targets", str(bad)])
     assert "metric must be one of iteration_ratio, overlap_saving, got 'speed'" in \
         capsys.readouterr().err
-    assert mod.load_targets(mod.DEFAULT_TARGETS)  # the shipped file is valid
+    assert targets.load_targets(DEFAULT_TARGETS)  # the shipped file is valid
 
 
 def test_targets_verdicts_from_a_document():
-    mod = load_script()
     rows = {"ours/ringcomm": {"total_ms": 90.0}, "torch/gloo": {"total_ms": 100.0},
             "torch/ringcomm": {"total_ms": 80.0}, "off/ringcomm": {"total_ms": 120.0}}
     doc = {"meta": {"world_size": 2, "default_group_backend": "ringcomm"},
            "breakdown": {"resnet": {"rows": rows, "overlap": {"ringcomm": {"comm_share_off": 0.3}}},
                          "bert": {"rows": rows, "overlap": {"ringcomm": {"comm_share_off": 0.1}}}}}
-    text, recs = mod.check_targets(doc, mod.load_targets(mod.DEFAULT_TARGETS))
+    text, recs = targets.check_targets(doc, targets.load_targets(DEFAULT_TARGETS))
     by = {r["name"]: r for r in recs}
     assert by["ours/ringcomm <= 1.0x torch/gloo"]["met"] is True
     assert by["ours/ringcomm <= 1.0x torch/gloo"]["ratio"] == pytest.approx(0.9)

@@ -1,5 +1,5 @@
-"""Numbers in the README and docs/benchmarks.md come from the committed benchmark
-JSON, never by hand (the README's settings table from ringcomm/settings.py); the
+"""Numbers in the README, docs/benchmarks.md and docs/paper-reproduction.md come
+from the committed benchmark JSON, never by hand (the README's settings table from ringcomm/settings.py); the
 other generated docs are renderings of their JSON; the architecture's worked
 path matches the code."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from conftest import ROOT
 
 
-def test_readme_and_benchmarks_doc_match_committed_json():
+def test_readme_benchmarks_and_paper_docs_match_committed_json():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "doc_numbers.py"), "--check"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -20,7 +20,8 @@ def test_stale_readme_is_detected(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("x\n<!-- bench:begin -->\n| 4 KiB | 1 us |\n<!-- bench:end -->\n"
                       "<!-- settings:begin -->\n| `RINGCOMM_OLD` |\n<!-- settings:end -->\n")
-    cmd = [sys.executable, str(ROOT / "scripts" / "doc_numbers.py"), "--readme", str(readme)]
+    cmd = [sys.executable, str(ROOT / "scripts" / "doc_numbers.py"), "--readme", str(readme),
+           "--paper", "none"]  # its own test below (its predictions take seconds)
     assert subprocess.run(cmd + ["--check"], capture_output=True, timeout=60).returncode == 1
     assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
     text = readme.read_text()
@@ -38,7 +39,7 @@ def test_stale_benchmarks_doc_is_detected(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text((ROOT / "README.md").read_text())
     cmd = [sys.executable, str(ROOT / "scripts" / "doc_numbers.py"), "--readme", str(readme),
-           "--benchmarks", str(doc)]
+           "--benchmarks", str(doc), "--paper", "none"]
     proc = subprocess.run(cmd + ["--check"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "benchmarks.md is stale" in proc.stderr
     assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
@@ -54,6 +55,39 @@ def test_stale_benchmarks_doc_is_detected(tmp_path):
     doc.write_text("no blocks\n")
     proc = subprocess.run(cmd + ["--check"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "<!-- generated:example begin -->" in proc.stderr
+
+
+PAPER_BLOCKS = ("paper-run", "paper-breakdown", "paper-overlap", "paper-trace", "paper-buckets",
+                "paper-scaling", "paper-nosync", "paper-targets", "paper-predictions")
+
+
+def test_stale_paper_doc_is_detected(tmp_path):
+    # every generated block of docs/paper-reproduction.md, each with a made-up number
+    doc = tmp_path / "paper.md"
+    doc.write_text("".join(f"x\n<!-- generated:{n} begin -->\n| 4 KiB | 1 us |\n"
+                           f"<!-- generated:{n} end -->\n" for n in PAPER_BLOCKS))
+    cmd = [sys.executable, str(ROOT / "scripts" / "doc_numbers.py"), "--paper", str(doc)]
+    proc = subprocess.run(cmd + ["--check"], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 1 and "paper.md is stale" in proc.stderr, proc.stderr
+    assert subprocess.run(cmd, capture_output=True, timeout=90).returncode == 0
+    text = doc.read_text()
+    assert "| 4 KiB | 1 us |" not in text
+    assert "| configuration | forward | backward compute |" in text  # the breakdown
+    assert "| bucket_cap_mb |" in text and "Fastest cap:" in text       # the sweep
+    assert "| ranks |" in text and "| n |" in text                      # scaling, no_sync
+    assert "trace overhead" in text                                   # the trace parts
+    assert "| 256 |" in text and "ring allreduce T = alpha*A" in text  # the predictions
+    assert "**met**" in text or "**missed**" in text                   # the targets
+    # the committed doc's blocks are the rendering of the committed JSON
+    committed = (ROOT / "docs" / "paper-reproduction.md").read_text()
+    for n in PAPER_BLOCKS:
+        begin, end = f"<!-- generated:{n} begin -->", f"<!-- generated:{n} end -->"
+        block = text[text.index(begin):text.index(end)]
+        assert block in committed, n
+    # a block that is missing is named
+    doc.write_text("no blocks\n")
+    proc = subprocess.run(cmd + ["--check"], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 2 and "<!-- generated:paper-run begin -->" in proc.stderr
 
 
 def test_reliability_doc_is_the_rendering_of_its_json():

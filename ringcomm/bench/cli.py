@@ -46,8 +46,9 @@ def _env_rank() -> int:
         return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """Prints usage errors on rank 0 only (every rank parses the same argv)."""
+class Parser(argparse.ArgumentParser):
+    """Prints usage errors on rank 0 only (every rank parses the same argv). Public: other
+    benchmarks (ddp.bench) parse their flags with it too."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         if _env_rank() == 0:
@@ -56,7 +57,13 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _names(text: str, valid: Sequence[str], what: str, aliases: dict | None = None) -> list[str]:
+def names(text: str, valid: Sequence[str], what: str, aliases: dict | None = None) -> list[str]:
+    """The comma list ``text`` as names of ``valid`` (``all`` for all of them, ``aliases``
+    mapped), in order, without repeats.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown name (the choices are named), or none.
+    """
     out: list[str] = []
     for item in filter(None, (s.strip().lower() for s in text.split(","))):
         if item == "all":
@@ -75,7 +82,7 @@ def _names(text: str, valid: Sequence[str], what: str, aliases: dict | None = No
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     """The command-line interface (flags in the style of nccl-tests)."""
-    p = _Parser(
+    p = Parser(
         prog=prog,
         description="Time ringcomm's collective algorithms against the MPI library's own "
                     "collectives, gloo and NCCL, in one run. " + LAUNCH_HINT[0].upper()
@@ -167,19 +174,19 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     parser = build_parser(prog)
     a = parser.parse_args(argv)
     try:
-        a.collectives = _names(a.collective, COLLECTIVES, "collective",
-                               {"all_reduce": "allreduce", "all_gather": "allgather",
-                                "reducescatter": "reduce_scatter", "all_to_all": "alltoall",
-                                "bcast": "broadcast"})
-        a.ops = _names(a.op, OP_NAMES, "reduction op (-o)", {"product": "prod"})
-        a.dtypes = _names(a.dtype, DTYPE_NAMES, "data type (-d)", DTYPE_ALIASES)
+        a.collectives = names(a.collective, COLLECTIVES, "collective",
+                              {"all_reduce": "allreduce", "all_gather": "allgather",
+                               "reducescatter": "reduce_scatter", "all_to_all": "alltoall",
+                               "bcast": "broadcast"})
+        a.ops = names(a.op, OP_NAMES, "reduction op (-o)", {"product": "prod"})
+        a.dtypes = names(a.dtype, DTYPE_NAMES, "data type (-d)", DTYPE_ALIASES)
         a.algo_list = [s.strip() for s in a.algos.split(",") if s.strip()]
         if a.peers is None:
             a.peers = "nccl" if a.device == "cuda" else ",".join(PEER_NAMES)
         if a.peers.strip().lower() in ("", "none"):
             a.peer_list = []
         else:
-            a.peer_list = _names(a.peers, PEER_NAMES, "peer (--peers)")
+            a.peer_list = names(a.peers, PEER_NAMES, "peer (--peers)")
         a.predict_rank_list = [int(x) for x in a.predict_ranks.split(",") if x.strip()]
         a.predict_size_list = [parse_size(x) for x in a.predict_sizes.split(",") if x.strip()]
     except (argparse.ArgumentTypeError, ValueError) as e:
@@ -250,7 +257,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     host_id_per_rank()
     opts = ringcomm.Options(segment_bytes=args.segment_bytes, tuning_file=args.tuning)
     dist.init_process_group("ringcomm", timeout=timedelta(seconds=args.timeout),
@@ -308,7 +315,8 @@ def main_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for MASTER_PORT without a launcher)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

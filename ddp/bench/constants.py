@@ -1,0 +1,34 @@
+"""Names, sizes and fixed settings shared by the modules of :mod:`ddp.bench`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+SCHEMA = "ringcomm.bench_ddp/1"
+TARGETS_SCHEMA = "ringcomm.bench_ddp.targets/1"
+#: the shipped speed targets (package data)
+DEFAULT_TARGETS = str(Path(__file__).resolve().with_name("targets.json"))
+PROG = "bench_ddp.py"
+
+SECTIONS = ("breakdown", "buckets", "scaling", "nosync")
+MODELS = ("resnet", "bert")
+IMPLS = ("ours", "torch")
+BACKENDS = ("ringcomm", "gloo")
+#: bucket_cap_mb values of the sweep; "all" is a cap larger than the model (one bucket)
+BUCKET_CAPS: tuple = (0, 1, 5, 10, 25, 50, 100, "all")
+QUICK_BUCKET_CAPS: tuple = (0, 25, "all")
+NOSYNC_EVERY = (1, 2, 4, 8)
+SCALING_WORLDS = (1, 2, 4)
+#: the order of the spans of one iteration (comm: overlap off's flat allreduce only)
+SPANS = ("forward", "backward", "comm", "optimizer", "total")
+#: optimizer of every configuration (small steps: the timed runs go on for hundreds)
+LR, MOMENTUM = 1e-3, 0.9
+#: steps before the parameters are compared across ranks and configurations
+VERIFY_STEPS = 3
+VERIFY_RTOL, VERIFY_ATOL = 1e-4, 1e-6
+#: different seeded batches per rank; iterations cycle through them
+DATA_POOL = 4
+EXPOSED_METHOD = ("exposed communication = backward with synchronization - backward of the "
+                  "same model under no_sync() (the computation alone), each the max over "
+                  "ranks of the per-rank median")
+OVERLAP_OFF = ("overlap off = backward under no_sync(), then one allreduce of all gradients "
+               "flattened into one buffer, divided by the world size and copied back")

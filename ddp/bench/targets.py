@@ -1,0 +1,94 @@
+"""Speed targets (data in ``ddp/bench/targets.json``): loading and checking them
+against a run's breakdown section."""
+from __future__ import annotations
+
+import json
+
+from ddp.bench.constants import TARGETS_SCHEMA
+
+_TARGET_KEYS = {"name": str, "metric": str, "models": str, "of": str, "versus": str,
+                "bound": str, "goal": (int, float)}
+METRICS = ("iteration_ratio", "overlap_saving")
+
+
+def load_targets(path: str) -> list[dict]:
+    """The targets in the JSON file at ``path``.
+
+    Raises:
+        ValueError: unreadable, or a target lacks a field or has a bad one (named).
+    """
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--targets {path!r}: cannot read it: {e}") from e
+    if not isinstance(doc, dict) or doc.get("schema") != TARGETS_SCHEMA:
+        raise ValueError(f"--targets {path!r}: not a targets file (schema must be "
+                         f"{TARGETS_SCHEMA!r})")
+    for i, t in enumerate(doc.get("targets", [])):
+        where = f"--targets {path!r}, target {i}"
+        for k, typ in _TARGET_KEYS.items():
+            if not isinstance(t.get(k), typ) or isinstance(t.get(k), bool):
+                raise ValueError(f"{where}: field {k!r} is missing or of the wrong type")
+        if t["metric"] not in METRICS:
+            raise ValueError(f"{where}: metric must be one of {', '.join(METRICS)}, "
+                             f"got {t['metric']!r}")
+        if t["bound"] not in ("<=", ">="):
+            raise ValueError(f"{where}: bound must be '<=' or '>=', got {t['bound']!r}")
+    return doc.get("targets", [])
+
+
+def comm_heavy_model(doc: dict) -> str | None:
+    """The measured model whose flat allreduce takes the largest share of an overlap-off
+    iteration on the default group's backend."""
+    over = doc.get("breakdown", {})
+    b = doc["meta"]["default_group_backend"]
+    shares = {m: part["overlap"][b]["comm_share_off"] for m, part in over.items()
+              if b in part["overlap"]}
+    return max(shares, key=shares.get) if shares else None
+
+
+def check_targets(doc: dict, spec: list[dict]) -> tuple[str, list[dict]]:
+    """Compare the breakdown section of ``doc`` with the targets; text and records.
+
+    ``iteration_ratio``: total time per iteration of ``of`` / of ``versus``.
+    ``overlap_saving``: (``versus`` - ``of``) / ``versus``, ``versus`` being an
+    overlap-off configuration. ``models``: ``each`` (every measured model must meet
+    it), ``comm_heavy`` (:func:`comm_heavy_model`) or a model name.
+    """
+    lines = ["#", f"# speed targets ({doc['meta']['world_size']} ranks; checked, never fatal)"]
+    recs = []
+    rows_by_model = {m: part["rows"] for m, part in doc.get("breakdown", {}).items()}
+    for t in spec:
+        models = (list(rows_by_model) if t["models"] == "each" else
+                  [comm_heavy_model(doc)] if t["models"] == "comm_heavy" else [t["models"]])
+        per_model = {}
+        for m in models:
+            rows = rows_by_model.get(m or "", {})
+            if t["of"] in rows and t["versus"] in rows:
+                a, b = rows[t["of"]]["total_ms"], rows[t["versus"]]["total_ms"]
+                value = a / b if t["metric"] == "iteration_ratio" else (b - a) / b
+                per_model[m] = {"of_ms": a, "versus_ms": b, "value": round(value, 4),
+                                "ratio": round(a / b, 4)}
+        rec = {**t, "per_model": per_model}
+        stated = (f", stated for {t['ranks']} ranks" if t.get("ranks") not in
+                  (None, doc["meta"]["world_size"]) else "")
+        head = f"#   {t['name']}{stated}: "
+        if not per_model:
+            rec.update(met=None, value=None, ratio=None)
+            lines.append(head + f"NOT MEASURED (needs the breakdown section with {t['of']} and "
+                         f"{t['versus']}" + (f" for model {t['models']}" if t["models"] not in
+                                             ("each", "comm_heavy") else "") + ")")
+        else:
+            good = {m: (e["value"] <= t["goal"] if t["bound"] == "<=" else e["value"] >= t["goal"])
+                    for m, e in per_model.items()}
+            worst = (max if t["bound"] == "<=" else min)(per_model, key=lambda m: per_model[m]["value"])
+            e = per_model[worst]
+            rec.update(met=all(good.values()), value=e["value"], ratio=e["ratio"], worst_model=worst)
+            shown = (f"{e['value']:.3f}x" if t["metric"] == "iteration_ratio"
+                     else f"saves {100 * e['value']:.1f}%")
+            lines.append(head + f"{worst}: {t['of']} {e['of_ms']:.1f} ms vs {t['versus']} "
+                         f"{e['versus_ms']:.1f} ms = {shown} (ratio {e['ratio']:.3f}; target "
+                         f"{t['bound']} {t['goal']:g}) {'MET' if rec['met'] else 'MISSED'}")
+        recs.append(rec)
+    return "\n".join(lines), recs
