@@ -370,7 +370,7 @@ def test_speed_targets_are_the_ratios_of_the_targets_file(tmp_path):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"metric": "speed"}, "metric must be time_us or busbw"),
+    ({"metric": "speed"}, "metric must be one of time_us, busbw"),
     ({"bound": "<"}, "bound must be"),
     ({"goal": "3"}, "field 'goal'"),
     ({"of": []}, "'of' must list column names"),

@@ -4,33 +4,50 @@ other generated docs are renderings of their JSON; the architecture's worked
 path matches the code."""
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
+# scripts/doc_numbers.py in this process: the cost-model predictions it renders
+# take seconds to simulate once and are cached for the later calls
+_spec = importlib.util.spec_from_file_location("doc_numbers", ROOT / "scripts" / "doc_numbers.py")
+doc_numbers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(doc_numbers)
 
-def test_readme_benchmarks_and_paper_docs_match_committed_json():
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "doc_numbers.py"), "--check"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+
+@pytest.fixture
+def run_doc_numbers(capsys):
+    """``run_doc_numbers(*args) -> (exit status, stderr)`` of doc_numbers.main."""
+    def run(*args: str) -> tuple[int, str]:
+        rc = doc_numbers.main(list(args))
+        return rc, capsys.readouterr().err
+
+    return run
 
 
-def test_stale_readme_is_detected(tmp_path):
+def test_readme_benchmarks_and_paper_docs_match_committed_json(run_doc_numbers):
+    rc, err = run_doc_numbers("--check")
+    assert rc == 0, err
+
+
+def test_stale_readme_is_detected(tmp_path, run_doc_numbers):
     readme = tmp_path / "README.md"
     readme.write_text("x\n<!-- bench:begin -->\n| 4 KiB | 1 us |\n<!-- bench:end -->\n"
                       "<!-- settings:begin -->\n| `RINGCOMM_OLD` |\n<!-- settings:end -->\n")
-    cmd = [sys.executable, str(ROOT / "scripts" / "doc_numbers.py"), "--readme", str(readme),
-           "--paper", "none"]  # its own test below (its predictions take seconds)
-    assert subprocess.run(cmd + ["--check"], capture_output=True, timeout=60).returncode == 1
-    assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+    cmd = ["--readme", str(readme), "--paper", "none"]  # the paper doc has its own test
+    assert run_doc_numbers(*cmd, "--check")[0] == 1
+    assert run_doc_numbers(*cmd)[0] == 0
     text = readme.read_text()
     assert "4 KiB time per call" in text and "| 4 KiB | 1 us |" not in text
     assert "`RINGCOMM_OLD`" not in text and "| `RINGCOMM_SEGMENT_BYTES` |" in text
-    assert subprocess.run(cmd + ["--check"], capture_output=True, timeout=60).returncode == 0
+    assert run_doc_numbers(*cmd, "--check")[0] == 0
 
 
-def test_stale_benchmarks_doc_is_detected(tmp_path):
+def test_stale_benchmarks_doc_is_detected(tmp_path, run_doc_numbers):
     # every generated block of docs/benchmarks.md, each with a made-up number in it
     names = ("example", "shipped-targets", "run", "tables", "targets", "model", "layers")
     doc = tmp_path / "benchmarks.md"
@@ -38,11 +55,10 @@ def test_stale_benchmarks_doc_is_detected(tmp_path):
                            f"<!-- generated:{n} end -->\n" for n in names))
     readme = tmp_path / "README.md"
     readme.write_text((ROOT / "README.md").read_text())
-    cmd = [sys.executable, str(ROOT / "scripts" / "doc_numbers.py"), "--readme", str(readme),
-           "--benchmarks", str(doc), "--paper", "none"]
-    proc = subprocess.run(cmd + ["--check"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and "benchmarks.md is stale" in proc.stderr
-    assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+    cmd = ["--readme", str(readme), "--benchmarks", str(doc), "--paper", "none"]
+    rc, err = run_doc_numbers(*cmd, "--check")
+    assert rc == 1 and "benchmarks.md is stale" in err
+    assert run_doc_numbers(*cmd)[0] == 0
     text = doc.read_text()
     assert "| 4 KiB | 1 us |" not in text
     assert "| size | auto us | ring us |" in text                 # the tables
@@ -50,26 +66,26 @@ def test_stale_benchmarks_doc_is_detected(tmp_path):
     assert "# speed targets on 2 ranks" in text                   # the targets as checked
     assert "| dist.all_reduce |" in text                          # the layers
     assert readme.read_text() == (ROOT / "README.md").read_text()  # current: not rewritten
-    assert subprocess.run(cmd + ["--check"], capture_output=True, timeout=60).returncode == 0
+    assert run_doc_numbers(*cmd, "--check")[0] == 0
     # a block that is missing is named
     doc.write_text("no blocks\n")
-    proc = subprocess.run(cmd + ["--check"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "<!-- generated:example begin -->" in proc.stderr
+    rc, err = run_doc_numbers(*cmd, "--check")
+    assert rc == 2 and "<!-- generated:example begin -->" in err
 
 
 PAPER_BLOCKS = ("paper-run", "paper-breakdown", "paper-overlap", "paper-trace", "paper-buckets",
                 "paper-scaling", "paper-nosync", "paper-targets", "paper-predictions")
 
 
-def test_stale_paper_doc_is_detected(tmp_path):
+def test_stale_paper_doc_is_detected(tmp_path, run_doc_numbers):
     # every generated block of docs/paper-reproduction.md, each with a made-up number
     doc = tmp_path / "paper.md"
     doc.write_text("".join(f"x\n<!-- generated:{n} begin -->\n| 4 KiB | 1 us |\n"
                            f"<!-- generated:{n} end -->\n" for n in PAPER_BLOCKS))
-    cmd = [sys.executable, str(ROOT / "scripts" / "doc_numbers.py"), "--paper", str(doc)]
-    proc = subprocess.run(cmd + ["--check"], capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 1 and "paper.md is stale" in proc.stderr, proc.stderr
-    assert subprocess.run(cmd, capture_output=True, timeout=90).returncode == 0
+    cmd = ["--paper", str(doc)]
+    rc, err = run_doc_numbers(*cmd, "--check")
+    assert rc == 1 and "paper.md is stale" in err, err
+    assert run_doc_numbers(*cmd)[0] == 0
     text = doc.read_text()
     assert "| 4 KiB | 1 us |" not in text
     assert "| configuration | forward | backward compute |" in text  # the breakdown
@@ -86,8 +102,8 @@ def test_stale_paper_doc_is_detected(tmp_path):
         assert block in committed, n
     # a block that is missing is named
     doc.write_text("no blocks\n")
-    proc = subprocess.run(cmd + ["--check"], capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 2 and "<!-- generated:paper-run begin -->" in proc.stderr
+    rc, err = run_doc_numbers(*cmd, "--check")
+    assert rc == 2 and "<!-- generated:paper-run begin -->" in err
 
 
 def test_reliability_doc_is_the_rendering_of_its_json():

@@ -2,9 +2,8 @@
 against a run's breakdown section."""
 from __future__ import annotations
 
-import json
-
 from ddp.bench.constants import TARGETS_SCHEMA
+from ringcomm.bench.targets import read_targets
 
 _TARGET_KEYS = {"name": str, "metric": str, "models": str, "of": str, "versus": str,
                 "bound": str, "goal": (int, float)}
@@ -17,25 +16,7 @@ def load_targets(path: str) -> list[dict]:
     Raises:
         ValueError: unreadable, or a target lacks a field or has a bad one (named).
     """
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--targets {path!r}: cannot read it: {e}") from e
-    if not isinstance(doc, dict) or doc.get("schema") != TARGETS_SCHEMA:
-        raise ValueError(f"--targets {path!r}: not a targets file (schema must be "
-                         f"{TARGETS_SCHEMA!r})")
-    for i, t in enumerate(doc.get("targets", [])):
-        where = f"--targets {path!r}, target {i}"
-        for k, typ in _TARGET_KEYS.items():
-            if not isinstance(t.get(k), typ) or isinstance(t.get(k), bool):
-                raise ValueError(f"{where}: field {k!r} is missing or of the wrong type")
-        if t["metric"] not in METRICS:
-            raise ValueError(f"{where}: metric must be one of {', '.join(METRICS)}, "
-                             f"got {t['metric']!r}")
-        if t["bound"] not in ("<=", ">="):
-            raise ValueError(f"{where}: bound must be '<=' or '>=', got {t['bound']!r}")
-    return doc.get("targets", [])
+    return [t for _, t in read_targets(path, TARGETS_SCHEMA, _TARGET_KEYS, METRICS)]
 
 
 def comm_heavy_model(doc: dict) -> str | None:

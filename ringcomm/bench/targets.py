@@ -23,8 +23,11 @@ _TARGET_KEYS = {"name": str, "collective": str, "dtype": str, "redop": str, "min
                 "max_bytes": int, "metric": str, "of": list, "bound": str, "goal": (int, float)}
 
 
-def load_targets(path: str) -> list[dict]:
-    """The targets listed in the JSON file at ``path`` (see :data:`DEFAULT_TARGETS`).
+def read_targets(path: str, schema: str, keys: dict, metrics: tuple[str, ...]):
+    """Yield ``(where, target)`` for each target of the JSON file at ``path``, after
+    the checks every targets file shares: its ``schema``, each target an object
+    with ``keys`` (name -> type) of those types, a ``metric`` among ``metrics`` and
+    a bound ``<=`` or ``>=``. ``where`` names the target for further checks.
 
     Raises:
         ValueError: unreadable, or a target lacks a field or has a bad one (named).
@@ -34,22 +37,33 @@ def load_targets(path: str) -> list[dict]:
             doc = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"--targets {path!r}: cannot read it: {e}") from e
-    if not isinstance(doc, dict) or doc.get("schema") != TARGETS_SCHEMA:
+    if not isinstance(doc, dict) or doc.get("schema") != schema:
         raise ValueError(f"--targets {path!r}: not a targets file (schema must be "
-                         f"{TARGETS_SCHEMA!r})")
-    out = []
+                         f"{schema!r})")
     for i, t in enumerate(doc.get("targets", [])):
         where = f"--targets {path!r}, target {i}"
         if not isinstance(t, dict):
             raise ValueError(f"{where}: not an object")
-        for k, typ in _TARGET_KEYS.items():
+        for k, typ in keys.items():
             if not isinstance(t.get(k), typ) or isinstance(t.get(k), bool):
                 raise ValueError(f"{where} ({t.get('name', '?')}): field {k!r} is missing or "
                                  f"not a {typ.__name__ if isinstance(typ, type) else 'number'}")
-        if t["metric"] not in ("time_us", "busbw"):
-            raise ValueError(f"{where}: metric must be time_us or busbw, got {t['metric']!r}")
+        if t["metric"] not in metrics:
+            raise ValueError(f"{where}: metric must be one of {', '.join(metrics)}, "
+                             f"got {t['metric']!r}")
         if t["bound"] not in ("<=", ">="):
             raise ValueError(f"{where}: bound must be '<=' or '>=', got {t['bound']!r}")
+        yield where, t
+
+
+def load_targets(path: str) -> list[dict]:
+    """The targets listed in the JSON file at ``path`` (see :data:`DEFAULT_TARGETS`).
+
+    Raises:
+        ValueError: unreadable, or a target lacks a field or has a bad one (named).
+    """
+    out = []
+    for where, t in read_targets(path, TARGETS_SCHEMA, _TARGET_KEYS, ("time_us", "busbw")):
         if not t["of"] or not all(isinstance(c, str) for c in t["of"]):
             raise ValueError(f"{where}: 'of' must list column names")
         if t.get("versus") is not None and not isinstance(t["versus"], str):
