@@ -41,7 +41,8 @@ def _create(dist_opts, pg_options) -> ProcessGroupRingcomm:
     if pg_options is not None and not isinstance(pg_options, Options):
         raise TypeError(f"ringcomm: pg_options must be ringcomm.Options, got "
                         f"{type(pg_options).__name__}")
-    transport, cpu_error = None, None
+    options = (pg_options or Options()).resolve()
+    transports, cpu_error, hosts = None, None, ()
     try:
         from .transport.mpi import MPITransport
     except (ImportError, RuntimeError, OSError) as e:
@@ -53,12 +54,17 @@ def _create(dist_opts, pg_options) -> ProcessGroupRingcomm:
         log.warning("ringcomm: MPI is not available (%s); only CUDA tensors can be used",
                     cpu_error)
     else:
+        members = list(dist_opts.global_ranks_in_group)
         comm = bootstrap.group_comm(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                                    list(dist_opts.global_ranks_in_group), dist_opts.timeout)
-        transport = MPITransport(comm)
-    pg = ProcessGroupRingcomm(dist_opts.group_rank, dist_opts.group_size, transport,
-                              dist_opts.timeout, pg_options, str(dist_opts.group_id),
-                              store=dist_opts.store, cpu_error=cpu_error)
+                                    members, dist_opts.timeout)
+        world_rank = members[dist_opts.group_rank] if members else dist_opts.group_rank
+        hosts = bootstrap.host_layout(comm, world_rank, options.local_size)
+        # one communicator per channel: messages of different channels never match
+        comms = [comm, *(comm.Dup() for _ in range(options.num_channels - 1))]
+        transports = [MPITransport(c) for c in comms]
+    pg = ProcessGroupRingcomm(dist_opts.group_rank, dist_opts.group_size, transports,
+                              dist_opts.timeout, options, str(dist_opts.group_id),
+                              store=dist_opts.store, cpu_error=cpu_error, hosts=hosts)
     _groups.add(pg)
     return pg
 

@@ -35,6 +35,10 @@ _lock = threading.Lock()
 _world = None  # the world intracommunicator once known (MPI.Intracomm)
 
 
+#: under mpiexec: the world rank of the first rank on this host (see host_key)
+_mpi_node: int | None = None
+
+
 def launched_by_mpi() -> bool:
     """True under mpiexec/mpirun (and not under torchrun run inside one)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -69,6 +73,8 @@ def setup_env_from_mpi() -> None:
     rank, size = world.Get_rank(), world.Get_size()
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = node.Get_rank(), node.Get_size()
+    global _mpi_node
+    _mpi_node = node.bcast(rank, root=0)  # a host's name: the world rank of its first rank
     node.Free()
     mine = (socket.gethostname(), _free_port() if rank == 0 else 0)
     host0, port0 = world.bcast(mine if rank == 0 else None, root=0)
@@ -81,6 +87,36 @@ def setup_env_from_mpi() -> None:
                       LOCAL_WORLD_SIZE=str(local_size))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if single_node else host0)
     os.environ.setdefault("MASTER_PORT", str(port0))
+
+
+def host_key(world_rank: int, local_size: int = 0) -> str:
+    """A name of this process's host, the same for every rank on it.
+
+    ``local_size`` > 0 (``RINGCOMM_LOCAL_SIZE``) puts consecutive blocks of that many
+    world ranks on one host. Otherwise the launcher says: MPI's shared-memory split
+    under mpiexec, the node (agent) rank under torchrun; else the host name.
+    """
+    if local_size > 0:
+        return f"block-{world_rank // local_size}"
+    if _mpi_node is not None:
+        return f"mpi-node-{_mpi_node}"
+    if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("GROUP_RANK"):
+        return f"torchrun-node-{os.environ['GROUP_RANK']}"
+    return f"host-{socket.gethostname()}"
+
+
+def host_numbers(keys: list[str]) -> tuple[int, ...]:
+    """Host numbers (0, 1, ... in order of each host's first rank) of ranks whose hosts
+    are named ``keys``; empty when they are all on one host."""
+    if len(set(keys)) <= 1:
+        return ()
+    first: dict[str, int] = {}
+    return tuple(first.setdefault(k, len(first)) for k in keys)
+
+
+def host_layout(comm, world_rank: int, local_size: int = 0) -> tuple[int, ...]:
+    """Every group rank's host number (:func:`host_numbers`), agreed over ``comm``."""
+    return host_numbers(comm.allgather(host_key(world_rank, local_size)))
 
 
 def _store_wait(store, key: str, timeout: timedelta) -> bytes:

@@ -64,11 +64,13 @@ def local_layout(collective: str, layout: tuple, rank: int, root: int) -> tuple:
 
 
 def schedules(build: BuildFn, collective: str, size: int, layout: tuple, root: int = 0,
-              seg: int = 1 << 30) -> list[Schedule]:
-    """Every rank's schedule for a global ``layout``."""
+              seg: int = 1 << 30, hosts: tuple = ()) -> list[Schedule]:
+    """Every rank's schedule for a global ``layout`` (``hosts``: see
+    :class:`ringcomm.schedule.Context`)."""
     out = []
     for r in range(size):
-        ctx = Context(collective, size, r, local_layout(collective, layout, r, root), root, seg)
+        ctx = Context(collective, size, r, local_layout(collective, layout, r, root), root, seg,
+                      tuple(hosts))
         s = build(ctx)
         if not isinstance(s, Schedule):
             raise ScheduleError(f"{collective} builder returned {type(s).__name__} on rank {r}, "
@@ -231,7 +233,7 @@ def _ranks(mask: int) -> str:
 
 def check(build: BuildFn, collective: str, size: int, layout: tuple, *, root: int = 0,
           seg: int = 1 << 30, symbolic: bool = True,
-          built: Sequence[Schedule] | None = None) -> Stats:
+          built: Sequence[Schedule] | None = None, hosts: tuple = ()) -> Stats:
     """Prove ``build`` right for one call shape, and count its cost.
 
     Args:
@@ -245,6 +247,7 @@ def check(build: BuildFn, collective: str, size: int, layout: tuple, *, root: in
         symbolic: also track contents (False: structure, matching and counts only).
         built: every rank's schedule, already built with ``build`` for this shape (so
             that what is checked is exactly what will run).
+        hosts: the host of every rank (:class:`ringcomm.schedule.Context`); empty: one host.
     Raises:
         ScheduleError: the schedule is malformed, deadlocks, or computes a wrong result;
             the message names the rank, step and element.
@@ -252,7 +255,7 @@ def check(build: BuildFn, collective: str, size: int, layout: tuple, *, root: in
     if symbolic and size > MAX_RANKS:
         raise ValueError(f"checker: symbolic runs support at most {MAX_RANKS} ranks")
     scheds = list(built) if built is not None else schedules(build, collective, size, layout,
-                                                              root, seg)
+                                                              root, seg, hosts)
     for s in scheds:
         validate(s)
     rules = Rules(size)

@@ -41,6 +41,13 @@ class Engine:
         self._stopped = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._last: Work | None = None
+
+    def fence(self) -> Callable[[], None]:
+        """A function that waits (raising its error) until every collective submitted
+        here so far has finished; another channel's barrier calls it."""
+        last = self._last
+        return (lambda: None) if last is None else (lambda: last.wait() and None)
 
     def on_progress_thread(self) -> bool:
         """True when called from this group's progress thread."""
@@ -68,7 +75,7 @@ class Engine:
                 f"ringcomm {op}: a synchronous collective inside a future callback (on the "
                 "group's progress thread) would deadlock; use async_op=True and chain with "
                 "Future.then")
-        work = Work(op, self)
+        work = self._last = Work(op, self)
         with self._cv:
             if self._stopped:
                 work._finish(exc=dist.DistBackendError(

@@ -2,6 +2,12 @@
 transport for CPU tensors, an NCCL communicator for a CUDA device) and the
 engine that drives it (a progress thread for MPI, a stream and a watchdog for
 NCCL). :class:`Lanes` holds a group's lanes and creates NCCL ones on first use.
+
+A group may have several channels per device (``Options(num_channels=K)``):
+K communicators, each with its own engine. Successive collectives take them in
+turn (the group's call number modulo K, the same on every rank), so up to K
+collectives progress at once instead of queueing behind one another, as the
+round-robin process groups of the DDP paper (section 4.2.2) do.
 """
 from __future__ import annotations
 
@@ -42,43 +48,66 @@ class Lanes:
         nccl_type: tensors of this device type run over NCCL.
     """
 
-    def __init__(self, rank: int, size: int, cpu: Lane | None, *, store: Any, timeout_s: float,
-                 describe: Callable[[], str], cpu_error: str | None = None, nccl: Any = None,
-                 nccl_type: str = "cuda"):
+    def __init__(self, rank: int, size: int, cpu: Lane | list[Lane] | None, *, store: Any,
+                 timeout_s: float, describe: Callable[[], str], cpu_error: str | None = None,
+                 nccl: Any = None, nccl_type: str = "cuda", channels: int = 1):
         self.rank, self.size = rank, size
-        self.cpu = cpu
+        #: the CPU lanes, one per channel (empty where MPI could not be loaded)
+        self.cpus: list[Lane] = [] if cpu is None else cpu if isinstance(cpu, list) else [cpu]
+        if self.cpus and len(self.cpus) != channels:
+            raise ValueError(f"ringcomm: {len(self.cpus)} CPU lanes for {channels} channels")
+        self.channels = channels
+        #: the channel the next collective runs on (see :meth:`turn_to`)
+        self.turn = 0
         self.nccl_type = nccl_type
         self._cpu_error = cpu_error
         self._store = store
         self._timeout_s = timeout_s
         self._describe = describe
         self._nccl_lib = nccl
-        self._devices: dict[str, Lane] = {}
+        self._devices: dict[str, list[Lane]] = {}
         self._pairs: dict[tuple, Lane] = {}
         self._nccl_count = 0
         self._lock = threading.Lock()
 
-    def for_tensor(self, t: torch.Tensor, op: str) -> Lane:
-        """The lane that runs a call on ``t``'s device (created on first use).
+    @property
+    def cpu(self) -> Lane | None:
+        """The CPU lane of channel 0 (point-to-point messages use it)."""
+        return self.cpus[0] if self.cpus else None
+
+    def turn_to(self, call: int) -> None:
+        """Run the next collective on channel ``call mod K``: every rank numbers its
+        calls alike, so every rank puts the same collective on the same channel."""
+        self.turn = call % self.channels
+
+    def for_tensor(self, t: torch.Tensor, op: str, channel: int | None = None) -> Lane:
+        """The lane that runs a call on ``t``'s device (created on first use): the
+        current turn's channel, or ``channel``.
 
         Raises:
             ValueError: the device is not supported, or the library it needs (MPI for
                 CPU tensors, CuPy with NCCL for CUDA tensors) is missing.
         """
-        return self.for_device(t.device, op)
+        return self.for_device(t.device, op, channel)
 
-    def for_device(self, dev: torch.device, op: str) -> Lane:
+    def for_device(self, dev: torch.device, op: str, channel: int | None = None) -> Lane:
+        k = self.turn if channel is None else channel
         if dev.type == self.nccl_type:
-            lane = self._devices.get(str(dev))
-            return lane if lane is not None else self._nccl_lane(dev, op)
+            lanes = self._devices.get(str(dev))
+            return (lanes if lanes is not None else self._nccl_lanes(dev, op))[k]
         if dev.type == "cpu":
-            if self.cpu is None:
+            if not self.cpus:
                 raise ValueError(f"ringcomm {op}: CPU tensors run over MPI, which could not be "
                                  f"loaded here ({self._cpu_error}); move the tensors to a CUDA "
                                  "device, or install MPI (pip install mpich)")
-            return self.cpu
+            return self.cpus[k]
         raise ValueError(f"ringcomm {op}: tensors on {dev} are not supported; ringcomm runs "
                          f"CPU tensors over MPI and {self.nccl_type} tensors over NCCL")
+
+    def siblings(self, lane: Lane) -> list[Lane]:
+        """The other channels' lanes of ``lane``'s device."""
+        group = self.cpus if lane in self.cpus else self._devices.get(lane.key, [])
+        return [other for other in group if other is not lane]
 
     def for_barrier(self, opts: Any) -> Lane:
         """The barrier's lane: the device torch names (``device_ids``), else MPI,
@@ -91,10 +120,10 @@ class Lanes:
             if dev.type == "cuda" and dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
             return self.for_device(dev, "barrier")
-        if self.cpu is not None:
-            return self.cpu
+        if self.cpus:
+            return self.cpus[self.turn]
         if self._devices:  # no MPI: the first device this group used
-            return next(iter(self._devices.values()))
+            return next(iter(self._devices.values()))[self.turn]
         if self.nccl_type == "cuda" and torch.cuda.is_available():
             return self.for_device(torch.device("cuda", torch.cuda.current_device()), "barrier")
         return self.for_device(torch.device("cpu"), "barrier")
@@ -130,18 +159,21 @@ class Lanes:
                 raise ValueError(f"ringcomm {op}: {e}") from None
         return self._nccl_lib
 
-    def _nccl_lane(self, device: torch.device, op: str) -> Lane:
-        """A new NCCL communicator of this group on ``device``: every rank creates its
-        k-th at the same call, so the k-th communicators of all ranks are one."""
+    def _nccl_lanes(self, device: torch.device, op: str) -> list[Lane]:
+        """This group's NCCL communicators on ``device``, one per channel, created now:
+        every rank creates its k-th at the same call, so the k-th communicators of all
+        ranks are one."""
         lib = self._library(op)
         with self._lock:
-            lane = self._devices.get(str(device))
-            if lane is None:
-                lane = self._new_nccl_lane(lib, device, f"ringcomm/nccl/{self._nccl_count}",
-                                           self.rank, self.size)
-                self._nccl_count += 1
-                self._devices[str(device)] = lane
-        return lane
+            lanes = self._devices.get(str(device))
+            if lanes is None:
+                lanes = []
+                for _ in range(self.channels):
+                    lanes.append(self._new_nccl_lane(
+                        lib, device, f"ringcomm/nccl/{self._nccl_count}", self.rank, self.size))
+                    self._nccl_count += 1
+                self._devices[str(device)] = lanes
+        return lanes
 
     def _new_nccl_lane(self, lib: Any, device: torch.device, prefix: str, rank: int,
                        size: int) -> Lane:
@@ -161,9 +193,9 @@ class Lanes:
     def close(self, reason: str, nccl_wait_s: float) -> None:
         """End every lane: the CPU lane's running collective is interrupted with
         ``reason``; NCCL lanes are destroyed once idle (aborted after ``nccl_wait_s``)."""
-        if self.cpu is not None:
-            self.cpu.engine.shutdown(wait_s=5.0, interrupt=reason)
-            tp = self.cpu.tp
+        for cpu in self.cpus:
+            cpu.engine.shutdown(wait_s=5.0, interrupt=reason)
+            tp = cpu.tp
             assert isinstance(tp, Transport)
             tp.close()
         for lane in self._take_nccl():
@@ -173,13 +205,17 @@ class Lanes:
         """At interpreter exit: stop the progress thread; NCCL communicators are
         destroyed if idle, else aborted (left to CuPy's finalizer, a destroy could
         wait for work that never finishes)."""
-        if self.cpu is not None:
-            self.cpu.engine.shutdown(wait_s=wait_s)
-        for lane in [*self._devices.values(), *self._pairs.values()]:
+        for cpu in self.cpus:
+            cpu.engine.shutdown(wait_s=wait_s)
+        for lane in self._nccl():
             lane.engine.close(0.0)
+
+    def _nccl(self) -> list[Lane]:
+        return [*(lane for lanes in self._devices.values() for lane in lanes),
+                *self._pairs.values()]
 
     def _take_nccl(self) -> list[Lane]:
         with self._lock:
-            lanes = [*self._devices.values(), *self._pairs.values()]
+            lanes = self._nccl()
             self._devices, self._pairs = {}, {}
         return lanes

@@ -42,10 +42,12 @@ class Planner:
     Args:
         rank, size: this rank and the group size.
         options: the group's settings, decided (:meth:`ringcomm.Options.resolve`).
+        hosts: the host of every rank (:class:`ringcomm.schedule.Context`); empty: one host.
     """
 
-    def __init__(self, rank: int, size: int, options: Options):
+    def __init__(self, rank: int, size: int, options: Options, hosts: tuple = ()):
         self.rank, self.size = rank, size
+        self.hosts = tuple(hosts)
         self.segment_bytes: int = options.segment_bytes  # type: ignore[assignment]
         self.algos: dict[str, str] = {c: "auto" for c in REGISTRY}
         self.algos.update(options.algorithms)
@@ -114,7 +116,7 @@ class Planner:
             if plan is not None:
                 self._plans.move_to_end(key)
                 return plan
-        ctx = Context(collective, self.size, self.rank, layout, root, seg)
+        ctx = Context(collective, self.size, self.rank, layout, root, seg, self.hosts)
         if (collective, name) not in algorithms.BUILTIN:
             schedule = check_user_schedule(build, ctx, name)
         else:
@@ -210,13 +212,13 @@ def check_user_schedule(build: Callable, ctx: Context, name: str):
     total = sum(_leaves(layout)) * max(p, 1)
     small = total <= CHECK_ELEMENTS and p <= checker.MAX_RANKS
     try:
-        scheds = checker.schedules(build, coll, p, layout, ctx.root, ctx.seg)
+        scheds = checker.schedules(build, coll, p, layout, ctx.root, ctx.seg, ctx.hosts)
         checker.check(build, coll, p, layout, root=ctx.root, seg=ctx.seg, symbolic=small,
-                      built=scheds)
+                      built=scheds, hosts=ctx.hosts)
         if not small and p <= checker.MAX_RANKS:  # same segments per chunk, fewer elements
             f = -(-total // CHECK_ELEMENTS)
             checker.check(build, coll, p, _scaled(layout, f), root=ctx.root,
-                          seg=max(1, ctx.seg // f))
+                          seg=max(1, ctx.seg // f), hosts=ctx.hosts)
     except ScheduleError as e:
         raise ScheduleError(f"ringcomm: algorithm {name!r} is wrong: {e}") from None
     return scheds[r]

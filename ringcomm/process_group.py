@@ -66,8 +66,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     Args:
         rank, size: this process's rank in the group and the group size.
-        transport: the MPI transport for CPU tensors; None where MPI cannot be loaded
-            (``cpu_error`` says why), so CPU tensors are refused.
+        transport: the MPI transport for CPU tensors, or one per channel
+            (``Options.num_channels``, each over its own communicator); None where MPI
+            cannot be loaded (``cpu_error`` says why), so CPU tensors are refused.
         timeout: default time limit of every collective.
         options: per-group settings.
         group_id: torch's name of the group.
@@ -77,12 +78,13 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         nccl_device_type: tensors of this device type run over NCCL. Tests pass
             ``"cpu"`` with :class:`ringcomm.testing.FakeNccl` to run the NCCL path
             on CPU tensors.
+        hosts: the host of every rank (:class:`ringcomm.schedule.Context`); empty: one host.
     """
 
-    def __init__(self, rank: int, size: int, transport: Transport | None, timeout: timedelta,
-                 options: Options | None = None, group_id: str = "", *, store: Any = None,
-                 cpu_error: str | None = None, nccl: Any = None,
-                 nccl_device_type: str = "cuda"):
+    def __init__(self, rank: int, size: int, transport: Transport | list[Transport] | None,
+                 timeout: timedelta, options: Options | None = None, group_id: str = "", *,
+                 store: Any = None, cpu_error: str | None = None, nccl: Any = None,
+                 nccl_device_type: str = "cuda", hosts: tuple = ()):
         super().__init__(rank, size)
         # plain ints: rank() and size() cross into C++ on every call
         self._rank, self._size = rank, size
@@ -90,15 +92,21 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._group_name = group_id
         self._group_desc = ""
         self.inputs = Inputs(rank, size, nccl_device_type)
-        self.planner = Planner(rank, size, (options or Options()).resolve())
+        resolved = (options or Options()).resolve()
+        self.planner = Planner(rank, size, resolved, hosts)
         #: RINGCOMM_DEBUG=DETAIL: every call is compared across ranks before it runs
         self.detail = get("RINGCOMM_DEBUG") == "DETAIL"
-        cpu = None
-        if transport is not None:
-            cpu = Lane(transport, Engine(transport, self._describe), False)
-        self.lanes = Lanes(rank, size, cpu, store=store, timeout_s=self._timeout_s,
+        channels = resolved.num_channels
+        transports = [] if transport is None else \
+            list(transport) if isinstance(transport, (list, tuple)) else [transport]
+        if transports and len(transports) != channels:
+            raise ValueError(f"ringcomm: {len(transports)} transports given for "
+                             f"num_channels={channels}")
+        cpus = [Lane(tp, Engine(tp, self._channel_name(k, channels)), False)
+                for k, tp in enumerate(transports)]
+        self.lanes = Lanes(rank, size, cpus or None, store=store, timeout_s=self._timeout_s,
                            describe=self._describe, cpu_error=cpu_error, nccl=nccl,
-                           nccl_type=nccl_device_type)
+                           nccl_type=nccl_device_type, channels=channels)
         #: collectives called so far, refused ones included (see :func:`_method`)
         self._seq = 0
 
@@ -120,6 +128,16 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def _describe(self) -> str:
         return f"group '{self._group_desc or self._group_name or '?'}'"
+
+    def _channel_name(self, k: int, channels: int) -> Callable[[], str]:
+        if channels == 1:
+            return self._describe
+        return lambda: f"{self._describe()} channel {k}/{channels}"
+
+    @property
+    def num_channels(self) -> int:
+        """Communicators this group uses in turn (``Options.num_channels``)."""
+        return self.lanes.channels
 
     def __repr__(self) -> str:
         return f"<ringcomm.ProcessGroup {self._describe()} rank {self._rank}/{self._size}>"
@@ -187,7 +205,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         ignored there: NCCL matches by order, as in torch's NCCL backend)."""
         t = self.inputs.single(tensors, "send")
         self.inputs.peer(dstRank, "send")
-        lane = self.lanes.for_tensor(t, "send")
+        lane = self.lanes.for_tensor(t, "send", channel=0)
         if lane.on_stream:
             return self._pair_message("send", t, dstRank)
         buf = t if t.is_contiguous() else t.contiguous()
@@ -198,7 +216,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """``dist.recv``/``irecv`` from ``srcRank``."""
         t = self.inputs.single(tensors, "recv")
         self.inputs.peer(srcRank, "recv")
-        lane = self.lanes.for_tensor(t, "recv")
+        lane = self.lanes.for_tensor(t, "recv", channel=0)
         if lane.on_stream:
             return self._pair_message("recv", t, srcRank)
         return self._post_recv(lane, t, srcRank, tag)
@@ -206,7 +224,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         """``dist.recv`` without a source; the Work knows the sender (``_source_rank``)."""
         t = self.inputs.single(tensors, "recv")
-        lane = self.lanes.for_tensor(t, "recv")
+        lane = self.lanes.for_tensor(t, "recv", channel=0)
         if lane.on_stream:
             raise ValueError(f"ringcomm recv: a receive from any rank needs MPI; NCCL has "
                              f"none, so a tensor on {t.device} needs the source rank")
@@ -253,7 +271,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 def _method(torch_name: str, build: Callable[..., Request]) -> Callable[..., dist.Work]:
     """The ProcessGroup method ``torch_name``: build the call's request, then submit it.
 
-    Every call is numbered, refused ones included. The number is the MPI tag of
+    Every call is numbered, refused ones included. The number picks the channel
+    (``Options.num_channels``) and is the MPI tag of
     the collective's messages: if a call is refused on some ranks only (bad input
     there), those ranks' next collective carries a different tag from the others'
     current one, so the mismatch ends in a clear timeout instead of two different
@@ -262,6 +281,7 @@ def _method(torch_name: str, build: Callable[..., Request]) -> Callable[..., dis
     @functools.wraps(build)
     def method(self: ProcessGroupRingcomm, *args: Any, **kwargs: Any) -> dist.Work:
         self._seq += 1
+        self.lanes.turn_to(self._seq)
         return self._submit(build(self, *args, **kwargs))
 
     method.__name__ = torch_name

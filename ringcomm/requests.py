@@ -481,12 +481,18 @@ def barrier(g: Group, opts: Any = None) -> Request:
     Runs over MPI, or over NCCL when torch asks for a CUDA device
     (``dist.barrier(device_ids=[i])``) or MPI is missing; waiting on it then
     blocks the CPU until the barrier completed on the device, as torch's NCCL
-    backend does."""
+    backend does.
+
+    On a group of several channels it first waits for every collective issued
+    before it on the other channels, so it orders the whole group as on one."""
     opts = options(opts, dist.BarrierOptions)
     lane = g.lanes.for_barrier(opts)
     name, algo = g.planner.prepare(lane, "barrier", (1,), torch.uint8, nbytes=0)
+    fences = [other.engine.fence() for other in g.lanes.siblings(lane)]
 
     def run():
+        for fence in fences:
+            fence()
         _same_call(g, lane, "barrier", [])
         algo([lane.token])
         return []

@@ -81,6 +81,10 @@ class Context:
         layout: element counts of the caller's buffers (see :data:`BUFFERS`).
         root: the root rank of rooted collectives (0 otherwise).
         seg: elements per pipeline segment (at least 1).
+        hosts: the host of every rank, as host numbers 0, 1, ... in order of each
+            host's first rank (``hosts[r]`` is rank r's host); empty when every rank
+            is on one host. From the launcher (MPI's shared-memory split, torchrun's
+            nodes) or ``RINGCOMM_LOCAL_SIZE``.
     """
     collective: str
     size: int
@@ -88,6 +92,20 @@ class Context:
     layout: tuple
     root: int = 0
     seg: int = 1 << 30
+    hosts: tuple = ()
+
+    def host_of(self, rank: int) -> int:
+        """The host number of ``rank`` (0 when every rank is on one host)."""
+        return self.hosts[rank] if self.hosts else 0
+
+    def host_ranks(self) -> list[list[int]]:
+        """The ranks of each host, hosts in order, ranks ascending."""
+        if not self.hosts:
+            return [list(range(self.size))]
+        out: list[list[int]] = [[] for _ in range(max(self.hosts) + 1)]
+        for r, h in enumerate(self.hosts):
+            out[h].append(r)
+        return out
 
     def segments(self, off: int, n: int) -> list[tuple[int, int]]:
         """``(offset, length)`` pieces of at most ``seg`` elements covering ``n``

@@ -108,6 +108,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("RINGCOMM_TUNING", "path", None,
             "JSON table that replaces `auto`'s built-in size thresholds",
             option="tuning_file"),
+    Setting("RINGCOMM_NUM_CHANNELS", "int", 1,
+            "communicators per group, used in turn by successive collectives (round-robin), "
+            "so several collectives progress at once", option="num_channels", minimum=1),
+    Setting("RINGCOMM_LOCAL_SIZE", "int", 0,
+            "ranks per host, as consecutive blocks of world ranks, for hierarchical "
+            "algorithms; 0 takes the layout from the launcher", option="local_size",
+            minimum=0),
     Setting("RINGCOMM_DEBUG", "level", "OFF",
             "`INFO` logs each `auto` choice; `DETAIL` also compares every collective's "
             "kind and sizes across ranks before it runs"),
@@ -155,11 +162,18 @@ class Options:
             these entries win over ``RINGCOMM_ALGO``'s.
         segment_bytes: pipeline segment size in bytes.
         tuning_file: JSON tuning table for ``auto``.
+        num_channels: communicators of the group (K MPI communicators, or K NCCL
+            communicators per device); successive collectives use them in turn, so up
+            to K progress at once.
+        local_size: ranks per host as consecutive blocks of world ranks (0: from the
+            launcher), for hierarchical algorithms.
     """
 
     algorithms: dict[str, str] = dataclasses.field(default_factory=dict)
     segment_bytes: int | None = None
     tuning_file: str | None = None
+    num_channels: int | None = None
+    local_size: int | None = None
 
     def resolve(self, environ: Mapping[str, str] | None = None) -> "Options":
         """A copy with every field decided: from this object, else from the
@@ -174,14 +188,25 @@ class Options:
 
         for coll, name in algos.items():
             check_choice(coll, name)
-        seg = self.segment_bytes
-        if seg is None:
-            seg = get("RINGCOMM_SEGMENT_BYTES", environ)
-        elif isinstance(seg, bool) or not isinstance(seg, int) or seg <= 0:
-            raise ValueError(f"ringcomm: Options.segment_bytes must be a positive whole "
-                             f"number of bytes, got {seg!r}")
         tuning = self.tuning_file or get("RINGCOMM_TUNING", environ)
-        return Options(algorithms=algos, segment_bytes=seg, tuning_file=tuning)
+        return Options(algorithms=algos,
+                       segment_bytes=self._count("segment_bytes", environ, "bytes"),
+                       tuning_file=tuning,
+                       num_channels=self._count("num_channels", environ, "communicators"),
+                       local_size=self._count("local_size", environ, "ranks"))
+
+    def _count(self, field: str, environ: Mapping[str, str] | None, unit: str) -> int:
+        """Field ``field`` decided: this object's value (checked), else its variable's."""
+        value = getattr(self, field)
+        setting = next(s for s in SETTINGS if s.option == field)
+        if value is None:
+            return get(setting.name, environ)
+        low = int(setting.minimum or 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            what = "a positive" if low >= 1 else "a non-negative"
+            raise ValueError(f"ringcomm: Options.{field} must be {what} whole number of "
+                             f"{unit}, got {value!r}")
+        return value
 
 
 # -- the README's table -------------------------------------------------------------
@@ -189,7 +214,7 @@ BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
 
 
 def _default_text(s: Setting) -> str:
-    if s.kind == "int" and isinstance(s.default, int) and s.default % 1024 == 0:
+    if s.kind == "int" and isinstance(s.default, int) and s.default and s.default % 1024 == 0:
         return f"{s.default} ({s.default >> 20} MiB)" if s.default % (1 << 20) == 0 \
             else f"{s.default} ({s.default >> 10} KiB)"
     if s.default in (None, {}):

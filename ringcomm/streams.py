@@ -213,6 +213,14 @@ class StreamEngine:
         self._watchdog: threading.Thread | None = None
         self._blocking_wait = settings.get("RINGCOMM_BLOCKING_WAIT")
 
+    def fence(self) -> Callable[[], None]:
+        """A function that makes the current stream (another channel's, while it
+        enqueues) wait for everything enqueued here so far."""
+        s = self.streams
+        with self._lock:
+            event = s.record()
+        return lambda: s.wait_on_current(event)
+
     def submit(self, op: str, fn: Callable[[], Any], *, async_op: bool, timeout_s: float,
                tag: int = 0, keep: Iterable[torch.Tensor] = (), blocking: bool = False) -> StreamWork:
         """Enqueue ``fn`` (it issues the whole collective) and return its Work.

@@ -83,7 +83,7 @@ def _on_threads(what: str, size: int, body: Callable[[int], Any], timeout_s: flo
 def run_schedule(build: Callable, collective: str, size: int, layout: tuple,
                  bufs: Sequence[Sequence[torch.Tensor | None]], *, op=ops.SUM, root: int = 0,
                  seg: int = 1 << 30, executor: str = "threads",
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, hosts: tuple = ()) -> None:
     """Run schedule builder ``build`` for ``collective`` on ``size`` in-process ranks.
 
     Args:
@@ -94,12 +94,13 @@ def run_schedule(build: Callable, collective: str, size: int, layout: tuple,
         seg: elements per pipeline segment.
         executor: ``"threads"`` (point-to-point, as on MPI) or ``"nccl-sim"`` (one
             group per step under NCCL's rules, as on NCCL).
+        hosts: the host of every rank (:class:`ringcomm.schedule.Context`); empty: one host.
     Raises:
         RuntimeError: a rank failed or timed out (threads).
         ringcomm.simulator.SimulatorError: the schedule cannot complete under NCCL's rules.
     """
     plans = [Plan(build(Context(collective, size, r, local_layout(collective, layout, r, root),
-                                root, seg))) for r in range(size)]
+                                root, seg, tuple(hosts)))) for r in range(size)]
 
     def views(r: int) -> list:
         dtype = next((b.dtype for b in bufs[r] if b is not None), torch.uint8)
