@@ -49,6 +49,12 @@ class Engine:
         last = self._last
         return (lambda: None) if last is None else (lambda: last.wait() and None)
 
+    def mark_broken(self, err: BaseException) -> None:
+        """Fail every later collective with ``err`` (a failure outside a running
+        collective, e.g. a user's algorithm that raised while being built)."""
+        if self._error is None:
+            self._error = err
+
     def on_progress_thread(self) -> bool:
         """True when called from this group's progress thread."""
         return self._thread is not None and threading.current_thread() is self._thread

@@ -59,6 +59,7 @@ class FakeNccl:
         return tuple(x - 256 if x > 127 else x for x in raw)
 
     def NcclCommunicator(self, ndev: int, uid: Any, rank: int) -> "_FakeComm":  # noqa: N802
+        self.calls["NcclCommunicator"] += 1
         want = bytes if self.id_form == "bytes" else tuple
         if not isinstance(uid, want):
             raise TypeError(f"FakeNccl({self.id_form!r}): the unique id must be "

@@ -128,6 +128,11 @@ class Lanes:
             return self.for_device(torch.device("cuda", torch.cuda.current_device()), "barrier")
         return self.for_device(torch.device("cpu"), "barrier")
 
+    def mark_broken(self, err: BaseException) -> None:
+        """Every lane of the group refuses later collectives with ``err``."""
+        for lane in [*self.cpus, *self._nccl()]:
+            lane.engine.mark_broken(err)
+
     def pair(self, device: torch.device, peer: int, op: str) -> tuple[Lane, int]:
         """The two-rank NCCL communicator (and its own stream) this rank uses for
         ``dist.send``/``dist.recv`` with ``peer`` on ``device``, as torch's NCCL backend

@@ -36,6 +36,10 @@ CHECK_ELEMENTS = 1 << 18
 Run = Callable[[list], None]
 
 
+class AlgorithmFailed(RuntimeError):
+    """A user's schedule builder raised (not a wrong schedule: an exception)."""
+
+
 class Planner:
     """One group's algorithm choices and compiled schedules.
 
@@ -81,7 +85,7 @@ class Planner:
         key = None
         if name is None:
             # A training loop repeats the same calls: skip choosing and looking up.
-            key = (lane.key, collective, layout, dtype, op, root, self.algos[collective],
+            key = (lane, collective, layout, dtype, op, root, self.algos[collective],
                    self.segment_bytes, algorithms.generation)
             hit = self._prepared.get(key)
             if hit is not None:
@@ -195,6 +199,8 @@ def check_user_schedule(build: Callable, ctx: Context, name: str):
 
     Raises:
         ScheduleError: (a ValueError) naming the algorithm, step and element at fault.
+        AlgorithmFailed: the builder raised, for some rank's view of this call (every
+            rank builds every rank's schedule, so every rank raises alike).
     """
     coll, p, r, lay = ctx.collective, ctx.size, ctx.rank, ctx.layout
     # The checker needs every rank's view; where a rank knows only its own sizes
@@ -221,6 +227,10 @@ def check_user_schedule(build: Callable, ctx: Context, name: str):
                           seg=max(1, ctx.seg // f), hosts=ctx.hosts)
     except ScheduleError as e:
         raise ScheduleError(f"ringcomm: algorithm {name!r} is wrong: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a user's code may raise anything
+        raise AlgorithmFailed(f"algorithm {name!r} raised {type(e).__name__}: {e} while "
+                              f"building its {coll} schedule for {p} ranks, layout "
+                              f"{layout}") from e
     return scheds[r]
 
 

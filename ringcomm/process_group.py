@@ -21,7 +21,7 @@ from .algorithms import check_choice
 from .checks import Inputs
 from .engine import Engine
 from .lanes import Lane, Lanes
-from .plans import Planner
+from .plans import AlgorithmFailed, Planner
 from .requests import Request
 from .settings import Options, get
 from .transport import Transport
@@ -282,7 +282,17 @@ def _method(torch_name: str, build: Callable[..., Request]) -> Callable[..., dis
     def method(self: ProcessGroupRingcomm, *args: Any, **kwargs: Any) -> dist.Work:
         self._seq += 1
         self.lanes.turn_to(self._seq)
-        return self._submit(build(self, *args, **kwargs))
+        try:
+            req = build(self, *args, **kwargs)
+        except AlgorithmFailed as e:
+            # as when a built-in algorithm fails while running: the group is unusable
+            err = dist.DistBackendError(f"ringcomm {torch_name} ({self._describe()}, rank "
+                                        f"{self._rank} of {self._size}): {e}; the group is "
+                                        "unusable now")
+            err.__cause__ = e
+            self.lanes.mark_broken(err)
+            raise err from e
+        return self._submit(req)
 
     method.__name__ = torch_name
     method.__qualname__ = f"ProcessGroupRingcomm.{torch_name}"

@@ -265,6 +265,13 @@ class StreamEngine:
                     self._watchdog.start()
         return work
 
+    def mark_broken(self, err: BaseException) -> None:
+        """Refuse every later collective with ``err`` (a failure outside enqueueing,
+        e.g. a user's algorithm that raised while being built)."""
+        with self._state:
+            if self._error is None:
+                self._error = err
+
     def _raise_if_broken(self, op: str) -> None:
         if self._error is not None:
             raise dist.DistBackendError(f"ringcomm {op}: {self._describe()} on {self.tp.device} "

@@ -119,6 +119,34 @@ def main() -> int:
     t = torch.ones(4)
     dist.all_reduce(t)
     c.check(torch.equal(t, torch.full((4,), float(p))), "group usable after the refusal")
+
+    # A builder that raises (on every rank: each builds every rank's schedule to check
+    # it) surfaces its error to the caller, and its group is broken from then on.
+    def boom(ctx):
+        if ctx.rank == ctx.size - 1:
+            raise ZeroDivisionError("boom from the last rank")
+        return star(ctx)
+
+    sub = dist.new_group(backend="ringcomm")
+    ringcomm.register_algorithm("allreduce", "boom", boom)
+    ringcomm.set_algorithm("allreduce", "boom", group=sub)
+    try:
+        dist.all_reduce(torch.ones(4), group=sub)
+        c.check(False, "a raising builder's collective returned")
+    except Exception as e:  # noqa: BLE001 - torch may rewrap the DistBackendError
+        c.check(isinstance(e, dist.DistBackendError) and "ZeroDivisionError" in str(e)
+                and "boom from the last rank" in str(e) and "unusable" in str(e),
+                f"raising builder: {type(e).__name__}: {e}")
+    ringcomm.set_algorithm("allreduce", "auto", group=sub)
+    try:
+        dist.broadcast(torch.ones(2), 0, group=sub)
+        c.check(False, "the group of a raising builder stayed usable")
+    except Exception as e:  # noqa: BLE001
+        c.check("unusable after an earlier failure" in str(e) and "boom" in str(e),
+                f"after the raising builder: {type(e).__name__}: {e}")
+    t = torch.ones(4)
+    dist.all_reduce(t)  # the world group is another group: still fine
+    c.check(torch.equal(t, torch.full((4,), float(p))), "world group usable")
     dist.barrier()
     dist.destroy_process_group()
     c.finish()

@@ -1,0 +1,152 @@
+"""Round-robin channels (``Options(num_channels=K)``): a group of K communicators
+gives the same results as a group of one, lets a collective complete while
+another channel is held, orders a barrier after every channel's earlier work,
+and runs over MPI, the in-process transport and the NCCL path (FakeNccl).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringcomm
+from ringcomm.process_group import ProcessGroupRingcomm
+from ringcomm.testing import FakeNccl, _on_threads, check_collectives, nccl_groups
+from ringcomm.transport.local import LocalFabric
+
+from conftest import assert_checks, mpirun, torchrun
+
+
+def _groups(size: int, channels: int, body, timeout_s: float = 10.0) -> list:
+    """Run ``body(rank, pg)`` on ``size`` threads, each with a ringcomm group of
+    ``channels`` channels over the in-process transport (one fabric per channel)."""
+    fabrics = [LocalFabric(size) for _ in range(channels)]
+
+    def run(rank: int):
+        pg = ProcessGroupRingcomm(rank, size, [f.transport(rank) for f in fabrics],
+                                  timedelta(seconds=timeout_s),
+                                  ringcomm.Options(num_channels=channels), f"ch{channels}")
+        try:
+            return body(rank, pg)
+        finally:
+            pg.shutdown()
+
+    return _on_threads("channels", size, run, timeout_s)
+
+
+def _burst(rank: int, pg) -> list[torch.Tensor]:
+    """Twelve collectives in flight at once, then every result: allreduces of several
+    sizes (ring, tree and recursive doubling), broadcasts, all-gathers,
+    reduce-scatters and all-to-alls on random floats."""
+    p = pg.size()
+    g = torch.Generator().manual_seed(rank)
+    works, outs = [], []
+    for i, n in enumerate((5, 1000, 70000, 3, 40000, 1)):
+        t = torch.randn(n, generator=g)
+        works.append(pg.allreduce([t]))
+        outs.append(t)
+        b = torch.randn(n, generator=g)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = i % p
+        works.append(pg.broadcast([b], opts))
+        outs.append(b)
+    x = torch.randn(17, generator=g)
+    gathered = torch.empty(17 * p)
+    works.append(pg._allgather_base(gathered, x))
+    outs.append(gathered)
+    rs_out = torch.empty(9)
+    works.append(pg._reduce_scatter_base(rs_out, torch.randn(9 * p, generator=g)))
+    outs.append(rs_out)
+    a2a = torch.empty(4 * p)
+    works.append(pg.alltoall_base(a2a, torch.randn(4 * p, generator=g), [], []))
+    outs.append(a2a)
+    for w in works:
+        w.wait()
+    return outs
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_many_channels_give_the_results_of_one(size):
+    one = _groups(size, 1, _burst)
+    three = _groups(size, 3, _burst)
+    for rank in range(size):
+        for i, (a, b) in enumerate(zip(one[rank], three[rank])):
+            # the same algorithms on the same inputs: bit for bit
+            assert torch.equal(a, b), f"rank {rank} result {i} differs with 3 channels"
+
+
+def test_every_collective_and_algorithm_on_three_channels():
+    counts = _groups(3, 3, lambda rank, pg: check_collectives(pg, "cpu",
+                                                              dtypes=(torch.float32, torch.int64)))
+    assert min(counts) > 100
+
+
+def test_a_collective_completes_while_another_channel_is_held():
+    """Channel 1's progress thread is held; the first allreduce (call 1, channel 1)
+    queues behind it, the second (call 2, channel 0) completes anyway. With one
+    channel both queue behind the held thread."""
+
+    def body(channels: int):
+        release = threading.Event()
+        sampled = threading.Barrier(2)
+
+        def run(rank: int, pg):
+            held = pg.lanes.cpus[1 % channels].engine
+            hold = held.submit("hold", lambda: release.wait(30), async_op=True, timeout_s=60)
+            first = pg.allreduce([torch.ones(4)])
+            second = pg.allreduce([torch.ones(4)])
+            deadline = time.monotonic() + 5
+            while not second.is_completed() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            done = (first.is_completed(), second.is_completed())
+            sampled.wait(30)  # both ranks looked before anything is released
+            release.set()
+            for w in (hold, first, second):
+                w.wait()
+            return done
+
+        return _groups(2, channels, run)
+
+    assert body(2) == [(False, True)] * 2
+    assert body(1) == [(False, False)] * 2
+
+
+def test_barrier_waits_for_earlier_work_on_every_channel():
+    def run(rank: int, pg):
+        if rank == 1:
+            time.sleep(0.3)  # rank 0's allreduce waits for this rank
+        works = [pg.allreduce([torch.ones(1000) * rank]) for _ in range(3)]
+        pg.barrier().wait()
+        return [w.is_completed() for w in works]
+
+    assert _groups(2, 3, run) == [[True] * 3, [True] * 3]
+
+
+def test_channels_need_one_transport_each():
+    with pytest.raises(ValueError, match="2 transports given for num_channels=3"):
+        fab = LocalFabric(1)
+        ProcessGroupRingcomm(0, 1, [fab.transport(0), fab.transport(0)], timedelta(seconds=5),
+                             ringcomm.Options(num_channels=3))
+    with pytest.raises(ValueError, match="Options.num_channels must be a positive"):
+        ringcomm.Options(num_channels=0).resolve()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_nccl_path_with_channels(size):
+    lib = FakeNccl()
+    opts = ringcomm.Options(num_channels=2)
+    counts = nccl_groups(size, lambda pg: check_collectives(
+        pg, "cpu", dtypes=(torch.float32,), reduce_ops=("SUM", "MAX")), lib=lib, options=opts)
+    assert min(counts) > 40
+    # one communicator per channel, the same on every rank
+    assert lib.calls["NcclCommunicator"] == 2 * size
+
+
+@pytest.mark.parametrize("launch,n", [(mpirun, 3), (torchrun, 2)], ids=["mpiexec3", "torchrun2"])
+def test_channels_under_launchers(launch, n):
+    out = launch(n, "channels_check.py", timeout=240).stdout
+    assert_checks(out, f"channels_check {launch.__name__} n={n}", n)
