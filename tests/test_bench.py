@@ -181,13 +181,38 @@ def test_quick_run_writes_csv_plot_and_a_tuning_file_ringcomm_accepts(quick_run)
             assert select.choose(table, coll, n, 2) in REGISTRY[coll]
 
 
-def test_torchrun_launch():
-    proc = torchrun(2, SCRIPT, "-b", "1K", "-e", "1K", "-n", "2", "-w", "0", "--min-time", "0",
-                    "-c", "--peers", "mpi", "--no-model", timeout=120)
+def test_torchrun_launch_with_concurrent_collectives_on_channels(tmp_path):
+    """Under torchrun, --concurrent 3 (three collectives in flight per timed call) on
+    a ringcomm group of two channels, against MPI's non-blocking collectives and two
+    gloo groups used in turn; -c checks the first collective's buffers."""
+    out = str(tmp_path / "c.json")
+    proc = torchrun(2, SCRIPT, "-b", "1K", "-e", "64K", "-f", "64", "-n", "2", "-w", "0",
+                    "--min-time", "0", "--rounds", "1", "-c", "--concurrent", "3",
+                    "--channels", "2", "--coll", "allreduce,allgather", "--algos", "auto",
+                    "--peers", "mpi,gloo,floor", "--no-model", "--json", out, timeout=120)
     rows = [ln.split() for ln in proc.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
-    assert len(rows) == 1 and rows[0][0] == "1024"
+    assert [r[0] for r in rows] == ["1024", "65536"] * 2
     assert "launcher torchrun" in proc.stdout
+    assert "# concurrent: 3 collectives in flight" in proc.stdout
+    assert "2 channel(s)" in proc.stdout
     assert "wrong values in total: 0 OK" in proc.stdout
+    with open(out) as f:
+        doc = json.load(f)
+    assert doc["meta"]["timing"]["concurrent"] == 3
+    assert doc["meta"]["ringcomm"]["num_channels"] == 2
+    by_col: dict = {}
+    for r in doc["results"]:
+        by_col.setdefault(r["column"], []).append(r)
+    for col in ("auto", "mpi", "gloo"):
+        assert len(by_col[col]) == 4
+        for r in by_col[col]:
+            assert r["status"] == "ok", r
+            # aggregate bandwidth: three collectives' bytes over the time of all three
+            assert r["algbw"] == pytest.approx(3 * r["size"] / (r["time_us"] * 1e3),
+                                                    rel=1e-6)
+    assert all(r["status"] == "unsupported" for r in by_col["floor"])
+    assert all("one collective at a time" in r["reason"] for r in by_col["floor"]
+               if r["collective"] == "allreduce")
 
 
 def test_python_m_ringcomm_bench_help_is_the_scripts_help():

@@ -130,7 +130,16 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="where ringcomm's algorithms run: CPU tensors over MPI, or CUDA "
                         "tensors over NCCL (one GPU per rank, or one shared GPU with "
                         "NCCL_MULTI_RANK_GPU_ENABLE=1)")
+    g.add_argument("--concurrent", type=int, default=1, metavar="N",
+                   help="issue N collectives at once (asynchronously, each on its own "
+                        "buffers) per timed call and wait for all: the time is that of the "
+                        "N, the bandwidths are aggregate")
     g = p.add_argument_group("ringcomm settings")
+    g.add_argument("--channels", type=int, default=None, metavar="K",
+                   help="communicators of ringcomm's group, used in turn "
+                        "(Options(num_channels=K)); the gloo column then round-robins over "
+                        "K gloo groups, as torch's _round_robin_process_groups does "
+                        "(default: RINGCOMM_NUM_CHANNELS, else 1)")
     g.add_argument("--segment-bytes", type=parse_size, default=None,
                    help="ringcomm pipeline segment size (default: ringcomm's)")
     g.add_argument("--tuning", default=None,
@@ -211,6 +220,10 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         parser.error(f"-w/--warmup must not be negative, got {a.warmup}")
     if a.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {a.rounds}")
+    if a.concurrent < 1:
+        parser.error(f"--concurrent must be at least 1, got {a.concurrent}")
+    if a.channels is not None and a.channels < 1:
+        parser.error(f"--channels must be at least 1, got {a.channels}")
     if a.min_time < 0:
         parser.error(f"--min-time must not be negative, got {a.min_time:g}")
     if a.max_iters < a.iters:
@@ -259,7 +272,8 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     host_id_per_rank()
-    opts = ringcomm.Options(segment_bytes=args.segment_bytes, tuning_file=args.tuning)
+    opts = ringcomm.Options(segment_bytes=args.segment_bytes, tuning_file=args.tuning,
+                            num_channels=args.channels)
     dist.init_process_group("ringcomm", timeout=timedelta(seconds=args.timeout),
                             pg_options=opts)
     rc = 0

@@ -169,7 +169,8 @@ def nccl_needed(cols: list[Column]) -> bool:
     return any(c.device == "cuda" and not c.skipped for c in cols)
 
 
-def static_unsupported(col: Column, coll: str, dtype_name: str) -> str | None:
+def static_unsupported(col: Column, coll: str, dtype_name: str,
+                       concurrent: int = 1) -> str | None:
     """Why ``col`` cannot run ``coll`` on ``dtype_name``, where that is known without
     trying (the same on every rank); None: try it."""
     if col.kind in ("ringcomm", "ringcomm-cuda") and col.algo != "auto":
@@ -183,6 +184,8 @@ def static_unsupported(col: Column, coll: str, dtype_name: str) -> str | None:
         return "MPI has no bfloat16 reduction"
     if col.kind == "floor" and coll != "allreduce":
         return "the floor is measured for allreduce only"
+    if col.kind == "floor" and concurrent > 1:
+        return "the floor is measured one collective at a time"
     return None
 
 
@@ -243,40 +246,83 @@ class Calls:
     made from them. Created on every rank, after the columns are agreed on (new
     groups are collective)."""
 
-    def __init__(self, columns: list[Column], comm: Any, root: int, p: int):
+    def __init__(self, columns: list[Column], comm: Any, root: int, p: int, channels: int = 1):
         def runs(kind: str) -> bool:
             return any(c.kind == kind and not c.skipped for c in columns)
 
         self.comm, self.root, self.p = comm, root, p
-        self.gloo = dist.new_group(backend="gloo") if runs("gloo") else None
+        # K gloo groups used in turn, the peer of ringcomm's K channels (torch 2.x no
+        # longer has its round-robin process group; the turn is kept here instead)
+        self.gloos = [dist.new_group(backend="gloo") for _ in range(channels)] \
+            if runs("gloo") else []
+        self._turn = 0
         self.nccl = dist.new_group(backend="nccl") if runs("nccl") else None
         self.null = dist.new_group(backend=register_null_backend()) if runs("floor") else None
         self._rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-    def make_call(self, col: Column, coll: str, bufs: dict, op: str) -> Callable[[], None]:
-        """A no-argument function that runs one collective of ``col`` on ``bufs``."""
+    def make_call(self, col: Column, coll: str, bufs: dict, op: str,
+                  more: list[dict] = ()) -> Callable[[], None]:
+        """A no-argument function that runs one collective of ``col`` on ``bufs``; with
+        ``more`` buffer sets, one collective on each set as well, all in flight at once
+        (started asynchronously, then all waited for)."""
+        if not more:
+            if col.kind == "mpi":
+                return self._mpi_call(coll, bufs, op)
+            return self._torch_call(col, coll, bufs, op, False)
         if col.kind == "mpi":
-            return self._mpi_call(coll, bufs, op)
-        group = {"gloo": self.gloo, "nccl": self.nccl, "floor": self.null}.get(col.kind)
+            starts = [self._mpi_call(coll, b, op, start=True) for b in (bufs, *more)]
+            from mpi4py import MPI
+
+            def call_mpi():
+                reqs = [start() for start in starts]
+                MPI.Request.Waitall([r for r, _ in reqs])
+                for _, after in reqs:
+                    if after:
+                        after()
+            return call_mpi
+        starts = [self._torch_call(col, coll, b, op, True) for b in (bufs, *more)]
+
+        def call():
+            for w in [start() for start in starts]:
+                w.wait()
+        return call
+
+    def _torch_call(self, col: Column, coll: str, bufs: dict, op: str, async_op: bool,
+                    group: Any = None) -> Callable[[], Any]:
+        if group is None and col.kind == "gloo" and len(self.gloos) > 1:
+            calls = [self._torch_call(col, coll, bufs, op, async_op, g) for g in self.gloos]
+
+            def in_turn():
+                self._turn += 1
+                return calls[self._turn % len(calls)]()
+            return in_turn
+        if group is None:
+            group = {"gloo": (self.gloos or [None])[0], "nccl": self.nccl,
+                     "floor": self.null}.get(col.kind)
         rop, root = reduce_op(op), self.root
         inp, out = bufs["inp"], bufs["out"]
+        kw = {"group": group, "async_op": async_op}
         if coll == "allreduce":
-            return lambda: dist.all_reduce(inp, op=rop, group=group)
+            return lambda: dist.all_reduce(inp, op=rop, **kw)
         if coll == "broadcast":
-            return lambda: dist.broadcast(inp, src=root, group=group)
+            return lambda: dist.broadcast(inp, src=root, **kw)
         if coll == "allgather":
             outs = bufs["outs"]
-            return lambda: dist.all_gather(outs, inp, group=group)
+            return lambda: dist.all_gather(outs, inp, **kw)
         if coll == "reduce_scatter":
             rs = self._rs
-            return lambda: rs(out, inp, op=rop, group=group)
-        return lambda: dist.all_to_all_single(out, inp, group=group)
+            return lambda: rs(out, inp, op=rop, **kw)
+        return lambda: dist.all_to_all_single(out, inp, **kw)
 
-    def _mpi_call(self, coll: str, bufs: dict, op: str) -> Callable[[], None]:
+    def _mpi_call(self, coll: str, bufs: dict, op: str, start: bool = False) -> Callable:
+        """The MPI library's own collective on ``bufs``. With ``start``, a function
+        that starts its non-blocking form and returns ``(request, after)``, ``after``
+        being what is left to do once it completed (or None)."""
         from mpi4py import MPI
 
         comm, p = self.comm, self.p
         inp, out = bufs["inp"], bufs["out"]
+        after = None
         if coll in REDUCING:
             # numpy views of the same tensors; bfloat16 has no numpy (nor MPI) type.
             try:
@@ -286,28 +332,35 @@ class Calls:
             mop = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
                    "avg": MPI.SUM}[op]
             if op == "avg":  # MPI has no average: sum, then divide, as a user would
-                div = ((lambda t: t.div_(p)) if out.dtype.is_floating_point
-                       else (lambda t: t.copy_(torch.div(t, p, rounding_mode="trunc"))))
-            else:
-                div = None
+                after = ((lambda: out.div_(p)) if out.dtype.is_floating_point
+                         else (lambda: out.copy_(torch.div(out, p, rounding_mode="trunc"))))
             if coll == "allreduce":
-                def call():
-                    comm.Allreduce(MPI.IN_PLACE, no, op=mop)
-                    if div:
-                        div(out)
+                blocking = lambda: comm.Allreduce(MPI.IN_PLACE, no, op=mop)  # noqa: E731
+                begin = lambda: comm.Iallreduce(MPI.IN_PLACE, no, op=mop)  # noqa: E731
             else:
-                def call():
-                    comm.Reduce_scatter_block(ni, no, op=mop)
-                    if div:
-                        div(out)
-            return call
-        bi, bo = inp.view(torch.uint8).numpy(), out.view(torch.uint8).numpy()
-        root = self.root
-        if coll == "broadcast":
-            return lambda: comm.Bcast(bi, root=root)
-        if coll == "allgather":
-            return lambda: comm.Allgather(bi, bo)
-        return lambda: comm.Alltoall(bi, bo)
+                blocking = lambda: comm.Reduce_scatter_block(ni, no, op=mop)  # noqa: E731
+                begin = lambda: comm.Ireduce_scatter_block(ni, no, op=mop)  # noqa: E731
+        else:
+            bi, bo = inp.view(torch.uint8).numpy(), out.view(torch.uint8).numpy()
+            root = self.root
+            if coll == "broadcast":
+                blocking = lambda: comm.Bcast(bi, root=root)  # noqa: E731
+                begin = lambda: comm.Ibcast(bi, root=root)  # noqa: E731
+            elif coll == "allgather":
+                blocking = lambda: comm.Allgather(bi, bo)  # noqa: E731
+                begin = lambda: comm.Iallgather(bi, bo)  # noqa: E731
+            else:
+                blocking = lambda: comm.Alltoall(bi, bo)  # noqa: E731
+                begin = lambda: comm.Ialltoall(bi, bo)  # noqa: E731
+        if start:
+            return lambda: (begin(), after)
+        if after is None:
+            return blocking
+
+        def call():
+            blocking()
+            after()
+        return call
 
 
 def register_null_backend() -> str:

@@ -40,10 +40,14 @@ def header_text(meta: dict, columns: list[Column], args: argparse.Namespace) -> 
         f"# device: {d['cpu']}, {d['cores']} cores, torch threads per rank "
         f"{d['torch_threads_per_rank']}" + (f"; CUDA {d['cuda']}" if d["cuda"] else "; no CUDA"),
         f"# ringcomm: segment {format_size(meta['ringcomm']['segment_bytes'])}, auto tuning "
-        f"{meta['ringcomm']['tuning_file'] or 'built-in'}",
+        f"{meta['ringcomm']['tuning_file'] or 'built-in'}, "
+        f"{meta['ringcomm'].get('num_channels', 1)} channel(s)",
         f"# timing: warm-up {a.warmup}, {iters}, in {a.rounds} rounds across the columns; "
         "time = max over ranks of each rank's median; algbw = size/time; "
         "busbw = algbw * nccl-tests factor",
+        *([f"# concurrent: {a.concurrent} collectives in flight per timed call (each on its "
+            "own buffers); time = all of them, algbw and busbw aggregate"]
+          if a.concurrent > 1 else []),
         "# load average at start: " + " ".join(f"{x:.2f}"
                                                for x in (meta["load_average"]["start"] or [])),
         "# columns: " + "; ".join(f"{c.name} = {c.describe()}" for c in runs),

@@ -76,7 +76,7 @@ class Session:
             raise SystemExit(self.fail(f"-r/--root {args.root} is not a rank of the "
                                        f"{self.p}-rank world"))
         self.columns = self._agreed_columns()
-        self.calls = Calls(self.columns, self.comm, args.root, self.p)
+        self.calls = Calls(self.columns, self.comm, args.root, self.p, self.pg.num_channels)
         self.pick_width = max([5] + [len(n) for coll in args.collectives
                                      for n in ringcomm.REGISTRY.get(coll, {})])
         self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -123,10 +123,14 @@ class Session:
             "device": {"cpu": cpu_model(), "cores": os.cpu_count(), "cuda": cuda,
                        "torch_threads_per_rank": self.threads},
             "ringcomm": {"segment_bytes": self.pg.segment_bytes,
+                         "num_channels": self.pg.num_channels,
                          "tuning_file": a.tuning or settings.get("RINGCOMM_TUNING"),
                          # the variable as given (its choices are in each row's "auto")
                          "RINGCOMM_ALGO": os.environ.get("RINGCOMM_ALGO")},
             "timing": {"warmup": a.warmup, "iters_min": a.iters, "rounds": a.rounds,
+                       # collectives in flight per timed call (time of all of them,
+                       # aggregate bandwidths)
+                       "concurrent": a.concurrent,
                        "min_time_s": a.min_time, "max_iters": a.max_iters,
                        "statistic": "max over ranks of the per-rank median"},
             "load_average": {"start": self.load_start, "end": load_end},

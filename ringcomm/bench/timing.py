@@ -70,8 +70,10 @@ class Bench:
 
     # -- one column at one size ------------------------------------------------
     def prepare(self, col: Column, coll: str, shape: Shape, dtype_name: str, op: str,
-                bufs: dict) -> "Point | tuple[Callable[[], None], Callable[[], None], int | None]":
-        """Check that ``col`` runs this collective (and, with -c, runs it right).
+                bufs: dict, more: list[dict] = ()
+                ) -> "Point | tuple[Callable[[], None], Callable[[], None], int | None]":
+        """Check that ``col`` runs this collective (and, with -c, runs it right: on
+        ``bufs``; with ``--concurrent``, ``more`` holds the other collectives' buffers).
 
         Returns:
             A Point when the column does not run here (skipped, unsupported, error);
@@ -82,7 +84,7 @@ class Bench:
             return Point(col.name, "skipped", reason=col.skipped)
         if key in self._unsupported:
             return Point(col.name, "unsupported", reason=self._unsupported[key])
-        static = static_unsupported(col, coll, dtype_name)
+        static = static_unsupported(col, coll, dtype_name, self.args.concurrent)
         if static:
             self._unsupported[key] = static
             return Point(col.name, "unsupported", reason=static)
@@ -93,7 +95,7 @@ class Bench:
         first = key not in self._ran
         try:
             self._select(col, coll)
-            call = self.s.calls.make_call(col, coll, bufs, op)
+            call = self.s.calls.make_call(col, coll, bufs, op, more)
             if self.args.check and col.kind != "floor":  # the floor computes nothing
                 wrong = check(col.device, coll, shape, dtype_name, op, bufs, call, sync,
                               rank=self.s.rank, p=self.s.p, root=self.args.root)
@@ -159,11 +161,15 @@ class Bench:
         row: dict[str, Point] = {}
         ready: dict[str, tuple] = {}
         bufs_by_dev: dict[str, dict] = {}
+        more_by_dev: dict[str, list[dict]] = {}  # --concurrent: the other collectives' buffers
         for col in self.s.columns:
             progress.step(f"{coll} {dtype_name} {format_size(shape.size)} {col.name}")
             if col.device not in bufs_by_dev and not col.skipped:
                 bufs_by_dev[col.device] = buffers(shape, dtype, col.device, self.s.p)
-            got = self.prepare(col, coll, shape, dtype_name, op, bufs_by_dev.get(col.device, {}))
+                more_by_dev[col.device] = [buffers(shape, dtype, col.device, self.s.p)
+                                           for _ in range(self.args.concurrent - 1)]
+            got = self.prepare(col, coll, shape, dtype_name, op, bufs_by_dev.get(col.device, {}),
+                               more_by_dev.get(col.device, []))
             if isinstance(got, Point):
                 row[col.name] = got
             else:
@@ -219,7 +225,8 @@ class Bench:
         if wrong is not None:
             wrong = sum(e[3] for e in everyone)
         t_us = max(meds)
-        algbw = shape.size / (t_us * 1e-6) / 1e9
+        # --concurrent N: t_us is the time of N collectives; bandwidths are aggregate
+        algbw = shape.size * self.args.concurrent / (t_us * 1e-6) / 1e9
         pt = Point(col.name, "ok", t_us, algbw, algbw * BUSBW_FACTOR[coll](self.s.p), wrong,
                    len(ts), meds, q25s, q75s)
         if col.algo == "auto":
