@@ -22,12 +22,14 @@ from .transport import Channel, Transport
 class Lane:
     """One device's channel and engine."""
 
-    __slots__ = ("tp", "engine", "key", "token", "on_stream")
+    __slots__ = ("tp", "engine", "key", "token", "on_stream", "channel")
 
-    def __init__(self, tp: Channel, engine: Any, on_stream: bool):
+    def __init__(self, tp: Channel, engine: Any, on_stream: bool, channel: int = 0):
         self.tp = tp
         self.engine = engine
         self.key = str(tp.device)
+        #: which of the group's channels on this device (``Options.num_channels``)
+        self.channel = channel
         #: the barrier's one byte
         self.token = torch.zeros(1, dtype=torch.uint8, device=tp.device)
         #: collectives are enqueued on a stream (NCCL), not run to completion (MPI)
@@ -173,9 +175,11 @@ class Lanes:
             lanes = self._devices.get(str(device))
             if lanes is None:
                 lanes = []
-                for _ in range(self.channels):
-                    lanes.append(self._new_nccl_lane(
-                        lib, device, f"ringcomm/nccl/{self._nccl_count}", self.rank, self.size))
+                for k in range(self.channels):
+                    lane = self._new_nccl_lane(lib, device, f"ringcomm/nccl/{self._nccl_count}",
+                                               self.rank, self.size)
+                    lane.channel = k
+                    lanes.append(lane)
                     self._nccl_count += 1
                 self._devices[str(device)] = lanes
         return lanes

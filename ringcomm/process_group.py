@@ -102,7 +102,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         if transports and len(transports) != channels:
             raise ValueError(f"ringcomm: {len(transports)} transports given for "
                              f"num_channels={channels}")
-        cpus = [Lane(tp, Engine(tp, self._channel_name(k, channels)), False)
+        cpus = [Lane(tp, Engine(tp, self._channel_name(k, channels)), False, k)
                 for k, tp in enumerate(transports)]
         self.lanes = Lanes(rank, size, cpus or None, store=store, timeout_s=self._timeout_s,
                            describe=self._describe, cpu_error=cpu_error, nccl=nccl,
@@ -180,6 +180,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """``req.run`` recorded in the trace: its enqueue now, on the caller's thread,
         and its run where it runs (on a stream: the time to issue it)."""
         args = {"group": self._describe(), "seq": self._seq, "device": req.lane.key,
+                "channel": req.lane.channel,
                 "bytes": sum(t.numel() * t.element_size() for t in req.keep
                              if isinstance(t, torch.Tensor))}
         trace.instant(f"enqueue {req.op}", "enqueue", **args)
