@@ -42,6 +42,9 @@ class Engine:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._last: Work | None = None
+        #: called with the error when a collective fails here (the group's other
+        #: channels are then broken too, see ``Lanes``)
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     def fence(self) -> Callable[[], None]:
         """A function that waits (raising its error) until every collective submitted
@@ -143,6 +146,8 @@ class Engine:
             err = self._wrap(op, e, timeout_s)
             self._error = err
             log.error("%s", err)
+            if self.on_failure is not None:
+                self.on_failure(err)
             work._finish(exc=err)
         else:
             tp.end()

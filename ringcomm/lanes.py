@@ -59,6 +59,10 @@ class Lanes:
         if self.cpus and len(self.cpus) != channels:
             raise ValueError(f"ringcomm: {len(self.cpus)} CPU lanes for {channels} channels")
         self.channels = channels
+        for lane in self.cpus:
+            # a failed collective leaves the ranks in an unknown state: the whole group
+            # is unusable, whichever channel it ran on
+            lane.engine.on_failure = self.mark_broken
         #: the channel the next collective runs on (see :meth:`turn_to`)
         self.turn = 0
         self.nccl_type = nccl_type
@@ -179,6 +183,7 @@ class Lanes:
                     lane = self._new_nccl_lane(lib, device, f"ringcomm/nccl/{self._nccl_count}",
                                                self.rank, self.size)
                     lane.channel = k
+                    lane.engine.on_failure = self.mark_broken
                     lanes.append(lane)
                     self._nccl_count += 1
                 self._devices[str(device)] = lanes

@@ -212,6 +212,8 @@ class StreamEngine:
         self._stopped = False
         self._watchdog: threading.Thread | None = None
         self._blocking_wait = settings.get("RINGCOMM_BLOCKING_WAIT")
+        #: called with the error when a collective fails here (see ``Lanes``)
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     def fence(self) -> Callable[[], None]:
         """A function that makes the current stream (another channel's, while it
@@ -306,6 +308,8 @@ class StreamEngine:
             self.tp.abort()
         except Exception as e:  # noqa: BLE001 - already failing; keep the first error
             log.warning("ringcomm: aborting the NCCL communicator failed: %s", e)
+        if self.on_failure is not None:
+            self.on_failure(err)
         return err
 
     def _watch(self) -> None:

@@ -150,3 +150,25 @@ def test_nccl_path_with_channels(size):
 def test_channels_under_launchers(launch, n):
     out = launch(n, "channels_check.py", timeout=240).stdout
     assert_checks(out, f"channels_check {launch.__name__} n={n}", n)
+
+
+def test_a_failure_on_one_channel_breaks_every_channel():
+    """A collective that times out on channel 1 leaves the ranks in an unknown state:
+    the next collectives fail at once with its error, on channel 0 as on channel 1."""
+
+    def run(rank: int, pg):
+        opts = dist.AllreduceOptions()
+        opts.timeout = timedelta(seconds=0.5)
+        if rank == 0:  # rank 1 never joins this allreduce (call 1, channel 1)
+            w = pg.allreduce([torch.ones(3)], opts)
+            with pytest.raises(dist.DistBackendError, match="timed out"):
+                w.wait()
+            errors = []
+            for _ in range(2):  # calls 2 and 3: channels 0 and 1
+                with pytest.raises(dist.DistBackendError, match="unusable") as e:
+                    pg.allreduce([torch.ones(3)]).wait()
+                errors.append(str(e.value))
+            return all("timed out" in m for m in errors)
+        return True
+
+    assert _groups(2, 2, run) == [True, True]
