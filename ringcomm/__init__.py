@@ -116,3 +116,7 @@ if bootstrap.launched_by_mpi():
 dist.Backend.register_backend("ringcomm", _create, extended_api=True, devices=["cpu", "cuda"])
 trace.start_from_environment()
 atexit.register(_shutdown_all)
+
+# The algorithm library registers itself through the public register_algorithm
+# (defined above), as a user's code would; last, so it sees a complete package.
+from . import library  # noqa: E402,F401
