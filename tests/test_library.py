@@ -23,10 +23,10 @@ from ringcomm.testing import run_schedule
 
 NAMES = sorted(ALGORITHMS)
 ALLREDUCE = [n for c, n in NAMES if c == "allreduce"]
-DEPTHS = (1, 2, 5)
+DEPTHS = (1, 5)  # segments per chunk
 #: a few larger world sizes per algorithm (powers of two and not)
-LARGER = {"rabenseifner": (12, 16, 23, 32), "double_tree": (13, 16, 31, 61),
-          "hierarchical": (12, 17), "bruck": (13, 32), "pairwise": (12, 16)}
+LARGER = {"rabenseifner": (12, 32), "double_tree": (13, 32), "hierarchical": (13,),
+          "bruck": (13, 32), "pairwise": (12, 16)}
 #: host layouts for hierarchical: unequal hosts, interleaved ranks, one rank per host
 HOSTS = [(0, 0, 1), (0, 1, 1), (0, 0, 1, 1, 2), (0, 1, 0, 1), (0, 0, 0, 1, 1, 1, 1),
          (0, 1, 2, 3, 4), (0, 0, 0, 0, 0, 1), (0, 0, 1, 2, 2, 2, 3, 3)]
@@ -52,7 +52,7 @@ def test_checker_proves_every_library_algorithm(collective, name):
                 for hosts in ((), _hosts(p)) if name == "hierarchical" else ((),):
                     checker.check(build, collective, p, layout, seg=seg, hosts=hosts)
                     n += 1
-    assert n >= 40
+    assert n >= 25
 
 
 @pytest.mark.parametrize("hosts", HOSTS, ids=[str(h) for h in HOSTS])
