@@ -25,7 +25,6 @@ tested under real launchers far more, stays.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
@@ -37,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import ringcomm  # noqa: E402  (registers the library)
+import ringcomm  # noqa: E402,F401  (registers the library)
 from ringcomm import checker  # noqa: E402
 from ringcomm.algorithms import NATIVE, REGISTRY, select  # noqa: E402
 from ringcomm.bench import model  # noqa: E402
@@ -84,11 +83,8 @@ def joint_fit(doc: dict, collective: str) -> dict:
 
 def copied(collective: str, algorithm: str, p: int, n: int, seg: int) -> int:
     """Bytes rank 0 copies locally (one byte per element, as the model counts)."""
-    layout = model.layout_for(collective, p, n)
-    sched = checker.schedules(REGISTRY[collective][algorithm], collective, p, layout,
-                              seg=seg)[0] if p <= 8 else \
-        REGISTRY[collective][algorithm](Context(collective, p, 0, checker.local_layout(
-            collective, layout, 0, 0), seg=seg))
+    layout = checker.local_layout(collective, model.layout_for(collective, p, n), 0, 0)
+    sched = REGISTRY[collective][algorithm](Context(collective, p, 0, layout, seg=seg))
     return sum(op.dst.n for st in sched.steps for op in st.local if isinstance(op, Copy))
 
 
@@ -152,18 +148,21 @@ def table_check(collective: str, params: dict, p: int, sizes: list[int], band: l
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--results", default=str(ROOT / "docs" / "data" / "compare_2ranks.json"))
-    ap.add_argument("--ranks", default=",".join(map(str, RANKS)))
-    ap.add_argument("--collectives", default=",".join(CANDIDATES))
-    ap.add_argument("--margin", type=float, default=0.10)
-    ap.add_argument("--max-bytes", type=int, default=1 << 30)
+    ap.add_argument("--results", default=str(ROOT / "docs" / "data" / "compare_2ranks.json"),
+                    help="python -m ringcomm.bench --json results to fit the parameters to")
+    ap.add_argument("--ranks", default=",".join(map(str, RANKS)), help="world sizes")
+    ap.add_argument("--collectives", default=",".join(CANDIDATES), help="comma list")
+    ap.add_argument("--margin", type=float, default=0.10,
+                    help="how much faster a library algorithm must be predicted to be")
+    ap.add_argument("--max-bytes", type=int, default=1 << 30, help="largest size scanned")
     ap.add_argument("--json", help="write the parameters and bands here")
     args = ap.parse_args(argv)
-    doc = json.loads(Path(args.results).read_text())
-    sizes = sorted({int(round(2 ** (k / 4))) for k in range(4 * int(math.log2(args.max_bytes)) + 1)})
-    report = {"source": str(Path(args.results).relative_to(ROOT)) if Path(args.results).is_absolute()
-              and ROOT in Path(args.results).parents else args.results,
-              "margin": args.margin, "collectives": {}}
+    results = Path(args.results).resolve()
+    doc = json.loads(results.read_text())
+    octaves = int(math.log2(args.max_bytes))
+    sizes = sorted({int(round(2 ** (k / 4))) for k in range(4 * octaves + 1)})
+    source = str(results.relative_to(ROOT)) if ROOT in results.parents else str(results)
+    report = {"source": source, "margin": args.margin, "collectives": {}}
     for coll in args.collectives.split(","):
         params = joint_fit(doc, coll)
         print(f"# {coll}: alpha {params['alpha'] * 1e6:.1f} us, beta "

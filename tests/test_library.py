@@ -403,3 +403,27 @@ def test_a_tuning_file_default_replaces_the_builtin_size_rows(tmp_path):
     f.write_text(json.dumps({"allreduce": {"<=4": [[None, "tree"]]}}))
     with pytest.raises(ValueError, match="bad key '<=4'"):
         select.load_tuning(str(f))
+
+
+def test_shipped_rows_follow_the_cost_model(tmp_path):
+    """The library's rows in DEFAULT_TUNING are within 30% (predicted) of the model's
+    choice at every size (scripts/library_tuning.py; the rest of its world sizes are in
+    docs/data/library_tuning.json), and the committed bands are the script's."""
+    import importlib.util
+    import json
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("library_tuning",
+                                                  ROOT / "scripts" / "library_tuning.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "bands.json"
+    assert script.main(["--ranks", "5,8", "--collectives", "allreduce,allgather",
+                        "--json", str(out)]) == 0
+    fresh = json.loads(out.read_text())["collectives"]
+    committed = json.loads((ROOT / "docs" / "data" / "library_tuning.json").read_text())
+    for coll, report in fresh.items():
+        for p, got in report["bands"].items():
+            assert got["shipped_table"]["worst_slowdown"] <= 1.3, (coll, p, got)
+            assert got == committed["collectives"][coll]["bands"][p], (coll, p)

@@ -41,11 +41,13 @@ def _lookup(collective: str, inter: "str | Build") -> Build:
     replaced registration is followed), or the builder itself."""
     if callable(inter):
         return inter
-    build = ringcomm.REGISTRY[collective].get(inter)
+    algos = ringcomm.REGISTRY[collective]
+    build = algos.get(inter)
     if build is None or not callable(build):
+        builders = sorted(name for name, f in algos.items() if callable(f))
         raise ValueError(f"hierarchical: {collective} algorithm {inter!r} is not a registered "
                          f"schedule builder (native and unknown names cannot be composed); "
-                         f"builders: {sorted(n for n, f in ringcomm.REGISTRY[collective].items() if callable(f))}")
+                         f"builders: {builders}")
     return build
 
 
