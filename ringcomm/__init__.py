@@ -2,7 +2,8 @@
 
 ``import ringcomm`` registers the ``"ringcomm"`` backend; under ``mpiexec`` it
 also fills in the rendezvous variables, so ``dist.init_process_group("ringcomm")``
-works unchanged under ``mpiexec`` and ``torchrun``.
+works unchanged under ``mpiexec`` and ``torchrun``. It also registers the
+algorithms of :mod:`ringcomm.library` (written, like a user's, with the public API).
 """
 from __future__ import annotations
 

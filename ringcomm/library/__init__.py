@@ -5,15 +5,17 @@ outside ringcomm would write one. ``import ringcomm`` registers them.
 ======================  ============  ==================================================
 algorithm               collective    steps (p ranks, k segments per message)
 ======================  ============  ==================================================
-``rabenseifner``        allreduce     2 log2 p' (+2 if p is not a power of two p'), x k
-``double_tree``         allreduce     2 (k + 1); depth ~ log2 p rounds of latency
+``rabenseifner``        allreduce     2 log2 p' (+2 if p is not a power p' of two), x k
+``double_tree``         allreduce     about k + 2 log2 p rounds (k segments per half)
 ``hierarchical``        allreduce     binomial within hosts + any allreduce across them
 ``bruck``               allgather     ceil(log2 p) + a local rotation
 ``pairwise``            alltoall      p - 1
 ======================  ============  ==================================================
 
 Being registered, not built in, they are checked (:func:`ringcomm.checker.check`)
-on the first use of each call shape, as a user's algorithm is.
+on the first use of each call shape, as a user's algorithm is. ``auto`` picks them
+where the cost model says they win (``ringcomm/algorithms/select.py``); the
+tutorial ``docs/writing-an-algorithm.md`` rebuilds Rabenseifner step by step.
 """
 from __future__ import annotations
 
