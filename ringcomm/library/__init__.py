@@ -5,7 +5,7 @@ outside ringcomm would write one. ``import ringcomm`` registers them.
 ======================  ============  ==================================================
 algorithm               collective    steps (p ranks, k segments per message)
 ======================  ============  ==================================================
-``rabenseifner``        allreduce     2 log2 p' (+2 if p is not a power p' of two), x k
+``rabenseifner``        allreduce     2 log2 q, +2 if p > q (q: largest power of 2 <= p)
 ``double_tree``         allreduce     about k + 2 log2 p rounds (k segments per half)
 ``hierarchical``        allreduce     binomial within hosts + any allreduce across them
 ``bruck``               allgather     ceil(log2 p) + a local rotation
