@@ -2,7 +2,8 @@
 
 ``import ringcomm`` registers the ``"ringcomm"`` backend; under ``mpiexec`` it
 also fills in the rendezvous variables, so ``dist.init_process_group("ringcomm")``
-works unchanged under ``mpiexec`` and ``torchrun``.
+works unchanged under ``mpiexec`` and ``torchrun``. It also registers the
+algorithms of :mod:`ringcomm.library` (written, like a user's, with the public API).
 """
 from __future__ import annotations
 
@@ -116,3 +117,7 @@ if bootstrap.launched_by_mpi():
 dist.Backend.register_backend("ringcomm", _create, extended_api=True, devices=["cpu", "cuda"])
 trace.start_from_environment()
 atexit.register(_shutdown_all)
+
+# The algorithm library registers itself through the public register_algorithm
+# (defined above), as a user's code would; last, so it sees a complete package.
+from . import library  # noqa: E402,F401

@@ -65,7 +65,7 @@ class Planner:
         """The algorithm a ``collective`` of ``nbytes`` per rank runs."""
         name = self.algos[collective]
         if name == "auto":
-            name = select.choose(self._tuning, collective, nbytes, self.size)
+            name = select.choose(self._tuning, collective, nbytes, self.size, self.hosts)
             if log.isEnabledFor(logging.INFO):
                 key = (collective, name, max(nbytes, 1).bit_length())
                 if key not in self._logged:

@@ -28,11 +28,19 @@ Example: a two-rank exchange that sums a buffer::
         b.step(sends=[(peer, (DATA, 0, n))], recvs=[(peer, (tmp, 0, n))],
                local=[Reduce((DATA, 0, n), (tmp, 0, n))])
         return b.build()
+
+Helpers for writing builders, public so that an algorithm written outside
+ringcomm uses the same pieces as the built-in ones: :func:`split_even` (a region
+cut into nearly equal chunks), :func:`pieces` (a region cut into pipeline
+segments), :func:`binomial_tree` (parent and children in a binomial tree),
+:data:`WINDOW` (scratch slots per receiving peer in pipelined reductions) and
+:meth:`Builder.include` (another schedule, of a subgroup, appended to this one:
+how hierarchical algorithms compose).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 
 class ScheduleError(ValueError):
@@ -110,7 +118,7 @@ class Context:
     def segments(self, off: int, n: int) -> list[tuple[int, int]]:
         """``(offset, length)`` pieces of at most ``seg`` elements covering ``n``
         elements from ``off``; none when ``n`` is 0."""
-        return [(a, min(self.seg, off + n - a)) for a in range(off, off + n, self.seg)]
+        return [(rg.off, rg.n) for rg in pieces(Region(0, off, n), self.seg)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +133,74 @@ class Schedule:
         if buf < self.nbuffers:
             return caller_lens[buf]
         return self.scratch[buf - self.nbuffers]
+
+
+#: scratch slots per receiving peer in pipelined reductions: the MPI executor may
+#: post that many receives ahead, so scratch memory stays bounded (``WINDOW``
+#: segments per peer) whatever the message size
+WINDOW = 4
+
+
+def split_even(rg: "Region | tuple", parts: int) -> list[Region]:
+    """``parts`` consecutive regions covering ``rg`` whose lengths differ by at most
+    one (the first ``rg.n % parts`` are the longer ones); some are empty when
+    ``rg.n < parts``. Every rank computes the same split from the same length, which
+    is what lets ranks agree on chunk boundaries without exchanging them.
+
+    Raises:
+        ValueError: ``parts`` < 1.
+
+    Example::
+
+        >>> [r.n for r in split_even((0, 0, 10), 4)]
+        [3, 3, 2, 2]
+    """
+    rg = _region(rg)
+    if parts < 1:
+        raise ValueError(f"split_even: parts must be at least 1, got {parts}")
+    base, extra = divmod(rg.n, parts)
+    out, a = [], rg.off
+    for i in range(parts):
+        ln = base + (1 if i < extra else 0)
+        out.append(Region(rg.buf, a, ln))
+        a += ln
+    return out
+
+
+def pieces(rg: "Region | tuple", seg: int) -> list[Region]:
+    """``rg`` cut into pipeline segments of at most ``seg`` elements, in order (none
+    when ``rg`` is empty). Pass ``ctx.seg`` to cut as the group's segment size says.
+
+    Raises:
+        ValueError: ``seg`` < 1.
+    """
+    rg = _region(rg)
+    if seg < 1:
+        raise ValueError(f"pieces: seg must be at least 1, got {seg}")
+    end = rg.off + rg.n
+    return [Region(rg.buf, a, min(seg, end - a)) for a in range(rg.off, end, seg)]
+
+
+def binomial_tree(rank: int, size: int, root: int = 0) -> tuple[int | None, list[int]]:
+    """Parent (None at the root) and children of ``rank`` in a binomial tree of
+    ``size`` ranks rooted at ``root``: depth ceil(log2 size).
+
+    With the relative rank ``v = rank - root (mod size)``, the parent clears v's
+    lowest set bit and the children are ``v + 2**k`` for every ``2**k`` below that
+    bit. Children come largest subtree first, the order in which a broadcast
+    should feed them.
+    """
+    if not 0 <= rank < size or not 0 <= root < size:
+        raise ValueError(f"binomial_tree: rank {rank} and root {root} must be in "
+                         f"0..{size - 1}")
+    v = (rank - root) % size
+    parent = None if v == 0 else ((v & (v - 1)) + root) % size
+    low = v & -v if v else 1 << size.bit_length()
+    kids, k = [], 1
+    while k < low and v + k < size:
+        kids.append((v + k + root) % size)
+        k <<= 1
+    return parent, kids[::-1]
 
 
 def _region(r) -> Region:
@@ -164,6 +240,84 @@ class Builder:
     def local(self, *ops) -> None:
         """Append local work only (no messages), e.g. copying the input into place."""
         self.step(local=ops)
+
+    def include(self, sub: Schedule, ranks: Sequence[int],
+                buffers: Sequence["int | Region | tuple"] | Mapping[int, "int | Region | tuple"]
+                ) -> None:
+        """Append the steps of ``sub``, a schedule built for a subgroup, to this one.
+
+        ``sub`` is this rank's schedule of a collective among ``ranks`` (its rank
+        ``i`` is this group's rank ``ranks[i]``), built by any builder from a
+        :class:`Context` of the subgroup. Its peers are mapped through ``ranks``, its
+        caller buffers onto this builder's regions through ``buffers``, and each of
+        its scratch buffers becomes a new scratch buffer here. Every rank of the
+        subgroup must include its own schedule at the same point of its steps (the
+        others include nothing), so messages still match in order.
+
+        Args:
+            sub: the subgroup schedule of this rank (``sub.ctx.rank`` is this rank's
+                position in ``ranks``).
+            ranks: this group's rank of each subgroup rank.
+            buffers: for each of ``sub``'s caller buffers (in the order of
+                :data:`BUFFERS`), where it lives here: a buffer id (from offset 0) or a
+                region ``(buffer, offset, length)`` whose length is that buffer's.
+                A mapping ``{sub buffer: target}`` may leave out buffers ``sub``
+                does not use.
+        Raises:
+            ValueError: ``ranks`` does not fit ``sub`` (size, duplicates, out of range,
+                or not placing this rank at ``sub.ctx.rank``), or a buffer is missing or
+                has the wrong length.
+
+        Example: an allreduce among the even ranks, by any registered builder::
+
+            evens = list(range(0, ctx.size, 2))
+            if ctx.rank in evens:
+                sub = ring_allreduce(Context("allreduce", len(evens), evens.index(ctx.rank),
+                                             ctx.layout, seg=ctx.seg))
+                b.include(sub, ranks=evens, buffers=[0])
+        """
+        me, sctx = self.ctx, sub.ctx
+        ranks = [int(x) for x in ranks]
+        where = f"Builder.include ({sctx.collective} of {sctx.size} ranks into rank {me.rank})"
+        if len(ranks) != sctx.size:
+            raise ValueError(f"{where}: ranks lists {len(ranks)} ranks, the schedule was built "
+                             f"for {sctx.size}")
+        if len(set(ranks)) != len(ranks) or any(not 0 <= x < me.size for x in ranks):
+            raise ValueError(f"{where}: ranks {ranks} must be distinct ranks of this group "
+                             f"(0..{me.size - 1})")
+        if ranks[sctx.rank] != me.rank:
+            raise ValueError(f"{where}: the schedule is subgroup rank {sctx.rank}'s, which "
+                             f"ranks maps to rank {ranks[sctx.rank]}, not to this rank")
+        targets = dict(buffers) if isinstance(buffers, Mapping) else dict(enumerate(buffers))
+        lens = buffer_lengths(sctx)
+        base: dict[int, Region] = {}
+        for i, t in targets.items():
+            if not 0 <= i < sub.nbuffers:
+                raise ValueError(f"{where}: buffers names buffer {i}; the schedule has "
+                                 f"{sub.nbuffers} caller buffers")
+            if isinstance(t, int):
+                t = Region(t, 0, lens[i] or 0)
+            t = _region(t)
+            if lens[i] is not None and t.n != lens[i]:
+                raise ValueError(f"{where}: buffer {i} has {lens[i]} elements, but is mapped "
+                                 f"onto {tuple(t)} of {t.n}")
+            base[i] = t
+        fresh = [self.scratch(n) for n in sub.scratch]
+
+        def region(rg: Region) -> Region:
+            if rg.buf >= sub.nbuffers:
+                return Region(fresh[rg.buf - sub.nbuffers], rg.off, rg.n)
+            t = base.get(rg.buf)
+            if t is None:
+                raise ValueError(f"{where}: the schedule uses its buffer {rg.buf}, which "
+                                 "buffers does not map")
+            return Region(t.buf, t.off + rg.off, rg.n)
+
+        for st in sub.steps:
+            self._steps.append(Step(
+                tuple(Xfer(ranks[x.peer], region(x.region)) for x in st.sends),
+                tuple(Xfer(ranks[x.peer], region(x.region)) for x in st.recvs),
+                tuple(type(op)(region(op.dst), region(op.src)) for op in st.local)))
 
     def build(self) -> Schedule:
         return Schedule(self.ctx, self._nbuf, tuple(self._scratch), tuple(self._steps))

@@ -120,3 +120,45 @@ def assert_checks(out: str, key: str, n: int) -> list[int]:
         pytest.fail(f"{key}: ranks ran {counts} checks, expected {want} (if checks were added "
                     "or removed on purpose, re-record with RINGCOMM_RECORD_CHECKS=1)")
     return counts
+
+
+def torchrun_nodes(nodes: int, per_node: int, program: str, *args: str, timeout: float = 120,
+                   env: dict | None = None) -> str:
+    """Run tests/ranks/``program`` as ``nodes`` torchrun agents on this machine, each
+    its own "node" (``--nnodes``/``--node-rank``, static rendezvous on 127.0.0.1), so
+    torch's node rank (GROUP_RANK) tells the ranks apart as hosts. Returns the agents'
+    stdout joined; fails the test if any agent fails or the run passes ``timeout``."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = program if os.path.sep in program else str(RANKS / program)
+    cmds = [[sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+             f"--node-rank={i}", f"--nproc-per-node={per_node}", "--rdzv-backend=static",
+             "--master-addr=127.0.0.1", f"--master-port={port}", path, *args]
+            for i in range(nodes)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for cmd in cmds]
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        rest = [proc.communicate() for proc in procs[len(outs):]]
+        pytest.fail(f"timed out after {timeout}s: {nodes} torchrun agents of {program}\n"
+                    + "\n".join(f"--- agent {i}\n{o[-3000:]}\n{e[-3000:]}"
+                                for i, (o, e) in enumerate(outs + rest)))
+    bad = [i for i, proc in enumerate(procs) if proc.returncode != 0]
+    if bad:
+        pytest.fail(f"torchrun agents {bad} failed: {program}\n" + "\n".join(
+            f"--- agent {i} (exit {procs[i].returncode})\n{o[-4000:]}\n{e[-4000:]}"
+            for i, (o, e) in enumerate(outs)))
+    return "".join(o for o, _ in outs)

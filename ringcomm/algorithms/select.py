@@ -6,14 +6,33 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from .. import settings
 
 log = logging.getLogger("ringcomm")
 
-#: collective -> list of [max_bytes, algorithm] rows, first match wins; a
-#: ``max_bytes`` of None matches everything. Rows keyed by world size override
-#: the "default" rows for that size.
+MiB = 1 << 20
+
+
+def _allreduce_rows(rabenseifner: int, double_tree: int = 0) -> list:
+    """The built-in allreduce rows with the library's algorithms taking over the ring's
+    band: rabenseifner up to ``rabenseifner`` bytes, then double_tree up to
+    ``double_tree`` (0: not at all), then the ring."""
+    rows: list = [[16384, "recursive_doubling"], [65536, "tree"], [rabenseifner, "rabenseifner"]]
+    if double_tree:
+        rows.append([double_tree, "double_tree"])
+    return rows + [[None, "ring"]]
+
+
+#: collective -> {key: list of [max_bytes, algorithm] rows}; in a list the first
+#: row whose ``max_bytes`` is at least the call's bytes wins (None matches
+#: everything). ``nbytes`` is the whole buffer for allreduce, broadcast and
+#: reduce, one rank's chunk for allgather and reduce_scatter, 0 (size unknown to
+#: the other ranks) for alltoall, gather and scatter. Keys, most specific first:
+#: ``"hosts"`` (the group spans several hosts and some host holds several of its
+#: ranks), an exact world size (``"4"``), a range ``">=N"`` (world sizes from N on,
+#: the largest such N that fits wins), ``"default"``.
 DEFAULT_TUNING: dict[str, dict[str, list]] = {
     # Recursive doubling needs log2 p exchanges, a tree 2 log2 p steps, a ring
     # 2(p-1): the fewer steps win while latency dominates; the ring's bandwidth
@@ -21,23 +40,72 @@ DEFAULT_TUNING: dict[str, dict[str, list]] = {
     "allreduce": {"default": [[16384, "recursive_doubling"], [65536, "tree"], [None, "ring"]],
                   # Measured (scripts/compare_collectives.py, docs/benchmarks.md): on two
                   # ranks one whole-buffer exchange beats the ring up to about 450 KiB.
-                  "2": [[458752, "recursive_doubling"], [None, "ring"]]},
+                  "2": [[458752, "recursive_doubling"], [None, "ring"]],
+                  # The library's allreduces, where the cost model says they beat the
+                  # built-in row above by more than 10%: scripts/library_tuning.py with
+                  # alpha 54.2 us, beta 0.115 ns/B fitted jointly to the measured ring,
+                  # tree and recursive doubling in docs/data/compare_2ranks.json, gamma
+                  # 0.073 ns/B as measured there (bands in docs/data/library_tuning.json).
+                  # Rabenseifner sends what the ring sends in 2 log2 p steps instead of
+                  # 2(p-1): on a power of two it wins up to about p MiB ...
+                  "4": _allreduce_rows(3 * MiB),       # model: 45 KiB - 3.4 MiB, x1.29
+                  "8": _allreduce_rows(8 * MiB),       # model: 38 KiB - 8 MiB, x1.69
+                  "16": _allreduce_rows(16 * MiB),     # model: 27 KiB - 16 MiB, x2.2
+                  "32": _allreduce_rows(32 * MiB),     # model: 23 KiB - 32 MiB, x2.9
+                  "64": _allreduce_rows(64 * MiB),     # model: 23 KiB - 64 MiB, x4.1
+                  "128": _allreduce_rows(128 * MiB),   # model: 23 KiB - 128 MiB, x4
+                  # ... elsewhere its fold (a whole-buffer message each way for the
+                  # extra ranks) costs it the larger sizes; there the double tree (log p
+                  # latency, the ring's bytes) beats the ring in a band below its
+                  # bandwidth-optimal sizes on many ranks. Each range's threshold is the
+                  # model's at its smallest world size (it grows with p).
+                  "256": _allreduce_rows(128 * MiB, 352 * MiB),  # 128 MiB; dt 152-362 MiB
+                  ">=5": _allreduce_rows(192 << 10),   # 5: 76-215 KiB
+                  ">=6": _allreduce_rows(512 << 10),   # 6: 76-512 KiB
+                  ">=7": _allreduce_rows(768 << 10),   # 7: 76-861 KiB
+                  ">=9": _allreduce_rows(1 * MiB),     # 9: 76 KiB-1 MiB; 10: -1.2 MiB
+                  ">=12": _allreduce_rows(3 * MiB // 2),  # 12: 76 KiB-1.7 MiB
+                  ">=24": _allreduce_rows(4 * MiB),    # 24: -4 MiB
+                  ">=48": _allreduce_rows(5 * MiB, 16 * MiB),   # 48: -5.7 MiB; dt 6.7-19 MiB
+                  ">=96": _allreduce_rows(6 * MiB, 64 * MiB),   # 96: -6.7 MiB; dt 8-90 MiB
+                  # Several ranks per host on several hosts: reduce within hosts, only
+                  # the hosts' first ranks talk across (at every size, as MPICH's
+                  # SMP-aware allreduce does by default): the model has one link speed,
+                  # so this row rests on inter-host links being the slow ones.
+                  "hosts": [[None, "hierarchical"]]},
     # A binomial tree sends log2 p copies from the root; a chain sends one per rank.
     "broadcast": {"default": [[262144, "tree"], [None, "ring"]],
                   "2": [[None, "tree"]], "3": [[None, "tree"]]},
     "reduce": {"default": [[None, "tree"]]},
-    "allgather": {"default": [[None, "ring"]]},
+    # Bruck: ceil(log2 p) steps against the ring's p-1, the same bytes, plus a copy of
+    # the whole output (its rotation). By the model above (alpha 130 us, beta 0.251
+    # ns/B from the measured ring allgather; copies at gamma) it wins up to the bytes
+    # per chunk below; on 3 ranks (2 steps either way) never. Its scratch is the
+    # whole output (p chunks), which these thresholds keep below p * 512 KiB.
+    "allgather": {"default": [[None, "ring"]],
+                  ">=4": [[196608, "bruck"], [None, "ring"]],   # 4, 5: up to 215 KiB
+                  ">=6": [[327680, "bruck"], [None, "ring"]],   # 6: 340 KiB; 7: 410 KiB
+                  ">=8": [[524288, "bruck"], [None, "ring"]]},  # 8: 512 KiB; 64: 1 MiB
     "reduce_scatter": {"default": [[None, "ring"]]},
     "barrier": {"default": [[None, "dissemination"]]},
     "gather": {"default": [[None, "linear"]]},
     "scatter": {"default": [[None, "linear"]]},
+    # No pairwise row: alltoall is chosen without a size (ranks may send different
+    # amounts), and the model, which counts the busiest rank's bytes but not
+    # congestion, never has pairwise (p-1 steps) beat linear (1 step, same bytes).
+    # Select it for large exchanges on a congested network:
+    # ringcomm.set_algorithm("alltoall", "pairwise").
     "alltoall": {"default": [[None, "linear"]]},
 }
+
+_KEY = re.compile(r"default|hosts|\d+|>=\d+")
 
 
 def load_tuning(path: str | None = None) -> dict[str, dict[str, list]]:
     """The tuning table: DEFAULT_TUNING overlaid with the JSON file at ``path``
-    (or ``$RINGCOMM_TUNING``).
+    (or ``$RINGCOMM_TUNING``), key by key; a file that sets a collective's
+    ``"default"`` replaces all the built-in rows of that collective but ``"hosts"``
+    (the built-in world-size rows refine the built-in default, not the file's).
 
     Raises:
         ValueError: the file is unreadable or not of the expected shape.
@@ -54,7 +122,12 @@ def load_tuning(path: str | None = None) -> dict[str, dict[str, list]]:
         for coll, rows_by_size in loaded.items():
             if coll not in table:
                 raise ValueError(f"unknown collective {coll!r}")
+            if "default" in rows_by_size:
+                table[coll] = {k: v for k, v in table[coll].items() if k == "hosts"}
             for key, rows in rows_by_size.items():
+                if not _KEY.fullmatch(str(key)):
+                    raise ValueError(f"{coll}: bad key {key!r} (a world size, '>=N', "
+                                     "'hosts' or 'default')")
                 for max_bytes, algo in rows:
                     if not (max_bytes is None or isinstance(max_bytes, int)) or not isinstance(algo, str):
                         raise ValueError(f"bad row {[max_bytes, algo]!r} for {coll}/{key}")
@@ -67,10 +140,24 @@ def load_tuning(path: str | None = None) -> dict[str, dict[str, list]]:
     return table
 
 
-def choose(table: dict, collective: str, nbytes: int, world_size: int) -> str:
-    """Algorithm name for a ``collective`` of ``nbytes`` per rank on ``world_size`` ranks."""
+def multi_host(hosts: tuple) -> bool:
+    """Whether a group with this host layout (:class:`ringcomm.schedule.Context`)
+    spans several hosts and holds several ranks on at least one of them."""
+    return bool(hosts) and len(set(hosts)) < len(hosts)
+
+
+def choose(table: dict, collective: str, nbytes: int, world_size: int,
+           hosts: tuple = ()) -> str:
+    """Algorithm name for a ``collective`` of ``nbytes`` on ``world_size`` ranks laid
+    out on ``hosts`` (see :data:`DEFAULT_TUNING` for which rows apply)."""
     rows_by_size = table[collective]
-    rows = rows_by_size.get(str(world_size), rows_by_size["default"])
+    rows = rows_by_size.get("hosts") if multi_host(hosts) else None
+    if rows is None:
+        rows = rows_by_size.get(str(world_size))
+    if rows is None:
+        ranges = [int(k[2:]) for k in rows_by_size if k.startswith(">=")]
+        fits = [lo for lo in ranges if lo <= world_size]
+        rows = rows_by_size[f">={max(fits)}"] if fits else rows_by_size["default"]
     for max_bytes, algo in rows:
         if max_bytes is None or nbytes <= max_bytes:
             return algo

@@ -1,0 +1,40 @@
+"""A library of collective algorithms, each written only through ringcomm's public
+API (:mod:`ringcomm.schedule` and :func:`ringcomm.register_algorithm`), as a user
+outside ringcomm would write one. ``import ringcomm`` registers them.
+
+======================  ============  ==================================================
+algorithm               collective    steps (p ranks, k segments per message)
+======================  ============  ==================================================
+``rabenseifner``        allreduce     2 log2 q, +2 if p > q (q: largest power of 2 <= p)
+``double_tree``         allreduce     about k + 2 log2 p rounds (k segments per half)
+``hierarchical``        allreduce     binomial within hosts + any allreduce across them
+``bruck``               allgather     ceil(log2 p) + a local rotation
+``pairwise``            alltoall      p - 1
+======================  ============  ==================================================
+
+Being registered, not built in, they are checked (:func:`ringcomm.checker.check`)
+on the first use of each call shape, as a user's algorithm is. ``auto`` picks them
+where the cost model says they win (``ringcomm/algorithms/select.py``); the
+tutorial ``docs/writing-an-algorithm.md`` rebuilds Rabenseifner step by step.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ringcomm import register_algorithm
+
+from . import bruck, double_tree, hierarchical, pairwise, rabenseifner
+
+#: (collective, name) -> builder, for every algorithm this package registers
+ALGORITHMS: dict[tuple[str, str], Callable] = {
+    ("allreduce", "rabenseifner"): rabenseifner.allreduce,
+    ("allreduce", "double_tree"): double_tree.allreduce,
+    ("allreduce", "hierarchical"): hierarchical.allreduce,
+    ("allgather", "bruck"): bruck.allgather,
+    ("alltoall", "pairwise"): pairwise.alltoall,
+}
+
+for (_collective, _name), _build in ALGORITHMS.items():
+    register_algorithm(_collective, _name, _build)
+
+__all__ = ["ALGORITHMS", "bruck", "double_tree", "hierarchical", "pairwise", "rabenseifner"]

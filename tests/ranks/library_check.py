@@ -1,0 +1,242 @@
+"""Per-rank program: the algorithm library (ringcomm/library) under a real launcher,
+against gloo on the same ranks (same call, same inputs) and, where gloo lacks an
+op or a form, against a single-process computation from every rank's inputs.
+
+* allreduce with ``rabenseifner``, ``double_tree`` and ``hierarchical``: every reduce
+  op and dtype on an odd size (gloo's where it has them, the local oracle for AVG and
+  the rest), sizes 0, 1, p-1 and 7, and 3 MiB on the world group (2 MiB segments) and
+  on a group with 64 KiB segments (dozens of segments per call);
+* allgather with ``bruck``: ``all_gather`` (equal and uneven sizes) and
+  ``all_gather_into_tensor``;
+* alltoall with ``pairwise``: ``all_to_all_single`` (equal, uneven with zeros) and
+  ``all_to_all`` lists;
+* the host layout the group saw (``--hosts 0,0,1`` or ``--hosts none`` for one host)
+  and that ``auto`` runs ``hierarchical`` on a multi-host layout.
+
+Run under mpiexec or torchrun; exits non-zero listing every failed check.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import ringcomm
+from _common import Checker
+
+R = dist.ReduceOp
+OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
+          torch.int64, torch.int8, torch.uint8)
+ALLREDUCE = ("rabenseifner", "double_tree", "hierarchical")
+
+
+def valid(op: str, dtype: torch.dtype) -> bool:
+    return not (op in ("BAND", "BOR", "BXOR") and dtype.is_floating_point)
+
+
+def data(rank: int, n: int, dtype: torch.dtype, op: str = "SUM", salt: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s input, the same on every rank that asks; small integers so that
+    every reduction is exact in every dtype whatever the order (products of at most a
+    few factors of 2, so int8 and uint8 do not overflow on 5 ranks)."""
+    g = torch.Generator().manual_seed(1000003 * rank + 7919 * n + 31 * salt + len(op))
+    if op == "PRODUCT":
+        v = torch.randint(1 if dtype == torch.uint8 else -1, 3, (n,), generator=g)
+        v[v == 0] = 1
+    elif op in ("BAND", "BOR", "BXOR"):
+        v = torch.randint(0, 120, (n,), generator=g)
+    elif dtype == torch.uint8:
+        v = torch.randint(0, 40, (n,), generator=g)
+    else:
+        v = torch.randint(-20, 21, (n,), generator=g)
+    return v.to(dtype)
+
+
+def oracle(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """The reduction computed in one process with torch, independent of ringcomm."""
+    dtype = inputs[0].dtype
+    wide = torch.stack([t.to(torch.float64 if dtype.is_floating_point else torch.int64)
+                        for t in inputs])
+    if op in ("SUM", "AVG"):
+        out = wide.sum(0)
+        if op == "AVG":  # NCCL's ncclAvg: integers truncate
+            out = out / len(inputs) if dtype.is_floating_point else \
+                torch.div(out, len(inputs), rounding_mode="trunc")
+    elif op == "PRODUCT":
+        out = wide.prod(0)
+    elif op == "MIN":
+        out = wide.amin(0)
+    elif op == "MAX":
+        out = wide.amax(0)
+    else:
+        out = wide[0].clone()
+        for x in wide[1:]:
+            out = {"BAND": out & x, "BOR": out | x, "BXOR": out ^ x}[op]
+    return out.to(dtype)
+
+
+def same(a, b) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hosts", default="none",
+                    help="the host layout the group must see: 'none' (one host) or 0,0,1,...")
+    ap.add_argument("--quick", action="store_true",
+                    help="two dtypes (float32, int32) instead of all eight: for the runs "
+                         "that exercise a launcher, not the algorithms")
+    args = ap.parse_args()
+    dtypes = (torch.float32, torch.int32) if args.quick else DTYPES
+    dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
+    rank, p = dist.get_rank(), dist.get_world_size()
+    c = Checker(rank)
+    gloo = dist.new_group(backend="gloo")
+    small_seg = dist.new_group(backend="ringcomm", pg_options=ringcomm.Options(segment_bytes=65536))
+
+    # --- the host layout, from the launcher or RINGCOMM_LOCAL_SIZE ------------------------
+    want_hosts = () if args.hosts == "none" else tuple(int(h) for h in args.hosts.split(","))
+    hosts = ringcomm.get_group().planner.hosts
+    c.check(hosts == want_hosts, f"host layout {hosts}, expected {want_hosts}")
+    c.check(ringcomm.get_group(small_seg).planner.hosts == want_hosts, "subgroup host layout")
+    multi = bool(want_hosts) and len(set(want_hosts)) < len(want_hosts)
+    for nbytes in (8, 1 << 20):
+        chosen = ringcomm.get_group().algorithm_for("allreduce", nbytes)
+        c.check((chosen == "hierarchical") == multi,
+                f"auto chose {chosen} for {nbytes} B on hosts {want_hosts}")
+    # auto (hierarchical on several hosts) gives the right sum
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t)
+    c.check(same(t, torch.full((5,), p * (p + 1) / 2)), "auto allreduce")
+
+    # Gloo is the slow side here (several ms a call on oversubscribed cores), and its
+    # answer does not depend on our algorithm: one gloo call per case, every algorithm
+    # compared with it.
+    def reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
+        ref = inputs[rank].clone()
+        try:
+            dist.all_reduce(ref, op=getattr(R, op), group=gloo)
+        except (RuntimeError, ValueError):  # gloo lacks it (AVG, some dtypes)
+            ref = oracle(inputs, op)
+        return ref
+
+    def allreduce_case(what: str, inputs: list[torch.Tensor], op: str, want: torch.Tensor,
+                       group=None) -> None:
+        for algo in ALLREDUCE:
+            ringcomm.set_algorithm("allreduce", algo, group=group)
+            ours = inputs[rank].clone()
+            name = f"allreduce[{algo}] {what}"
+            if c.run(name, dist.all_reduce, ours, op=getattr(R, op), group=group) is None:
+                c.check(same(ours, want), f"{name}: got {ours[:6].tolist()}, want "
+                                          f"{want[:6].tolist()}")
+        ringcomm.set_algorithm("allreduce", "auto", group=group)
+
+    # --- allreduce: every op x dtype (odd size: uneven blocks and halves) ------------------
+    for op in OPS:
+        for dtype in dtypes:
+            if valid(op, dtype):
+                inputs = [data(q, 1001, dtype, op) for q in range(p)]
+                allreduce_case(f"{op} {dtype} n=1001", inputs, op, reference(inputs, op))
+    # --- sizes: empty, one element, fewer than the ranks, odd --------------------------------
+    # (dtypes of one size: every new call shape is checked on first use, like a user's
+    # algorithm, and that check is most of this program's time on oversubscribed cores)
+    for n in sorted({0, 1, max(p - 1, 1), 7}):
+        for dtype, op in ((torch.float32, "SUM"), (torch.int32, "MAX"), (torch.float32, "AVG")):
+            inputs = [data(q, n, dtype, op) for q in range(p)]
+            allreduce_case(f"{op} {dtype} n={n}", inputs, op, reference(inputs, op))
+    # --- a few MiB: a couple of 2 MiB segments on the world group, dozens of 64 KiB ones on
+    # the other. Floats against gloo with a tolerance; integers bit for bit.
+    n = (3 << 20) // 4 + 1
+    x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    ref = x.clone()
+    dist.all_reduce(ref, group=gloo)
+    big = [data(q, n, torch.int32) for q in range(p)]
+    want = oracle(big, "SUM")
+    for group, gname in ((None, "world"), (small_seg, "seg64k")):
+        for algo in ALLREDUCE:
+            ringcomm.set_algorithm("allreduce", algo, group=group)
+            ours = x.clone()
+            what = f"allreduce[{algo},{gname}] float32 n={n}"
+            if c.run(what, dist.all_reduce, ours, group=group) is None:
+                c.check(torch.allclose(ours, ref, rtol=1e-4, atol=1e-4),
+                        f"{what}: max diff {(ours - ref).abs().max().item()}")
+            if group is not None:  # the same shape: exact integers
+                ours = big[rank].clone()
+                if c.run(what + " int32", dist.all_reduce, ours, group=group) is None:
+                    c.check(same(ours, want), what + " int32")
+        ringcomm.set_algorithm("allreduce", "auto", group=group)
+
+    # --- allgather: bruck ------------------------------------------------------------------
+    ringcomm.set_algorithm("allgather", "bruck")
+    ringcomm.set_algorithm("allgather", "bruck", group=small_seg)
+    for dtype in dtypes if args.quick else (torch.float32, torch.int32, torch.int8, torch.bool):
+        for n in sorted({0, 1, max(p - 1, 1), 1001, 200003}):
+            x = data(rank, n, dtype, salt=3) if dtype != torch.bool else data(rank, n, dtype) > 0
+            refs = [torch.empty(n, dtype=dtype) for _ in range(p)]
+            dist.all_gather(refs, x.clone(), group=gloo)
+            for group, gname in ((None, "world"), (small_seg, "seg64k")):
+                outs = [torch.empty(n, dtype=dtype) for _ in range(p)]
+                what = f"all_gather[bruck,{gname}] {dtype} n={n}"
+                if c.run(what, dist.all_gather, outs, x.clone(), group=group) is None:
+                    c.check(same(outs, refs), what)
+            out = torch.empty(p * n, dtype=dtype)
+            what = f"all_gather_into_tensor[bruck] {dtype} n={n}"
+            if c.run(what, dist.all_gather_into_tensor, out, x.clone()) is None:
+                c.check(same(out, torch.cat(refs)), what)
+    for base in (0, 4000):  # uneven: rank q contributes base + q elements (gloo: equal only)
+        inputs = [data(q, base + q, torch.float32, salt=4) for q in range(p)]
+        outs = [torch.empty(base + q) for q in range(p)]
+        what = f"all_gather[bruck] uneven base={base}"
+        if c.run(what, dist.all_gather, outs, inputs[rank].clone()) is None:
+            c.check(same(outs, inputs), what)
+    ringcomm.set_algorithm("allgather", "auto")
+    ringcomm.set_algorithm("allgather", "auto", group=small_seg)
+
+    # --- alltoall: pairwise ----------------------------------------------------------------
+    ringcomm.set_algorithm("alltoall", "pairwise")
+    for dtype in dtypes if args.quick else (torch.float32, torch.int32, torch.bfloat16):
+        for n in (0, 1, 7, 70001):
+            x = data(rank, p * n, dtype, salt=5)
+            ours, ref = torch.empty(p * n, dtype=dtype), torch.empty(p * n, dtype=dtype)
+            what = f"all_to_all_single[pairwise] {dtype} n={n}"
+            if c.run(what, dist.all_to_all_single, ours, x.clone()) is None:
+                dist.all_to_all_single(ref, x.clone(), group=gloo)
+                c.check(same(ours, ref), what)
+    for scale in (1, 1000):  # uneven splits with zeros: rank r sends (r+j)%3*scale rows to j
+        ins_split = [(rank + j) % 3 * scale for j in range(p)]
+        outs_split = [(j + rank) % 3 * scale for j in range(p)]
+        x = data(rank, sum(ins_split) * 3, torch.float32, salt=6).view(-1, 3)
+        ours, ref = torch.empty(sum(outs_split), 3), torch.empty(sum(outs_split), 3)
+        what = f"all_to_all_single[pairwise] uneven x{scale}"
+        if c.run(what, dist.all_to_all_single, ours, x.clone(), outs_split, ins_split) is None:
+            dist.all_to_all_single(ref, x.clone(), outs_split, ins_split, group=gloo)
+            c.check(same(ours, ref), what)
+    ins = [data(rank * 13 + j, rank + j + 1, torch.float32) for j in range(p)]
+    outs = [torch.empty(j + rank + 1) for j in range(p)]  # gloo needs equal sizes: oracle
+    if c.run("all_to_all[pairwise] lists", dist.all_to_all, outs, [t.clone() for t in ins]) \
+            is None:
+        c.check(same(outs, [data(j * 13 + rank, j + rank + 1, torch.float32) for j in range(p)]),
+                "all_to_all[pairwise] lists of uneven sizes")
+    ringcomm.set_algorithm("alltoall", "auto")
+
+    # --- the same through ringcomm.algorithm(...) on the subgroup ----------------------------
+    for algo in ALLREDUCE:
+        with ringcomm.algorithm(algo, group=small_seg):
+            t = torch.full((9,), float(rank))
+            dist.all_reduce(t, group=small_seg)
+        c.check(same(t, torch.full((9,), float(sum(range(p))))), f"ringcomm.algorithm({algo!r})")
+        c.check(ringcomm.get_group(small_seg).get_algorithm("allreduce") == "auto",
+                "algorithm() restores auto")
+
+    dist.barrier()
+    dist.destroy_process_group()
+    c.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
