@@ -121,7 +121,7 @@ class Planner:
                 self._plans.move_to_end(key)
                 return plan
         ctx = Context(collective, self.size, self.rank, layout, root, seg, self.hosts)
-        if (collective, name) not in algorithms.BUILTIN:
+        if (collective, name) not in algorithms.TRUSTED:
             schedule = check_user_schedule(build, ctx, name)
         else:
             schedule = build(ctx)

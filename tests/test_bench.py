@@ -430,6 +430,7 @@ def test_parse_size(text, value):
     (["-f", "2", "-i", "4"], "either -f/--stepfactor or -i/--stepbytes"),
     (["-n", "0"], "-n/--iters must be at least 1"),
     (["--algos", "", "--peers", "none"], "nothing to compare"),
+    (["--import", "no_such_module_here"], "--import no_such_module_here: ModuleNotFoundError"),
 ])
 def test_bad_flags_exit_with_a_message_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -15,7 +15,7 @@ import torch
 
 import ringcomm
 from ringcomm import checker, ops
-from ringcomm.algorithms import BUILTIN, REGISTRY, select
+from ringcomm.algorithms import BUILTIN, REGISTRY, TRUSTED, select
 from ringcomm.library import ALGORITHMS, double_tree, hierarchical
 from ringcomm.schedule import (Builder, Context, Reduce, Region, ScheduleError, binomial_tree,
                                pieces, split_even)
@@ -317,7 +317,9 @@ def test_library_imports_only_public_names():
 
 def test_registered_like_a_users_algorithm_and_tuning_names_only_registered_ones():
     for (coll, name), build in ALGORITHMS.items():
+        # registered as a user would, trusted as the built-ins are (this file proves them)
         assert REGISTRY[coll][name] is build and (coll, name) not in BUILTIN
+        assert (coll, name) in TRUSTED
     for coll, rows_by_size in select.DEFAULT_TUNING.items():
         for rows in rows_by_size.values():
             assert all(algo in REGISTRY[coll] for _, algo in rows), (coll, rows)
@@ -427,3 +429,28 @@ def test_shipped_rows_follow_the_cost_model(tmp_path):
         for p, got in report["bands"].items():
             assert got["shipped_table"]["worst_slowdown"] <= 1.3, (coll, p, got)
             assert got == committed["collectives"][coll]["bands"][p], (coll, p)
+
+
+def test_verify_false_trusts_a_builder_and_verify_true_checks_it():
+    """The first use of a checked builder builds every rank's schedule (to check
+    them); a trusted one builds only this rank's."""
+    import ringcomm
+    from ringcomm.plans import Planner
+
+    calls = []
+
+    def counted(ctx):
+        calls.append(ctx.rank)
+        return ALGORITHMS[("allreduce", "rabenseifner")](ctx)
+
+    try:
+        for verify, want in ((True, [0, 1, 2]), (False, [1])):
+            calls.clear()
+            ringcomm.register_algorithm("allreduce", "counted", counted, replace=True,
+                                        verify=verify)
+            Planner(1, 3, ringcomm.Options().resolve()).plan(
+                "allreduce", "counted", counted, (10,), 0, torch.float32)
+            assert sorted(calls) == sorted(want), (verify, calls)
+    finally:
+        REGISTRY["allreduce"].pop("counted", None)
+        TRUSTED.discard(("allreduce", "counted"))

@@ -40,9 +40,11 @@ REGISTRY: dict[str, dict[str, Callable]] = {
 for _algos in REGISTRY.values():
     _algos["native"] = NATIVE
 
-#: builders that ship with ringcomm (proved by the test suite); others are
-#: checked on first use of each call shape
+#: builders that ship with ringcomm's own algorithms (proved by the test suite)
 BUILTIN = {(c, n) for c, algos in REGISTRY.items() for n in algos}
+#: builders run without a check: the built-ins and any registered with
+#: ``verify=False``; others are checked on first use of each call shape
+TRUSTED = set(BUILTIN)
 
 #: bumped whenever a registration changes, so caches of built schedules drop
 #: entries made by a replaced builder
@@ -50,7 +52,7 @@ generation = 0
 
 
 def register_algorithm(collective: str, name: str, build: Callable, *,
-                       replace: bool = False) -> None:
+                       replace: bool = False, verify: bool = True) -> None:
     """Make schedule builder ``build`` selectable as algorithm ``name`` for ``collective``.
 
     Args:
@@ -61,6 +63,11 @@ def register_algorithm(collective: str, name: str, build: Callable, *,
             It is checked (:func:`ringcomm.checker.check`) on the first use of each
             call shape, and refused with the step and element at fault if wrong.
         replace: allow replacing an existing algorithm of that name.
+        verify: check ``build`` on the first use of each call shape (the default).
+            ``False`` trusts it as ringcomm trusts its built-ins: for a builder whose
+            own tests prove it (``ringcomm.checker.check`` over the shapes it will
+            meet), where the check's cost matters (it grows with the world size; an
+            all-to-all whose splits change every call is checked at every call).
     Raises:
         ValueError: unknown collective, reserved or taken name, or ``build`` not callable.
 
@@ -86,6 +93,10 @@ def register_algorithm(collective: str, name: str, build: Callable, *,
         raise ValueError(f"ringcomm.register_algorithm: {build!r} is not callable")
     REGISTRY[collective][name] = build
     BUILTIN.discard((collective, name))
+    if verify:
+        TRUSTED.discard((collective, name))
+    else:
+        TRUSTED.add((collective, name))
     generation += 1
 
 

@@ -11,6 +11,7 @@ Flags follow nccl-tests (-b -e -f -i -n -w -o -d -c -r).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import socket
@@ -118,6 +119,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     g.add_argument("-r", "--root", type=int, default=0, help="broadcast root rank")
     g.add_argument("-c", "--check", type=int, nargs="?", const=1, default=0, choices=(0, 1),
                    help="check results (-c or -c 1) and count wrong elements")
+    g.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE on every rank first, e.g. one that registers your "
+                        "own algorithms with ringcomm.register_algorithm (repeatable)")
     g.add_argument("--algos", default=DEFAULT_ALGOS,
                    help="ringcomm algorithms to compare (ring, tree, auto, native, any "
                         "registered name), or all")
@@ -182,6 +186,11 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     """Parse and validate the command line; bad flags exit with a message naming them."""
     parser = build_parser(prog)
     a = parser.parse_args(argv)
+    for module in a.imports:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any failure of the user's module
+            parser.error(f"--import {module}: {type(e).__name__}: {e}")
     try:
         a.collectives = names(a.collective, COLLECTIVES, "collective",
                               {"all_reduce": "allreduce", "all_gather": "allgather",
