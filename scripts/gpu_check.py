@@ -237,6 +237,21 @@ def worker(args: argparse.Namespace) -> int:
         checks += check_collectives(ringcomm.get_group(), device)
     except AssertionError as e:
         failures += str(e).splitlines()[1:]
+    # round-robin channels: two NCCL communicators on two streams, used in turn
+    two = dist.new_group(backend="ringcomm", pg_options=ringcomm.Options(num_channels=2))
+    try:
+        checks += check_collectives(ringcomm.get_group(two), device, dtypes=(torch.float32,),
+                                    reduce_ops=("SUM", "MAX"))
+    except AssertionError as e:
+        failures += [f"2 channels: {x}" for x in str(e).splitlines()[1:]]
+    burst = [torch.full((1 << 16,), float(k + 1), device=device) for k in range(6)]
+    for w in [dist.all_reduce(t, group=two, async_op=True) for t in burst]:
+        w.wait()
+    dist.barrier(group=two, device_ids=[device.index])
+    checks += 1
+    if not all(torch.equal(t, torch.full_like(t, float((k + 1) * world)))
+               for k, t in enumerate(burst)):
+        failures.append("2 channels: a burst of asynchronous allreduces differs")
     checks += against_torch_nccl(nccl_group, device, failures)
     checks += p2p_and_future_checks(device, failures)
     ddp_notes = ddp_checks(device, failures) + fsdp_check(nccl_group, device, failures)
