@@ -136,8 +136,8 @@ def rr_group(backend: str, k: int, timeout: datetime.timedelta) -> dist.ProcessG
     """A group of every rank with ``k`` communicators used in turn: ringcomm with
     ``Options(num_channels=k)``, gloo as ``k`` gloo groups in round robin
     (:mod:`ddp.bench.roundrobin`). Collective: every rank calls it in the same order."""
-    if backend == "ringcomm":
-        return dist.new_group(backend="ringcomm", timeout=timeout,
+    if backend == "ringcomm":  # the description names its progress threads in traces
+        return dist.new_group(backend="ringcomm", timeout=timeout, group_desc=f"K={k}",
                               pg_options=ringcomm.Options(num_channels=k))
     if backend == "gloo":
         return roundrobin.new_group(k, timeout)

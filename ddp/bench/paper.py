@@ -244,7 +244,8 @@ def roundrobin(doc: dict) -> str:
                 nb = by[(c, cap, base)]["buckets"]
                 table.append([f"`{c}`", "--" if nb is None else str(nb)] + cells)
             parts.append(f"**{model}**, bucket_cap_mb {cap_label(cap)} (ms per iteration, "
-                         f"median [q1, q3]; speed-up over K = {base})\n\n"
+                         f"median [q1, q3]; speed-up over K = {base}: faster, slower, or same "
+                         "= no difference beyond noise)\n\n"
                          + _table(["configuration", "buckets"] + [f"K = {k}" for k in ks],
                                   table))
     if verdicts:
