@@ -215,8 +215,8 @@ def test_bad_targets_file_is_named(tmp_path, capsys):
          "versus": "torch/gloo", "bound": "<=", "goal": 1.0}]}))
     with pytest.raises(SystemExit):
         cli.parse_args(["--targets", str(bad)])
-    assert "metric must be one of iteration_ratio, overlap_saving, roundrobin_ratio, got 'speed'" in \
-        capsys.readouterr().err
+    assert ("metric must be one of iteration_ratio, overlap_saving, roundrobin_ratio, got "
+            "'speed'") in capsys.readouterr().err
     assert targets.load_targets(DEFAULT_TARGETS)  # the shipped file is valid
 
 

@@ -32,7 +32,6 @@ RR_VERDICT_RULE = ("faster (slower) when the interquartile ranges of the time pe
                    "do not overlap, K's whole range below (above) the baseline's; otherwise "
                    "no difference beyond noise")
 
-
 #: iterations recorded per K for the round-robin section's trace (--quick: 2)
 RR_TRACED_ITERS = 5
 
@@ -301,9 +300,9 @@ class Bench:
     def roundrobin(self, spec: ModelSpec) -> dict:
         """Time per iteration with K communicators used in turn (ringcomm's channels,
         K gloo groups in round robin), for each K and bucket cap; every K of a cap
-        in the same interleaved rounds. Then one traced iteration of ``ddp/`` on
-        ringcomm's group per K at the smallest cap: how many allreduces ran at once
-        and how long they took."""
+        in the same interleaved rounds; speed-ups and verdicts against the smallest K
+        (``speedup_vs_k1``, ``base_k``). Then a few traced iterations of ``ddp/`` on
+        ringcomm's group per K at the smallest cap (:meth:`rr_traced`)."""
         rows = []
         for cap in self.a.rr_caps:
             reps = {rr_name(c, k): Replica(spec, c, g, cap_mb=cap)
