@@ -17,9 +17,11 @@ report functions); the layer table comes from ``docs/data/layers_2ranks.json``
 (:func:`ringcomm.settings.render_into`). docs/paper-reproduction.md (``--paper``;
 ``none`` skips it) has ``generated:paper-*`` blocks made by
 :func:`ddp.bench.paper.blocks` from ``docs/data/bench_ddp_2ranks.json``
-(``python -m ddp.bench --json``), and its cost-model predictions from the ring fit
-in ``docs/data/compare_2ranks.json``. Needs ringcomm importable (an installed
-checkout, or ``PYTHONPATH`` set to it).
+(``python -m ddp.bench --json``), its round-robin blocks (``generated:paper-rr-*``,
+``generated:paper-roundrobin``) from ``docs/data/bench_ddp_roundrobin_2ranks.json``
+(a run of the roundrobin section alone, ``--sections roundrobin``), and its
+cost-model predictions from the ring fit in ``docs/data/compare_2ranks.json``.
+Needs ringcomm importable (an installed checkout, or ``PYTHONPATH`` set to it).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from ddp.bench import paper  # noqa: E402
 DATA = ROOT / "docs" / "data" / "compare_2ranks.json"
 LAYERS = ROOT / "docs" / "data" / "layers_2ranks.json"
 DDP_DATA = ROOT / "docs" / "data" / "bench_ddp_2ranks.json"
+DDP_RR_DATA = ROOT / "docs" / "data" / "bench_ddp_roundrobin_2ranks.json"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -250,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the DDP paper's reproduction doc; 'none' to leave it out")
     ap.add_argument("--ddp-data", default=str(DDP_DATA),
                     help="python -m ddp.bench's result JSON (for --paper)")
+    ap.add_argument("--ddp-rr-data", default=str(DDP_RR_DATA),
+                    help="python -m ddp.bench --sections roundrobin's result JSON (for "
+                         "--paper's round-robin blocks)")
     a = ap.parse_args(argv)
     readme, bench = Path(a.readme), Path(a.benchmarks)
     doc = json.loads(Path(a.data).read_text())
@@ -268,8 +274,10 @@ def main(argv: list[str] | None = None) -> int:
             doc, source, layers, _relative(Path(a.layers))), str(bench))
         if a.paper.strip().lower() != "none":
             doc_ddp = json.loads(Path(a.ddp_data).read_text())
+            doc_rr = json.loads(Path(a.ddp_rr_data).read_text())
             new[Path(a.paper)] = replace_blocks(Path(a.paper).read_text(), paper.blocks(
-                doc_ddp, _relative(Path(a.ddp_data)), doc, source), a.paper)
+                doc_ddp, _relative(Path(a.ddp_data)), doc, source, doc_rr,
+                _relative(Path(a.ddp_rr_data))), a.paper)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

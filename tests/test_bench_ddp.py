@@ -1,5 +1,6 @@
 """ddp.bench (scripts/bench_ddp.py), the DDP paper's experiments: a quick run on 2 ranks under
-mpiexec (every section in the JSON, positive times, the overlap saving, the
+mpiexec (every section in the JSON, positive times, the overlap saving, every K
+of the round-robin section with its verdicts and traced channel use, the
 targets' verdicts, the plots), a run on one process without a launcher, and the
 errors for bad flags and a bad targets file. No timing assertions: the numbers
 depend on the machine and its load."""
@@ -16,7 +17,8 @@ from ddp.bench import cli, targets
 from ddp.bench.constants import DEFAULT_TARGETS, TARGETS_SCHEMA
 
 SCRIPT = ROOT / "scripts" / "bench_ddp.py"
-SECTIONS = ("breakdown", "buckets", "scaling", "nosync")
+SECTIONS = ("breakdown", "buckets", "scaling", "nosync", "roundrobin")
+VERDICTS = ("faster", "slower", "no difference beyond noise")
 
 
 def spans_positive(rec: dict) -> None:
@@ -82,6 +84,39 @@ def check_document(doc: dict, world: int) -> None:
     assert sorted({r["n"] for r in rows}) == [1, 2, 4, 8]
     assert all(r["amortized_ms"] > 0 for r in rows)
     check_trace_parts(bd, world)
+    check_roundrobin(doc["roundrobin"]["resnet"], meta["configurations"], world,
+                     meta["timing"]["iters"])
+
+
+def check_roundrobin(part: dict, configs: list[str], world: int, iters: int) -> None:
+    """Every configuration at every K and cap, positive times with their quartiles,
+    a verdict for each K > 1; each group really had K communicators; in the traced
+    iterations the allreduces ran on min(K, allreduces) channel threads."""
+    assert part["channels"] == [1, 3, 5] and part["caps"] == [25, 1] and part["base_k"] == 1
+    assert part["communicators"] == {"ringcomm": {"1": 1, "3": 3, "5": 5},
+                                     "gloo": {"1": 1, "3": 3, "5": 5}}
+    by = {(r["config"], r["bucket_cap_mb"], r["k"]): r for r in part["rows"]}
+    assert set(by) == {(c, cap, k) for c in configs for cap in (25, 1) for k in (1, 3, 5)}
+    for (c, cap, k), r in by.items():
+        assert 0 < r["q1_ms"] <= r["total_ms"] <= r["q3_ms"], r
+        assert r["spans"]["samples"] == iters
+        base = by[(c, cap, 1)]["total_ms"]
+        assert r["speedup_vs_k1"] == pytest.approx(base / r["total_ms"], rel=1e-3)
+        assert r["verdict"] == "baseline" if k == 1 else r["verdict"] in VERDICTS, r
+    assert by[("ours/ringcomm", 1, 1)]["buckets"] > by[("ours/ringcomm", 25, 1)]["buckets"]
+    t = part["trace"]
+    assert t["config"] == "ours/ringcomm" and t["bucket_cap_mb"] == 1
+    assert sorted(t["per_k"], key=int) == ["1", "3", "5"]
+    for k, e in t["per_k"].items():
+        if world == 1:  # nothing to reduce: ddp/ runs no allreduce on one rank
+            continue
+        assert "error" not in e, e
+        m = e["median"]
+        assert m["allreduces"] == by[("ours/ringcomm", 1, 1)]["buckets"]
+        assert m["threads"] == min(int(k), m["allreduces"]), (k, m)  # the channels ran them
+        assert 1 <= m["max_in_flight"] <= int(k)
+        assert m["allreduce_union_ms"] <= m["allreduce_sum_ms"] + 1e-3
+        assert 0 < m["backward_ms"] < m["total_ms"]
 
 
 def check_trace_parts(bd: dict, world: int) -> None:
@@ -124,20 +159,22 @@ def test_quick_run_on_two_ranks(tmp_path):
                  "#   trace spans, one iteration", "# trace: "):
         assert line in proc.stdout, line
     recs = doc["targets"]["results"]
-    assert len(recs) == 3
+    assert len(recs) == 6
     for rec in recs:  # the verdicts: met or missed, with the measured ratio
         assert rec["met"] in (True, False), rec
         assert rec["ratio"] > 0 and rec["per_model"]
     saving = next(r for r in recs if r["metric"] == "overlap_saving")
     assert saving["worst_model"] == "resnet"
     for line in ("# 1. latency breakdown", "# 2. time per iteration", "# 3. scaling",
-                 "# 4. skipping synchronization", "# speed targets", "# verification:"):
+                 "# 4. skipping synchronization", "# 5. round robin", "# speed targets",
+                 "# verification:", "traced iterations of ours/ringcomm per K"):
         assert line in proc.stdout, line
     assert ("MET" in proc.stdout) or ("MISSED" in proc.stdout)
     pytest.importorskip("matplotlib")
     assert sorted(p.name for p in plots.iterdir()) == sorted(
         [f"bench_ddp_{s}.png" for s in SECTIONS]
-        + ["bench_ddp_timeline.png", "bench_ddp_timeline_off.png"])
+        + ["bench_ddp_timeline.png", "bench_ddp_timeline_off.png",
+           "bench_ddp_roundrobin_timeline_k1.png", "bench_ddp_roundrobin_timeline_k5.png"])
 
 
 def test_one_process_without_a_launcher(tmp_path):
@@ -159,6 +196,8 @@ def test_one_process_without_a_launcher(tmp_path):
     (["--model", "gpt"], ["unknown model (--model) 'gpt'", "resnet", "bert"]),
     (["--backends", "nccl2"], ["unknown backend (--backends) 'nccl2'", "gloo"]),
     (["--iters", "0"], ["--iters must be at least 1, got 0"]),
+    (["--channels", "1,0"], ["--channels values must be at least 1, got 0"]),
+    (["--rr-caps", "25,x"], ["--rr-caps takes a comma list of numbers, got 'x'"]),
 ])
 def test_bad_flags_exit_2_naming_them(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -176,8 +215,8 @@ def test_bad_targets_file_is_named(tmp_path, capsys):
          "versus": "torch/gloo", "bound": "<=", "goal": 1.0}]}))
     with pytest.raises(SystemExit):
         cli.parse_args(["--targets", str(bad)])
-    assert "metric must be one of iteration_ratio, overlap_saving, got 'speed'" in \
-        capsys.readouterr().err
+    assert ("metric must be one of iteration_ratio, overlap_saving, roundrobin_ratio, got "
+            "'speed'") in capsys.readouterr().err
     assert targets.load_targets(DEFAULT_TARGETS)  # the shipped file is valid
 
 
@@ -196,3 +235,26 @@ def test_targets_verdicts_from_a_document():
     assert over["worst_model"] == "resnet" and over["met"] is True  # saves 25%
     assert over["value"] == pytest.approx(0.25)
     assert "MISSED" in text and "MET" in text
+    rr = [r for r in recs if r["metric"] == "roundrobin_ratio"]
+    assert rr and all(r["met"] is None for r in rr)  # no roundrobin section: not measured
+    assert "NOT MEASURED (needs the roundrobin section" in text
+
+
+def test_roundrobin_targets_read_the_section_at_their_cap():
+    def row(config, k, cap, ms):
+        return {"config": config, "k": k, "bucket_cap_mb": cap, "total_ms": ms}
+
+    rows = [row("ours/ringcomm", 1, 25, 100.0), row("ours/ringcomm", 3, 25, 104.0),
+            row("torch/gloo", 3, 25, 110.0), row("ours/ringcomm", 1, 1, 100.0),
+            row("ours/ringcomm", 5, 1, 120.0)]
+    doc = {"meta": {"world_size": 2, "default_group_backend": "ringcomm"},
+           "roundrobin": {"resnet": {"rows": rows, "caps": [25, 1]}}}
+    _, recs = targets.check_targets(doc, targets.load_targets(DEFAULT_TARGETS))
+    by = {r["name"]: r for r in recs}
+    k3 = by["ringcomm 3 channels <= 1.05x 1 channel (ours, default buckets)"]
+    assert k3["met"] is True and k3["ratio"] == pytest.approx(1.04)
+    k5 = by["ringcomm 5 channels <= 1.05x 1 channel (ours, 1 MB buckets)"]
+    assert k5["met"] is False and k5["ratio"] == pytest.approx(1.2)  # the 1 MB cap's rows
+    vs = by["ours/ringcomm 3 channels <= 1.0x torch/gloo on 3 round-robin groups"]
+    assert vs["met"] is True and vs["per_model"]["resnet"]["versus_ms"] == 110.0
+    assert by["ours/ringcomm <= 1.0x torch/gloo"]["met"] is None  # no breakdown section

@@ -74,7 +74,9 @@ def test_stale_benchmarks_doc_is_detected(tmp_path, run_doc_numbers):
 
 
 PAPER_BLOCKS = ("paper-run", "paper-breakdown", "paper-overlap", "paper-trace", "paper-buckets",
-                "paper-scaling", "paper-nosync", "paper-targets", "paper-predictions")
+                "paper-scaling", "paper-nosync", "paper-targets", "paper-predictions",
+                "paper-rr-mechanisms", "paper-rr-run", "paper-roundrobin", "paper-rr-targets",
+                "paper-rr-trace")
 
 
 def test_stale_paper_doc_is_detected(tmp_path, run_doc_numbers):
@@ -94,6 +96,9 @@ def test_stale_paper_doc_is_detected(tmp_path, run_doc_numbers):
     assert "trace overhead" in text                                   # the trace parts
     assert "| 256 |" in text and "ring allreduce T = alpha*A" in text  # the predictions
     assert "**met**" in text or "**missed**" in text                   # the targets
+    assert "| configuration | buckets | K = 1 | K = 3 | K = 5 |" in text  # round robin
+    assert "bench_ddp_roundrobin_2ranks.json" in text and "most in flight" in text
+    assert "channels" in text and "3 channels" in text                 # its targets
     # the committed doc's blocks are the rendering of the committed JSON
     committed = (ROOT / "docs" / "paper-reproduction.md").read_text()
     for n in PAPER_BLOCKS:

@@ -22,6 +22,15 @@ Sections (``--sections``, default all):
    to the world size, and the fraction of linear scaling.
 4. ``nosync``: ``no_sync()`` for n-1 of every n iterations; amortized time per
    iteration.
+5. ``roundrobin``: time per iteration with K communicators used in turn by
+   successive collectives (``--channels``, default 1, 3, 5, the paper's
+   experiment): ringcomm groups made with ``ringcomm.Options(num_channels=K)``, and
+   K gloo groups in round robin (:mod:`ddp.bench.roundrobin`, the paper's own
+   setting, which torch no longer ships), at DDP's default bucket cap and a small
+   one (``--rr-caps``, default 25 and 1); median, quartiles, speed-up over the
+   smallest K and a verdict. Then a few traced iterations of ``ours/ringcomm`` per
+   K at the smallest cap: how many allreduces ran at once and for how long, and
+   with ``--plot`` the timelines of the smallest and largest K.
 
 Every configuration trains the same model from the same initial weights on the
 same seeded synthetic data; before timing, the parameters after a few steps must
@@ -36,7 +45,8 @@ Modules: :mod:`~ddp.bench.models` (the models and their data),
 groups), :mod:`~ddp.bench.measure` (timing and statistics),
 :mod:`~ddp.bench.experiments` (the sections), :mod:`~ddp.bench.tracing`
 (``--trace``, the trace overhead, one traced iteration: its breakdown and
-timeline), :mod:`~ddp.bench.targets`, :mod:`~ddp.bench.report` (text),
+timeline), :mod:`~ddp.bench.roundrobin` (K gloo groups in turn),
+:mod:`~ddp.bench.targets`, :mod:`~ddp.bench.report` (text),
 :mod:`~ddp.bench.plots`, :mod:`~ddp.bench.paper` (the generated blocks of
 docs/paper-reproduction.md) and :mod:`~ddp.bench.cli`.
 """

@@ -18,7 +18,7 @@ from ringcomm.bootstrap import MPI_LAUNCHER_VARS
 import ddp.bench
 from ddp.bench.configs import World
 from ddp.bench.constants import (BACKENDS, BUCKET_CAPS, DEFAULT_TARGETS, IMPLS, MODELS, PROG,
-                                 QUICK_BUCKET_CAPS, SECTIONS)
+                                 QUICK_BUCKET_CAPS, RR_CAPS, RR_CHANNELS, SECTIONS)
 from ddp.bench.experiments import Bench
 from ddp.bench.plots import plot
 from ddp.bench import tracing
@@ -48,6 +48,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="rounds that visit the configurations in turn, rotating the order "
                         "(default: one per timed iteration, the finest interleaving, so that "
                         "bursts of load from other processes fall on every configuration)")
+    p.add_argument("--channels", default=",".join(map(str, RR_CHANNELS)),
+                   help="roundrobin section: communicators per group K (ringcomm's "
+                        "num_channels; gloo groups in turn), comma list; speed-ups are "
+                        "against the smallest")
+    p.add_argument("--rr-caps", default=",".join(map(str, RR_CAPS)),
+                   help="roundrobin section: bucket_cap_mb values, comma list (25 is both "
+                        "DDPs' default, the paper's setting; smaller caps put more "
+                        "allreduces in flight at once)")
     p.add_argument("--threads", default="auto",
                    help="torch threads per rank; auto = $OMP_NUM_THREADS if set, else "
                         "cores / ranks")
@@ -85,6 +93,11 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     a.iters = a.iters if a.iters is not None else (3 if a.quick else 8)
     a.rounds = a.rounds if a.rounds is not None else a.iters
     a.caps = QUICK_BUCKET_CAPS if a.quick else BUCKET_CAPS
+    try:
+        a.channel_list = _numbers(a.channels, int, "--channels", 1)
+        a.rr_caps = _numbers(a.rr_caps, float, "--rr-caps", 0)
+    except ValueError as e:
+        parser.error(str(e))
     for flag, v, low in (("--iters", a.iters, 1), ("--rounds", a.rounds, 1),
                          ("--warmup", a.warmup, 1)):
         if v < low:
@@ -101,6 +114,30 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         except ValueError as e:
             parser.error(str(e))
     return a
+
+
+def _numbers(text: str, kind: type, flag: str, low: float) -> list:
+    """The comma list ``text`` as distinct numbers >= ``low``, in order (floats that
+    are whole become ints, so 25.0 prints as 25).
+
+    Raises:
+        ValueError: not a number, too small, or none (the flag is named).
+    """
+    out: list = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            v = kind(item)
+        except ValueError:
+            raise ValueError(f"{flag} takes a comma list of numbers, got {item!r}") from None
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not v >= low:
+            raise ValueError(f"{flag} values must be at least {low}, got {item}")
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise ValueError(f"{flag}: no value given")
+    return out
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
@@ -140,16 +177,19 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         if world.rank == 0:
             if traced:
                 print(traced, flush=True)
-            rc = finish(doc, args, bench.traces)
+            rc = finish(doc, args, bench.traces, bench.rr_traces)
         rc = world.gather(rc)[0]
     finally:
         dist.destroy_process_group()
     return rc
 
 
-def finish(doc: dict, args: argparse.Namespace, traces: dict | None = None) -> int:
+def finish(doc: dict, args: argparse.Namespace, traces: dict | None = None,
+           rr_traces: dict | None = None) -> int:
     """Rank 0 after the run: targets, JSON, plots (with ``traces``, model -> configuration
-    -> merged trace of one iteration: the timeline). Returns the exit status."""
+    -> merged trace of one iteration: the timeline; with ``rr_traces``, model -> K ->
+    merged trace of the round-robin section's traced iterations: their timelines).
+    Returns the exit status."""
     print("# load average at end: " + " ".join(
         f"{x:.2f}" for x in doc["meta"]["load_average"]["end"] or []), flush=True)
     if args.targets:
@@ -166,6 +206,12 @@ def finish(doc: dict, args: argparse.Namespace, traces: dict | None = None) -> i
                     model = comm_heavy_model(doc) if comm_heavy_model(doc) in traces else \
                         next(iter(traces))
                     paths += tracing.draw(traces[model], model, args.plot)
+                if rr_traces:
+                    model = comm_heavy_model(doc) if comm_heavy_model(doc) in rr_traces else \
+                        next(iter(rr_traces))
+                    paths += tracing.draw_roundrobin(rr_traces[model],
+                                                     doc["roundrobin"][model]["trace"], model,
+                                                     args.plot)
                 for path in paths:
                     print(f"# plot: {path}", flush=True)
             except ImportError as e:

@@ -15,7 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import ringcomm
+
 import ddp
+from ddp.bench import roundrobin
 from ddp.bench.constants import DATA_POOL, LR, MOMENTUM, SCALING_WORLDS
 from ddp.bench.models import ModelSpec
 
@@ -129,6 +132,18 @@ def auto_threads(ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // ranks)
 
 
+def rr_group(backend: str, k: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A group of every rank with ``k`` communicators used in turn: ringcomm with
+    ``Options(num_channels=k)``, gloo as ``k`` gloo groups in round robin
+    (:mod:`ddp.bench.roundrobin`). Collective: every rank calls it in the same order."""
+    if backend == "ringcomm":  # the description names its progress threads in traces
+        return dist.new_group(backend="ringcomm", timeout=timeout, group_desc=f"K={k}",
+                              pg_options=ringcomm.Options(num_channels=k))
+    if backend == "gloo":
+        return roundrobin.new_group(k, timeout)
+    raise ValueError(f"bench_ddp: no round-robin group for backend {backend!r}")
+
+
 class World:
     """This rank, the process group of each backend (the default group's backend
     first, the others from ``dist.new_group``), subgroups of the first k ranks for
@@ -157,6 +172,21 @@ class World:
                       for b in args.backend_list}
                 ctrl = dist.new_group(ranks, backend="gloo", timeout=timeout)
                 self.sub[k] = (gs, ctrl) if self.rank < k else None
+        #: (backend, K) -> a group of every rank with K communicators used in turn
+        self.rr: dict[tuple[str, int], Any] = {}
+        if "roundrobin" in args.section_list:
+            for b in args.backend_list:
+                for k in args.channel_list:
+                    self.rr[(b, k)] = rr_group(b, k, timeout)
+
+    def rr_communicators(self) -> dict[str, dict[int, int]]:
+        """backend -> K -> the communicators its round-robin group really has (asked
+        of the group: ringcomm's num_channels, the gloo-rr group's backends)."""
+        out: dict[str, dict[int, int]] = {}
+        for (b, k), g in self.rr.items():
+            out.setdefault(b, {})[k] = (ringcomm.get_group(g).num_channels if b == "ringcomm"
+                                        else g.num_groups)
+        return out
 
     def oversubscribed(self, k: int | None = None) -> bool:
         return (k or self.size) > self.cores

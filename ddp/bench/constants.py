@@ -9,7 +9,7 @@ TARGETS_SCHEMA = "ringcomm.bench_ddp.targets/1"
 DEFAULT_TARGETS = str(Path(__file__).resolve().with_name("targets.json"))
 PROG = "bench_ddp.py"
 
-SECTIONS = ("breakdown", "buckets", "scaling", "nosync")
+SECTIONS = ("breakdown", "buckets", "scaling", "nosync", "roundrobin")
 MODELS = ("resnet", "bert")
 IMPLS = ("ours", "torch")
 BACKENDS = ("ringcomm", "gloo")
@@ -17,6 +17,17 @@ BACKENDS = ("ringcomm", "gloo")
 BUCKET_CAPS: tuple = (0, 1, 5, 10, 25, 50, 100, "all")
 QUICK_BUCKET_CAPS: tuple = (0, 25, "all")
 NOSYNC_EVERY = (1, 2, 4, 8)
+#: communicators per group of the round-robin section (the paper's 1, 3, 5 groups)
+RR_CHANNELS = (1, 3, 5)
+#: bucket caps of the round-robin section: DDP's default (25 MB, the paper's setting:
+#: 2 buckets here) and a small one (1 MB: 8 buckets, so several allreduces can be in
+#: flight at once, as with the paper's larger models at the default cap)
+RR_CAPS: tuple = (25, 1)
+#: how each backend gets K communicators in the round-robin section
+RR_MECHANISM = {"ringcomm": "ringcomm.Options(num_channels=K): one ringcomm group of K MPI "
+                            "communicators, each with its own progress thread, used in turn",
+                "gloo": "K gloo groups in turn (ddp.bench.roundrobin: torch's removed "
+                        "_round_robin_process_groups rebuilt, the paper's setting)"}
 SCALING_WORLDS = (1, 2, 4)
 #: the order of the spans of one iteration (comm: overlap off's flat allreduce only)
 SPANS = ("forward", "backward", "comm", "optimizer", "total")

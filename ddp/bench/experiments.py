@@ -21,11 +21,33 @@ from ringcomm.bootstrap import MPI_LAUNCHER_VARS
 from ddp.bench import tracing
 from ddp.bench.configs import Config, Replica, World
 from ddp.bench.constants import (EXPOSED_METHOD, LR, MOMENTUM, NOSYNC_EVERY, OVERLAP_OFF,
-                                 SCHEMA, VERIFY_ATOL, VERIFY_RTOL, VERIFY_STEPS)
+                                 RR_MECHANISM, SCHEMA, VERIFY_ATOL, VERIFY_RTOL, VERIFY_STEPS)
 from ddp.bench.measure import measure, nosync_cycles, statistics
 from ddp.bench.models import MODEL_SIZES, ModelSpec
 from ddp.bench.report import SECTION_TEXT, header_text, verification_text
 from ddp.bench.tracing import Tracer
+
+#: how a speed-up over the smallest K is judged
+RR_VERDICT_RULE = ("faster (slower) when the interquartile ranges of the time per iteration "
+                   "do not overlap, K's whole range below (above) the baseline's; otherwise "
+                   "no difference beyond noise")
+
+#: iterations recorded per K for the round-robin section's trace (--quick: 2)
+RR_TRACED_ITERS = 5
+
+
+def rr_name(config: Config, k: int) -> str:
+    return f"{config.name} K={k}"
+
+
+def rr_verdict(row: dict, base: dict) -> str:
+    """faster / slower / no difference beyond noise (see RR_VERDICT_RULE)."""
+    if row["q3_ms"] < base["q1_ms"]:
+        return "faster"
+    if row["q1_ms"] > base["q3_ms"]:
+        return "slower"
+    return "no difference beyond noise"
+
 
 class Bench:
     """Runs the selected sections for the selected models on this rank."""
@@ -39,6 +61,8 @@ class Bench:
         self.traced = next((c for c in self.configs if c.name == tracing.TRACED), None)
         #: model -> configuration -> merged trace of one iteration (rank 0; for the timeline)
         self.traces: dict[str, dict[str, dict]] = {}
+        #: model -> K -> merged trace of the round-robin section's traced iterations
+        self.rr_traces: dict[str, dict[int, dict]] = {}
         size = "quick" if args.quick else "full"
         self.specs = [ModelSpec(m, MODEL_SIZES[m][size], seed=17 + i)
                       for i, m in enumerate(args.model_list)]
@@ -52,7 +76,8 @@ class Bench:
                      "buckets": len(a.caps) * nc * a.rounds,
                      "scaling": len(self.w.scaling_worlds) * nc * a.rounds,
                      "nosync": nc * sum(min(a.rounds, nosync_cycles(a.iters, n))
-                                        for n in NOSYNC_EVERY)}
+                                        for n in NOSYNC_EVERY),
+                     "roundrobin": len(a.rr_caps) * nc * len(a.channel_list) * a.rounds}
         return len(self.specs) * sum(per_model[s] for s in a.section_list)
 
     def _timed(self, replicas: dict[str, Replica], cycles: int, what: str,
@@ -65,12 +90,19 @@ class Bench:
 
     # -- verification -------------------------------------------------------------
     def verify(self, spec: ModelSpec) -> dict:
-        """Train every configuration (and overlap off) VERIFY_STEPS steps from the same
-        start on the same data; the parameters must agree across ranks and with the
-        first configuration. Raises RuntimeError (on every rank) when they do not."""
+        """Train every configuration (and overlap off, and with the roundrobin section
+        every configuration on every round-robin group at the section's smallest
+        cap) VERIFY_STEPS steps from the same start on the same data; the parameters
+        must agree across ranks and with the first configuration. Raises
+        RuntimeError (on every rank) when they do not."""
+        runs = [(c.name, c, self.w.groups[c.backend], None) for c in self.configs + self.offs]
+        if "roundrobin" in self.a.section_list:
+            cap = min(self.a.rr_caps)
+            runs += [(rr_name(c, k), c, g, cap) for c, k, g in self.rr_configs()]
         out, ref = {}, None
-        for config in self.configs + self.offs:
-            rep = Replica(spec, config, self.w.groups[config.backend])
+        ref_name = runs[0][0]
+        for name, config, group, cap in runs:
+            rep = Replica(spec, config, group, cap_mb=cap)
             for i in range(VERIFY_STEPS):
                 rep.iteration(i)
             flat = rep.flat_params()
@@ -86,19 +118,24 @@ class Bench:
             across = max(e[0][0] for e in everyone)
             versus = max(e[0][1] for e in everyone)
             ok_ranks, ok_ref = all(e[1][0] for e in everyone), all(e[1][1] for e in everyone)
-            out[config.name] = {"max_abs_diff_across_ranks": across,
-                                f"max_abs_diff_vs_{self.configs[0].name}": versus,
-                                "ok": ok_ranks and ok_ref}
+            out[name] = {"max_abs_diff_across_ranks": across,
+                         f"max_abs_diff_vs_{ref_name}": versus, "ok": ok_ranks and ok_ref}
             if not (ok_ranks and ok_ref):
                 what = ("differ across ranks" if not ok_ranks else
-                        f"differ from {self.configs[0].name}'s")
+                        f"differ from {ref_name}'s")
                 raise RuntimeError(
-                    f"bench_ddp: verification failed for {spec.name} with {config.name}: after "
+                    f"bench_ddp: verification failed for {spec.name} with {name}: after "
                     f"{VERIFY_STEPS} steps the parameters {what} (max |diff| across ranks "
-                    f"{across:.3g}, vs {self.configs[0].name} {versus:.3g}; allclose rtol "
+                    f"{across:.3g}, vs {ref_name} {versus:.3g}; allclose rtol "
                     f"{VERIFY_RTOL:g} atol {VERIFY_ATOL:g}). The timings would compare "
                     "different computations; not timing.")
         return out
+
+    def rr_configs(self) -> list[tuple[Config, int, Any]]:
+        """The roundrobin section's (configuration, K, group): every implementation
+        on every backend's round-robin group of K communicators."""
+        return [(c, k, self.w.rr[(c.backend, k)]) for c in self.configs
+                for k in self.a.channel_list]
 
     # -- sections -------------------------------------------------------------------
     def breakdown(self, spec: ModelSpec) -> dict:
@@ -260,6 +297,73 @@ class Bench:
         return {"rows": rows, "statistic": "per rank: median over cycles of n iterations of "
                                            "the cycle's time / n; max over ranks"}
 
+    def roundrobin(self, spec: ModelSpec) -> dict:
+        """Time per iteration with K communicators used in turn (ringcomm's channels,
+        K gloo groups in round robin), for each K and bucket cap; every K of a cap
+        in the same interleaved rounds; speed-ups and verdicts against the smallest K
+        (``speedup_vs_k1``, ``base_k``). Then a few traced iterations of ``ddp/`` on
+        ringcomm's group per K at the smallest cap (:meth:`rr_traced`)."""
+        rows = []
+        for cap in self.a.rr_caps:
+            reps = {rr_name(c, k): Replica(spec, c, g, cap_mb=cap)
+                    for c, k, g in self.rr_configs()}
+            st = self._timed(reps, self.a.iters, f"roundrobin {spec.name} cap {cap}")
+            for c, k, _ in self.rr_configs():
+                name = rr_name(c, k)
+                rows.append({"config": c.name, "impl": c.impl, "backend": c.backend, "k": k,
+                             "bucket_cap_mb": cap, "buckets": reps[name].num_buckets(),
+                             "total_ms": st[name]["ms"]["total"],
+                             "q1_ms": st[name]["q1_ms"]["total"],
+                             "q3_ms": st[name]["q3_ms"]["total"],
+                             "backward_ms": st[name]["ms"]["backward"], "spans": st[name]})
+            del reps
+        base_k = min(self.a.channel_list)
+        by = {(r["config"], r["bucket_cap_mb"], r["k"]): r for r in rows}
+        for r in rows:
+            b = by[(r["config"], r["bucket_cap_mb"], base_k)]
+            r["speedup_vs_k1"] = round(b["total_ms"] / r["total_ms"], 4)
+            r["verdict"] = rr_verdict(r, b) if r["k"] != base_k else "baseline"
+        out = {"rows": rows, "channels": list(self.a.channel_list), "base_k": base_k,
+               "caps": list(self.a.rr_caps), "communicators": self.w.rr_communicators(),
+               "mechanism": {b: RR_MECHANISM[b] for b in self.a.backend_list},
+               "verdict_rule": RR_VERDICT_RULE}
+        if "ringcomm" in self.a.backend_list and "ours" in self.a.impl_list:
+            out["trace"] = self.rr_traced(spec)
+        return out
+
+    def rr_traced(self, spec: ModelSpec) -> dict | None:
+        """RR_TRACED_ITERS (2 with --quick) synchronized iterations of ``ours/ringcomm``
+        per K at the smallest cap, after warm-up, recorded with ringcomm.trace; rank 0
+        reads from each how many bucket allreduces overlapped and how long they ran
+        (:func:`tracing.concurrency_median`) and keeps the traces for the timelines."""
+        c, cap = Config("ours", "ringcomm"), min(self.a.rr_caps)
+        iters = 2 if self.a.quick else RR_TRACED_ITERS
+        recorded: dict[int, dict] = {}
+        for k in self.a.channel_list:
+            rep = Replica(spec, c, self.w.rr[("ringcomm", k)], cap_mb=cap)
+            for i in range(max(2, self.a.warmup)):
+                rep.iteration(i)
+            dist.barrier(group=self.w.ctrl)
+            with self.tracer.own() as rec:
+                for i in range(iters):
+                    rep.iteration(i)
+            recorded[k] = rec.document()
+            del rep
+        everyone = self.w.gather(recorded)
+        if self.w.rank != 0:
+            return None
+        ranks = list(range(self.w.size))
+        out = {"config": c.name, "bucket_cap_mb": cap, "method": tracing.CONCURRENCY_METHOD,
+               "iterations": iters, "per_k": {}}
+        for k in recorded:
+            merged = trace.merge([e[k] for e in everyone])
+            self.rr_traces.setdefault(spec.name, {})[k] = merged
+            try:
+                out["per_k"][str(k)] = tracing.concurrency_median(merged, ranks, iters)
+            except ValueError as e:  # rank 0 alone: report it, do not stop the run
+                out["per_k"][str(k)] = {"error": str(e)}
+        return out
+
     # -- everything ---------------------------------------------------------------------
     def run(self) -> dict:
         a, w = self.a, self.w
@@ -311,6 +415,8 @@ class Bench:
             "overlap_off": OVERLAP_OFF,
             "optimizer": f"SGD lr {LR:g} momentum {MOMENTUM:g}, zero_grad() after each step",
             "bucket_caps_mb": list(a.caps),
+            "roundrobin": ({"channels": list(a.channel_list), "bucket_caps_mb": list(a.rr_caps)}
+                           if "roundrobin" in a.section_list else None),
             "breakdown_buckets": "each implementation's default: 25 MiB, first bucket 1 MiB",
             "timing": {"warmup": a.warmup, "iters": a.iters, "rounds": a.rounds,
                        "clock": "time.perf_counter spans on each rank",

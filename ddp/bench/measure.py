@@ -65,17 +65,25 @@ def measure(replicas: dict[str, Replica], cycles: int, warmup: int, rounds: int,
 
 
 def statistics(world: World, mine: dict[str, list] | None) -> dict[str, dict]:
-    """Combine every rank's spans: per span, each rank's median (ms) and their maximum.
-    Ranks that did not take part pass None."""
-    meds = None
+    """Combine every rank's spans: per span, each rank's median (ms) and their maximum;
+    the spread as each rank's first and third quartile, each the maximum over ranks
+    (``q1_ms``, ``q3_ms``: the statistic applied to the quartiles). Ranks that did
+    not take part pass None."""
+    qs = None
     if mine is not None:
-        meds = {n: np.median(np.array(rows), axis=0).tolist() for n, rows in mine.items()}
-    everyone = [m for m in world.gather(meds) if m is not None]
+        qs = {n: np.percentile(np.array(rows), [25, 50, 75], axis=0).tolist()
+              for n, rows in mine.items()}
+    everyone = [m for m in world.gather(qs) if m is not None]
     out = {}
     for name in everyone[0]:
-        per_rank = np.array([m[name] for m in everyone]) * 1e3  # ranks x spans, ms
-        out[name] = {"ms": {s: round(float(per_rank[:, j].max()), 3) for j, s in enumerate(SPANS)},
-                     "rank_median_ms": {s: [round(float(v), 3) for v in per_rank[:, j]]
+        per_rank = np.array([m[name] for m in everyone]) * 1e3  # ranks x quartiles x spans, ms
+
+        def top(q: int) -> dict[str, float]:
+            return {s: round(float(per_rank[:, q, j].max()), 3) for j, s in enumerate(SPANS)}
+
+        out[name] = {"ms": top(1),
+                     "rank_median_ms": {s: [round(float(v), 3) for v in per_rank[:, 1, j]]
                                         for j, s in enumerate(SPANS)},
+                     "q1_ms": top(0), "q3_ms": top(2),
                      "samples": len(mine[name]) if mine else None}
     return out

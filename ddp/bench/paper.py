@@ -196,8 +196,10 @@ def nosync(doc: dict) -> str:
     return "\n\n".join(parts)
 
 
-def targets(doc: dict) -> str:
-    recs = doc.get("targets", {}).get("results", [])
+def targets(doc: dict, metrics: Sequence[str] = ("iteration_ratio", "overlap_saving")) -> str:
+    """The run's target verdicts of the given metrics (a run of some sections only
+    leaves the others' targets unmeasured: they are not listed)."""
+    recs = [t for t in doc.get("targets", {}).get("results", []) if t["metric"] in metrics]
     if not recs:
         return "This run checked no speed targets."
     lines = []
@@ -206,12 +208,96 @@ def targets(doc: dict) -> str:
             lines.append(f"* {t['name']}: not measured.")
             continue
         e = t["per_model"][t["worst_model"]]
-        shown = (f"{e['value']:.3f}x" if t["metric"] == "iteration_ratio"
-                 else f"saves {100 * e['value']:.1f}%")
+        shown = (f"saves {100 * e['value']:.1f}%" if t["metric"] == "overlap_saving"
+                 else f"{e['value']:.3f}x")
         lines.append(f"* {t['name']}: **{'met' if t['met'] else 'missed'}** (worst model "
                      f"{t['worst_model']}: {e['of_ms']:.1f} ms against {e['versus_ms']:.1f} ms, "
                      f"{shown}; goal {t['bound']} {t['goal']:g}).")
     return "\n".join(lines)
+
+
+#: what a verdict reads as in the round-robin tables
+_MARK = {"faster": "faster", "slower": "slower", "no difference beyond noise": "same",
+         "baseline": ""}
+
+
+def roundrobin(doc: dict) -> str:
+    """Per model and bucket cap: time per iteration against K for every configuration,
+    median [q1, q3], speed-up over the smallest K and the verdict; then the counts."""
+    parts, verdicts = [], []
+    for model in _models(doc, "roundrobin"):
+        part = doc["roundrobin"][model]
+        rows, ks, base = part["rows"], part["channels"], part["base_k"]
+        configs = list(dict.fromkeys(r["config"] for r in rows))
+        by = {(r["config"], r["bucket_cap_mb"], r["k"]): r for r in rows}
+        for cap in part["caps"]:
+            table = []
+            for c in configs:
+                cells = []
+                for k in ks:
+                    r = by[(c, cap, k)]
+                    cell = f"{r['total_ms']:.1f} [{r['q1_ms']:.1f}, {r['q3_ms']:.1f}]"
+                    if k != base:
+                        cell += f" {r['speedup_vs_k1']:.2f}x {_MARK[r['verdict']]}"
+                        verdicts.append((model, cap, c, k, r["verdict"], r["speedup_vs_k1"]))
+                    cells.append(cell)
+                nb = by[(c, cap, base)]["buckets"]
+                table.append([f"`{c}`", "--" if nb is None else str(nb)] + cells)
+            parts.append(f"**{model}**, bucket_cap_mb {cap_label(cap)} (ms per iteration, "
+                         f"median [q1, q3]; speed-up over K = {base}: faster, slower, or same "
+                         "= no difference beyond noise)\n\n"
+                         + _table(["configuration", "buckets"] + [f"K = {k}" for k in ks],
+                                  table))
+    if verdicts:
+        n = len(verdicts)
+        count = {v: sum(1 for x in verdicts if x[4] == v) for v in
+                 ("faster", "slower", "no difference beyond noise")}
+        sp = [x[5] for x in verdicts]
+        parts.append(f"Over the {n} (model, bucket cap, configuration, K > {base}) cases: "
+                     f"faster in {count['faster']}, slower in {count['slower']}, no difference "
+                     f"beyond noise in {count['no difference beyond noise']}; speed-ups "
+                     f"{min(sp):.2f}x to {max(sp):.2f}x. ("
+                     + doc["roundrobin"][_models(doc, "roundrobin")[0]]["verdict_rule"] + ".)")
+    return "\n\n".join(parts)
+
+
+def roundrobin_mechanisms(doc: dict) -> str:
+    """How each backend got its K communicators, and how many it really had."""
+    models = _models(doc, "roundrobin")
+    if not models:
+        return "This run has no roundrobin section."
+    part = doc["roundrobin"][models[0]]
+    return "\n".join(f"* `{b}`: {m}. Communicators asked of each group: "
+                     + ", ".join(f"K = {k}: {n}" for k, n in part["communicators"][b].items())
+                     + "." for b, m in part["mechanism"].items())
+
+
+def roundrobin_trace(doc: dict) -> str:
+    """The traced iteration per K: how the bucket allreduces ran."""
+    parts = []
+    for model in _models(doc, "roundrobin"):
+        t = doc["roundrobin"][model].get("trace")
+        if not t:
+            continue
+        rows = []
+        for k, e in t["per_k"].items():
+            if "error" in e:
+                rows.append([k, f"not available ({e['error']})"] + [""] * 8)
+                continue
+            m = e["median"]
+            rows.append([k, str(m["allreduces"]), str(m["max_in_flight"]), str(m["threads"]),
+                         f"{m['allreduce_sum_ms']:.1f}", f"{m['allreduce_union_ms']:.1f}",
+                         f"{m['queued_sum_ms']:.1f}", f"{m['backward_ms']:.1f}",
+                         f"{m['exposed_ms']:.1f}", f"{m['total_ms']:.1f}"])
+        parts.append(f"**{model}**, `{t['config']}`, bucket_cap_mb "
+                     f"{cap_label(t['bucket_cap_mb'])}, {t['iterations']} traced iterations "
+                     "per K (ms; max over ranks, median over the iterations)\n\n" + _table(
+                         ["K", "allreduces", "most in flight", "threads", "allreduce time "
+                          "(sum)", "some allreduce running (union)", "queued (sum)", "backward",
+                          "exposed", "iteration"], rows))
+    if not parts:
+        return "This run has no traced round-robin iteration."
+    return "\n\n".join(parts)
 
 
 def predictions(doc: dict, compare: dict, compare_source: str,
@@ -256,10 +342,19 @@ def predictions(doc: dict, compare: dict, compare_source: str,
             f"{100 * f['rms_rel_err']:.0f}%; from `{compare_source}`.)")
 
 
-def blocks(doc: dict, source: str, compare: dict, compare_source: str) -> dict[str, str]:
-    """The generated blocks of docs/paper-reproduction.md, by name."""
-    return {"paper-run": run(doc, source), "paper-breakdown": breakdown(doc),
-            "paper-overlap": overlap(doc), "paper-trace": trace_parts(doc),
-            "paper-buckets": buckets(doc), "paper-scaling": scaling(doc),
-            "paper-nosync": nosync(doc), "paper-targets": targets(doc),
-            "paper-predictions": predictions(doc, compare, compare_source)}
+def blocks(doc: dict, source: str, compare: dict, compare_source: str,
+           rr: dict | None = None, rr_source: str = "") -> dict[str, str]:
+    """The generated blocks of docs/paper-reproduction.md, by name; with ``rr`` (a run
+    of the roundrobin section, from ``rr_source``) also the round-robin blocks."""
+    out = {"paper-run": run(doc, source), "paper-breakdown": breakdown(doc),
+           "paper-overlap": overlap(doc), "paper-trace": trace_parts(doc),
+           "paper-buckets": buckets(doc), "paper-scaling": scaling(doc),
+           "paper-nosync": nosync(doc), "paper-targets": targets(doc),
+           "paper-predictions": predictions(doc, compare, compare_source)}
+    if rr is not None:
+        out.update({"paper-rr-run": run(rr, rr_source),
+                    "paper-rr-mechanisms": roundrobin_mechanisms(rr),
+                    "paper-roundrobin": roundrobin(rr),
+                    "paper-rr-trace": roundrobin_trace(rr),
+                    "paper-rr-targets": targets(rr, ("roundrobin_ratio",))})
+    return out

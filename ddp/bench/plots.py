@@ -122,4 +122,41 @@ def plot(doc: dict, out_dir: str) -> list[str]:
     if "nosync" in doc:
         lines("nosync", "n", "amortized_ms", "synchronize every n iterations (no_sync the others)",
               "amortized ms per iteration", "Skipping synchronization with no_sync()")
+    if "roundrobin" in doc:
+        models = list(doc["roundrobin"])
+        caps = list(dict.fromkeys(c for m in models for c in doc["roundrobin"][m]["caps"]))
+        fig, axes = plt.subplots(len(caps), len(models), figsize=(6.5 * len(models),
+                                                                  4.2 * len(caps)),
+                                 squeeze=False)
+        for col, model in enumerate(models):
+            part = doc["roundrobin"][model]
+            configs = list(dict.fromkeys(r["config"] for r in part["rows"]))
+            for row, cap in enumerate(caps):
+                ax = axes[row][col]
+                for i, c in enumerate(configs):
+                    pts = sorted((r for r in part["rows"] if r["config"] == c
+                                  and r["bucket_cap_mb"] == cap), key=lambda r: r["k"])
+                    if not pts:
+                        continue
+                    # a small sideways offset per line, so the error bars stay apart
+                    dx = 0.08 * (i - (len(configs) - 1) / 2)
+                    med = np.array([r["total_ms"] for r in pts])
+                    err = np.array([[m - r["q1_ms"] for m, r in zip(med, pts)],
+                                    [r["q3_ms"] - m for m, r in zip(med, pts)]])
+                    ax.errorbar([r["k"] + dx for r in pts], med, yerr=np.clip(err, 0, None),
+                                marker="o", capsize=3, color=f"C{i}",
+                                linestyle="-" if pts[0]["backend"] == "ringcomm" else "--",
+                                label=c)
+                nb = sorted({r["buckets"] for r in part["rows"] if r["bucket_cap_mb"] == cap
+                             and r["buckets"] is not None})
+                ax.set_xticks(part["channels"])
+                ax.set_title(f"{model}, bucket_cap_mb {cap_label(cap)} ("
+                             + "/".join(map(str, nb)) + " buckets)", fontsize=10)
+                ax.set_xlabel("K: communicators used in turn (ringcomm channels; gloo groups)")
+                ax.set_ylabel("ms per iteration (median, q1-q3)")
+                ax.set_ylim(bottom=0)
+                ax.grid(True, alpha=0.3)
+                ax.legend(fontsize=8, loc="lower left")
+        save(fig, "roundrobin", "Round-robin communicators: time per iteration against K\n"
+                                "(ringcomm, solid: K channels; gloo, dashed: K groups in turn)")
     return written

@@ -163,6 +163,54 @@ def nosync_text(model: str, part: dict, meta: dict) -> str:
     return "\n".join(lines)
 
 
+VERDICT_MARK = {"faster": "+", "slower": "-", "no difference beyond noise": "=",
+                "baseline": " "}
+
+
+def roundrobin_text(model: str, part: dict, meta: dict) -> str:
+    configs = list(dict.fromkeys(r["config"] for r in part["rows"]))
+    ks = part["channels"]
+    by = {(r["config"], r["bucket_cap_mb"], r["k"]): r for r in part["rows"]}
+    lines = ["#", f"# 5. round robin, {model}: ms per iteration with K communicators used in "
+                  f"turn, median [q1, q3] (speed-up over K={part['base_k']}; + faster, - "
+                  "slower, = no difference beyond noise)" + _over(meta)]
+    for b, m in part["mechanism"].items():
+        lines.append(f"#   {b}: {m}; communicators per K: "
+                     + ", ".join(f"K={k}: {n}" for k, n in part["communicators"][b].items()))
+    for cap in part["caps"]:
+        nb = {c: by[(c, cap, ks[0])]["buckets"] for c in configs}
+        lines.append(f"# bucket_cap_mb {cap_label(cap)} (buckets: "
+                     + ", ".join(f"{c} {'--' if n is None else n}" for c, n in nb.items()) + ")")
+        lines.append(f"# {'configuration':<16} " + " ".join(f"{'K=' + str(k):>31}" for k in ks))
+        for c in configs:
+            cells = []
+            for k in ks:
+                r = by[(c, cap, k)]
+                cells.append(f"{r['total_ms']:7.1f} [{r['q1_ms']:6.1f},{r['q3_ms']:6.1f}] "
+                             f"({r['speedup_vs_k1']:4.2f}x{VERDICT_MARK[r['verdict']]})")
+            lines.append(f"  {c:<16} " + " ".join(f"{x:>31}" for x in cells))
+    t = part.get("trace")
+    if t:
+        lines.append(f"# {t['iterations']} traced iterations of {t['config']} per K, "
+                     f"bucket_cap_mb {cap_label(t['bucket_cap_mb'])} (max over ranks, median "
+                     "over iterations; ms):")
+        lines.append(f"#   {'K':>3} {'allreduces':>10} {'in flight':>9} {'threads':>7} "
+                     f"{'sum':>8} {'union':>8} {'queued':>8} {'backward':>8} {'exposed':>8} "
+                     f"{'total':>8}")
+        for k, e in t["per_k"].items():
+            if "error" in e:
+                lines.append(f"#   {k:>3} not available ({e['error']})")
+                continue
+            m = e["median"]
+            lines.append(f"    {k:>3} {m['allreduces']:>10} {m['max_in_flight']:>9} "
+                         f"{m['threads']:>7} {m['allreduce_sum_ms']:8.1f} "
+                         f"{m['allreduce_union_ms']:8.1f} {m['queued_sum_ms']:8.1f} "
+                         f"{m['backward_ms']:8.1f} {m['exposed_ms']:8.1f} {m['total_ms']:8.1f}")
+        lines.append("#   (sum: of the allreduces' durations; union: time at least one ran; "
+                     "queued: enqueue to start, summed)")
+    return "\n".join(lines)
+
+
 SECTION_TEXT: dict[str, Callable[[str, dict, dict], str]] = {
     "breakdown": breakdown_text, "buckets": buckets_text, "scaling": scaling_text,
-    "nosync": nosync_text}
+    "nosync": nosync_text, "roundrobin": roundrobin_text}

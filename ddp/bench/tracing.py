@@ -17,6 +17,7 @@ import json
 import socket
 from typing import Iterator
 
+import numpy as np
 import torch.distributed as dist
 
 from ringcomm import trace
@@ -33,6 +34,16 @@ TRACE_METHOD = ("one synchronized iteration after warm-up recorded with ringcomm
 OVERHEAD_METHOD = ("total time per iteration of ours/ringcomm with a ringcomm.trace recording "
                    "on, against the same configuration with it off, timed in the same "
                    "interleaved rounds")
+CONCURRENCY_METHOD = ("a few synchronized iterations of ours/ringcomm after warm-up per K, "
+                      "recorded with ringcomm.trace; per iteration and rank, over the "
+                      "iteration's allreduce "
+                      "spans (each on the thread that ran it: a channel's progress thread): "
+                      "their number, the most in flight at once, the channel threads used, "
+                      "the sum of their durations, the time at least one ran (union), the "
+                      "time each waited between its enqueue and its start (queued behind "
+                      "the channel's earlier work), the backward span and the exposed tail "
+                      "(end of backward to end of copy-back); each the max over ranks, then "
+                      "the median over the iterations")
 #: the traced configuration, and overlap off for the second timeline
 TRACED = "ours/ringcomm"
 TRACED_OFF = "off/ringcomm"
@@ -189,6 +200,113 @@ def off_breakdown(doc: dict, ranks: list[int]) -> dict:
         per["total"].append(_end(opt[-1]) - fwd[-1]["ts"])
     return {"ms": {k: round(max(v) / 1e3, 3) for k, v in per.items()},
             "rank_ms": {k: [round(x / 1e3, 3) for x in v] for k, v in per.items()}}
+
+
+def _union(intervals: list[tuple[float, float]]) -> tuple[float, int]:
+    """Total length covered by ``intervals`` and the most that overlap at one time."""
+    edges = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals],
+                   key=lambda e: (e[0], e[1]))  # an end before a start at the same time
+    covered, depth, most, since = 0.0, 0, 0, 0.0
+    for t, d in edges:
+        if depth > 0:
+            covered += t - since
+        depth += d
+        most = max(most, depth)
+        since = t
+    return covered, most
+
+
+def concurrency(doc: dict, ranks: list[int], iteration: int = -1) -> dict:
+    """How the allreduces of synchronized iteration ``iteration`` (an index into the
+    iterations recorded in ``doc``) ran, per rank and the max over ranks (see
+    CONCURRENCY_METHOD); times in ms.
+
+    Raises:
+        ValueError: a rank lacks the iteration's spans or its allreduces.
+    """
+    keys = ("allreduces", "max_in_flight", "threads", "allreduce_sum_ms", "allreduce_union_ms",
+            "queued_sum_ms", "backward_ms", "exposed_ms", "total_ms")
+    per: dict[str, list] = {k: [] for k in keys}
+    for r in ranks:
+        got = {n: _spans(doc, r, n) for n in ("forward", "backward", "copy-back",
+                                               "optimizer step")}
+        missing = [n for n, v in got.items() if len(v) < (iteration + 1 if iteration >= 0
+                                                           else -iteration)]
+        if missing:
+            raise ValueError(f"bench_ddp: rank {r}'s traced iteration {iteration} has no "
+                             f"{missing} span")
+        fwd, back, copy, opt = (got[n][iteration] for n in ("forward", "backward", "copy-back",
+                                                             "optimizer step"))
+        colls = [e for e in doc["traceEvents"] if e.get("pid") == r and e.get("ph") == "X"
+                 and e.get("cat") == "collective" and e["name"].startswith("allreduce")
+                 and fwd["ts"] <= e["ts"] <= _end(opt)]
+        if not colls:
+            raise ValueError(f"bench_ddp: rank {r}'s traced iteration has no allreduce")
+        union, most = _union([(e["ts"], _end(e)) for e in colls])
+        per["allreduces"].append(len(colls))
+        per["max_in_flight"].append(most)
+        per["threads"].append(len({e["tid"] for e in colls}))
+        per["allreduce_sum_ms"].append(sum(e["dur"] for e in colls) / 1e3)
+        per["allreduce_union_ms"].append(union / 1e3)
+        per["queued_sum_ms"].append(sum(max(0.0, e["ts"] - e["args"].get("enqueued_us", e["ts"]))
+                                        for e in colls) / 1e3)
+        per["backward_ms"].append(back["dur"] / 1e3)
+        per["exposed_ms"].append((_end(copy) - _end(back)) / 1e3)
+        per["total_ms"].append((_end(opt) - fwd["ts"]) / 1e3)
+    return {"max": {k: round(max(v), 3) if isinstance(v[0], float) else max(v)
+                    for k, v in per.items()},
+            "rank": {k: [round(x, 3) if isinstance(x, float) else x for x in v]
+                     for k, v in per.items()}}
+
+
+def concurrency_median(doc: dict, ranks: list[int], iterations: int) -> dict:
+    """:func:`concurrency` of each of the ``iterations`` recorded iterations, and per
+    key the median over them of the max over ranks (``median``)."""
+    its = [concurrency(doc, ranks, i) for i in range(iterations)]
+    med = {}
+    for k in its[0]["max"]:
+        v = float(np.median([it["max"][k] for it in its]))
+        med[k] = (round(v, 3) if isinstance(its[0]["max"][k], float) or not v.is_integer()
+                  else int(v))
+    totals = [it["max"]["total_ms"] for it in its]
+    typical = sorted(range(len(its)), key=lambda i: totals[i])[(len(its) - 1) // 2]
+    return {"median": med, "iterations": [it["max"] for it in its],
+            "typical_iteration": typical}
+
+
+def iteration_window(doc: dict, i: int) -> tuple[float, float]:
+    """(start, end) in microseconds of recorded iteration ``i`` over the ranks: its
+    earliest forward to its latest optimizer step end, with a margin of 2%."""
+    ranks = sorted({e["pid"] for e in doc["traceEvents"] if e.get("name") == "forward"})
+    t0 = min(_spans(doc, r, "forward")[i]["ts"] for r in ranks)
+    t1 = max(_end(_spans(doc, r, "optimizer step")[i]) for r in ranks)
+    pad = 0.02 * (t1 - t0)
+    return t0 - pad, t1 + pad
+
+
+def draw_roundrobin(traces: dict, summary: dict, model: str, out_dir: str) -> list[str]:
+    """The timeline of a typical traced iteration (:func:`concurrency_median`) of the
+    smallest and the largest K (``traces[k]``: a merged trace; ``summary``: the
+    section's ``trace`` part) as ``bench_ddp_roundrobin_timeline_k<K>.png``."""
+    import os
+
+    from ringcomm.trace import timeline
+
+    written = []
+    ks = sorted(traces, key=int)
+    for k in dict.fromkeys((ks[0], ks[-1])):
+        e = summary["per_k"].get(str(k), {})
+        if "typical_iteration" not in e:
+            continue
+        path = os.path.join(out_dir, f"bench_ddp_roundrobin_timeline_k{k}.png")
+        m = e["median"]
+        timeline.draw(traces[k], path, iteration_window(traces[k], e["typical_iteration"]),
+                      title=f"one iteration of {summary['config']} on {k} channel"
+                            f"{'s' if int(k) > 1 else ''}, {model}, bucket_cap_mb "
+                            f"{summary['bucket_cap_mb']}: {m['allreduces']} bucket allreduces, "
+                            f"at most {m['max_in_flight']} at once")
+        written.append(path)
+    return written
 
 
 def draw(traces: dict, model: str, out_dir: str) -> list[str]:
