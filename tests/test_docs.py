@@ -49,7 +49,8 @@ def test_stale_readme_is_detected(tmp_path, run_doc_numbers):
 
 def test_stale_benchmarks_doc_is_detected(tmp_path, run_doc_numbers):
     # every generated block of docs/benchmarks.md, each with a made-up number in it
-    names = ("example", "shipped-targets", "run", "tables", "targets", "model", "layers")
+    names = ("example", "shipped-targets", "run", "tables", "targets", "model", "layers",
+             "concurrent")
     doc = tmp_path / "benchmarks.md"
     doc.write_text("".join(f"x\n<!-- generated:{n} begin -->\n| 4 KiB | 1 us |\n"
                            f"<!-- generated:{n} end -->\n" for n in names))
