@@ -12,17 +12,14 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 import conformance  # noqa: E402
 
-#: torch's tests CI runs: one or two of each kind
+#: torch's tests CI runs: one of each kind (each spawns its own 3 processes, about
+#: 11 s; the whole suite is ``make conformance``)
 CI_TESTS = [
     "test_all_reduce_sum",                               # collectives
-    "test_all_gather_coalesced_with_empty",
     "test_all_to_all_single_unequal_split",              # a gate opened for ringcomm
-    "test_get_rank_size_group",                          # subgroups
     "test_send_recv_any_source",                         # point-to-point
-    "test_batch_isend_irecv_gloo_tags",
-    "test_all_gather_object_subgroup",                   # object collectives
+    "test_all_gather_object_subgroup",                   # object collectives, subgroups
     "test_DistributedDataParallelCPU",                   # DDP
-    "test_accumulate_gradients_no_sync_allreduce_hook",
 ]
 
 

@@ -31,7 +31,7 @@ def ids(pairs):
 def test_checker_proves_every_builtin(collective, name):
     build = REGISTRY[collective][name]
     n = 0
-    for p in range(1, 17):
+    for p in (*range(1, 10), 12, 16):  # every shape of fold up to 9, and larger powers of 2
         # rooted collectives: every root up to 5 ranks, then the first, one inside, the last
         roots = range(p) if p <= 5 else sorted({0, p // 2, p - 1})
         for k in DEPTHS:
@@ -39,7 +39,7 @@ def test_checker_proves_every_builtin(collective, name):
                 for root in roots if collective in checker.ROOTED else [0]:
                     checker.check(build, collective, p, layout, root=root, seg=seg)
                     n += 1
-    assert n >= 64
+    assert n >= 40  # at least one shape per world size and depth
 
 
 def _inputs(collective: str, p: int, layout, root: int, seed: int):
