@@ -38,6 +38,15 @@ def init() -> tuple[int, int, dict[str, dist.ProcessGroup], Checker]:
     return rank, dist.get_world_size(), groups, Checker(rank)
 
 
+def done(c: Checker) -> None:
+    """End the run: every rank leaves the groups together (torch's threads are
+    joined now, not in destructors racing interpreter exit), then the checks'
+    verdict."""
+    dist.barrier()
+    dist.destroy_process_group()
+    c.finish()
+
+
 class TinyLM(nn.Module):
     """Embedding -> Conv1d -> BatchNorm1d -> Linear -> head tied to the embedding."""
 

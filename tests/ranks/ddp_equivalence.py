@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from _ddp_common import (buffers, compare_tensors, grads, init, lm_batch, lm_loss, params,
+from _ddp_common import (buffers, compare_tensors, done, grads, init, lm_batch, lm_loss, params,
                          rank_slice, same_on_all_ranks, sgd, tiny_lm)
 from ddp import DistributedDataParallel as DDP
 
@@ -68,7 +68,7 @@ def main() -> None:
         for cap, view, unused, dtype in cases:
             c.run(f"{backend} cap={cap} view={view} unused={unused} {dtype}", run_case, c,
                   rank, world, groups[backend], backend, cap, view, unused, dtype)
-    c.finish()
+    done(c)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 
-from _ddp_common import (buffers, compare_tensors, conv_net, grads, image_batch, init,
+from _ddp_common import (buffers, compare_tensors, conv_net, done, grads, image_batch, init,
                          grads_or_marker, lm_batch, lm_loss, params, rank_slice, same_on_all_ranks,
                          sgd, tiny_lm)
 import ddp
@@ -219,7 +219,7 @@ def main() -> None:
     for backend, group in groups.items():
         for fn in (vs_torch_ddp, no_sync, hooks, bucket_view, state_dict, construction_errors):
             c.run(f"{fn.__name__} {backend}", fn, c, rank, world, group, backend)
-    c.finish()
+    done(c)
 
 
 if __name__ == "__main__":

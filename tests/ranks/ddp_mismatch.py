@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _ddp_common import init, rank_slice
+from _ddp_common import done, init, rank_slice
 from ddp import DistributedDataParallel as DDP
 
 
@@ -68,7 +68,7 @@ def main() -> None:
         out = [torch.empty_like(g) for _ in range(world)]
         dist.all_gather(out, g, group=group)
         c.check(all(torch.equal(o, out[0]) for o in out), f"{backend}: afterwards grads differ")
-    c.finish()
+    done(c)
 
 
 if __name__ == "__main__":
