@@ -35,7 +35,8 @@ def valid(opname: str, dtype: torch.dtype) -> bool:
     return True
 
 
-def data(rank: int, n: int, dtype: torch.dtype, opname: str, salt: int = 0) -> torch.Tensor:
+def data(rank: int, n: int, dtype: torch.dtype, opname: str = "SUM",
+         salt: int = 0) -> torch.Tensor:
     """Rank ``rank``'s input, reproducible on every rank. Values keep every reduction
     exact in every dtype (no rounding, no overflow) so results compare bit for bit."""
     g = torch.Generator().manual_seed(1000003 * rank + 7919 * n + 31 * salt + len(opname))
@@ -88,7 +89,10 @@ BUILTIN_ALLREDUCE = [a for a in ringcomm.REGISTRY["allreduce"]
                      if ("allreduce", a) in ringcomm.algorithms.BUILTIN]
 
 
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same(a, b) -> bool:
+    """Bit for bit: dtype, shape and values (lists and tuples element by element)."""
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 

@@ -26,62 +26,13 @@ import torch.distributed as dist
 
 import ringcomm
 from _common import Checker
+from collectives_check import data, oracle, same, valid  # inputs and oracle shared
 
 R = dist.ReduceOp
 OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
           torch.int64, torch.int8, torch.uint8)
 ALLREDUCE = ("rabenseifner", "double_tree", "hierarchical")
-
-
-def valid(op: str, dtype: torch.dtype) -> bool:
-    return not (op in ("BAND", "BOR", "BXOR") and dtype.is_floating_point)
-
-
-def data(rank: int, n: int, dtype: torch.dtype, op: str = "SUM", salt: int = 0) -> torch.Tensor:
-    """Rank ``rank``'s input, the same on every rank that asks; small integers so that
-    every reduction is exact in every dtype whatever the order (products of at most a
-    few factors of 2, so int8 and uint8 do not overflow on 5 ranks)."""
-    g = torch.Generator().manual_seed(1000003 * rank + 7919 * n + 31 * salt + len(op))
-    if op == "PRODUCT":
-        v = torch.randint(1 if dtype == torch.uint8 else -1, 3, (n,), generator=g)
-        v[v == 0] = 1
-    elif op in ("BAND", "BOR", "BXOR"):
-        v = torch.randint(0, 120, (n,), generator=g)
-    elif dtype == torch.uint8:
-        v = torch.randint(0, 40, (n,), generator=g)
-    else:
-        v = torch.randint(-20, 21, (n,), generator=g)
-    return v.to(dtype)
-
-
-def oracle(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
-    """The reduction computed in one process with torch, independent of ringcomm."""
-    dtype = inputs[0].dtype
-    wide = torch.stack([t.to(torch.float64 if dtype.is_floating_point else torch.int64)
-                        for t in inputs])
-    if op in ("SUM", "AVG"):
-        out = wide.sum(0)
-        if op == "AVG":  # NCCL's ncclAvg: integers truncate
-            out = out / len(inputs) if dtype.is_floating_point else \
-                torch.div(out, len(inputs), rounding_mode="trunc")
-    elif op == "PRODUCT":
-        out = wide.prod(0)
-    elif op == "MIN":
-        out = wide.amin(0)
-    elif op == "MAX":
-        out = wide.amax(0)
-    else:
-        out = wide[0].clone()
-        for x in wide[1:]:
-            out = {"BAND": out & x, "BOR": out | x, "BXOR": out ^ x}[op]
-    return out.to(dtype)
-
-
-def same(a, b) -> bool:
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def main() -> None:
