@@ -38,6 +38,22 @@ def init() -> tuple[int, int, dict[str, dist.ProcessGroup], Checker]:
     return rank, dist.get_world_size(), groups, Checker(rank)
 
 
+def train_classifier(wrapper, model: nn.Module, group, *, bucket_cap_mb: float, batch: int,
+                     steps: int = 4) -> list[torch.Tensor]:
+    """``steps`` SGD steps of ``wrapper(model)`` (a DDP class) on ``group``, each rank on
+    its own seeded batch of 12 features and 3 classes; the parameters afterwards."""
+    ddp_model = wrapper(model, process_group=group, bucket_cap_mb=bucket_cap_mb)
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+    rank = dist.get_rank()
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(batch, 12, generator=g), torch.randint(0, 3, (batch,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(ddp_model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in ddp_model.parameters()]
+
+
 def done(c: Checker) -> None:
     """End the run: every rank leaves the groups together (torch's threads are
     joined now, not in destructors racing interpreter exit), then the checks'

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import ringcomm
 from ddp import DistributedDataParallel as OurDDP
 from _common import Checker
+from _ddp_common import train_classifier
 
 
 class Net(nn.Module):
@@ -28,19 +29,10 @@ class Net(nn.Module):
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
-def train(wrapper, group, steps: int = 4) -> list[torch.Tensor]:
+def train(wrapper, group) -> list[torch.Tensor]:
     torch.manual_seed(0)
     # small buckets: several allreduces in flight per backward, on different channels
-    model = wrapper(Net(), process_group=group, bucket_cap_mb=0.002)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rank = dist.get_rank()
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 * rank + step)
-        x, y = torch.randn(6, 12, generator=g), torch.randint(0, 3, (6,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return train_classifier(wrapper, Net(), group, bucket_cap_mb=0.002, batch=6)
 
 
 def burst(group, rank: int, p: int) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ import ringcomm
 from ddp import DistributedDataParallel as OurDDP
 from ringcomm.schedule import Builder, Reduce
 from _common import Checker
+from _ddp_common import train_classifier
 
 
 def star(ctx):
@@ -63,18 +64,9 @@ class Net(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def train(wrapper, group, steps: int = 4) -> list[torch.Tensor]:
+def train(wrapper, group) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    model = wrapper(Net(), process_group=group, bucket_cap_mb=0.0005)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rank = dist.get_rank()
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 * rank + step)
-        x, y = torch.randn(5, 12, generator=g), torch.randint(0, 3, (5,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return train_classifier(wrapper, Net(), group, bucket_cap_mb=0.0005, batch=5)
 
 
 def main() -> int:
