@@ -44,6 +44,9 @@ def _create(dist_opts, pg_options) -> ProcessGroupRingcomm:
                         f"{type(pg_options).__name__}")
     options = (pg_options or Options()).resolve()
     transports, cpu_error, hosts = None, None, ()
+    # before MPI starts (importing the MPI transport starts it): its network path
+    bootstrap.prepare_network(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+                              dist_opts.timeout)
     try:
         from .transport.mpi import MPITransport
     except (ImportError, RuntimeError, OSError) as e:

@@ -21,8 +21,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 from datetime import timedelta
+
+from . import network, settings
 
 log = logging.getLogger("ringcomm")
 
@@ -65,8 +68,12 @@ def setup_env_from_mpi() -> None:
 
     RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE come from MPI; MASTER_ADDR
     and MASTER_PORT are kept if the user set them, else rank 0 picks a free port
-    and every rank learns it over MPI.
+    and an address the other hosts reach (:func:`network.advertised_address`), and
+    every rank learns them over MPI. ``RINGCOMM_IFACE`` is applied before MPI starts.
     """
+    forced = network.chosen_iface()
+    if forced is not None:  # before MPI starts, so that MPI uses it too
+        network.apply(forced, spans_hosts=False, set_netmod=False)
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -76,17 +83,22 @@ def setup_env_from_mpi() -> None:
     global _mpi_node
     _mpi_node = node.bcast(rank, root=0)  # a host's name: the world rank of its first rank
     node.Free()
-    mine = (socket.gethostname(), _free_port() if rank == 0 else 0)
-    host0, port0 = world.bcast(mine if rank == 0 else None, root=0)
     single_node = world.allreduce(1 if local_size == size else 0, op=MPI.MIN) == 1
+    mine = None
+    if rank == 0:
+        mine = ("127.0.0.1" if single_node else network.advertised_address(), _free_port())
+    addr0, port0 = world.bcast(mine, root=0)
     for key, value in (("RANK", rank), ("WORLD_SIZE", size)):
         old = os.environ.get(key)
         if old is not None and old != str(value):
             log.warning("ringcomm: replacing %s=%s with the MPI value %s", key, old, value)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(local_size))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if single_node else host0)
+    os.environ.setdefault("MASTER_ADDR", addr0)
     os.environ.setdefault("MASTER_PORT", str(port0))
+    if not single_node:  # NCCL's interface: the one toward the store, as under torchrun
+        iface = forced or network.interface_toward(os.environ["MASTER_ADDR"])[0]
+        network.apply(iface, spans_hosts=True, set_netmod=False)
 
 
 def host_key(world_rank: int, local_size: int = 0) -> str:
@@ -124,8 +136,62 @@ def _store_wait(store, key: str, timeout: timedelta) -> bytes:
     return store.get(key)
 
 
+def mpi_started() -> bool:
+    """True once this process has initialized MPI (through mpi4py)."""
+    mod = sys.modules.get("mpi4py.MPI")
+    return mod is not None and mod.Is_initialized()
+
+
+def prepare_network(store, rank: int, size: int, timeout: timedelta) -> None:
+    """Before a group's communicator is built from singletons (torchrun): meet the
+    group's ranks through ``store`` and choose the network path MPI will use
+    (:mod:`ringcomm.network`). Nothing to do under mpiexec or once the world
+    communicator exists: MPI is wired up then."""
+    if launched_by_mpi() or _world is not None:
+        return
+    path = network.compare_hosts(store, rank, size, timeout, set_netmod=not mpi_started())
+    if path.spans_hosts and mpi_started() and not path.set_vars:
+        log.warning("ringcomm: this group spans hosts but MPI was started before ringcomm "
+                    "could choose its network path; if bootstrap hangs, set "
+                    "MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp before MPI starts")
+
+
+def _bounded(call, what: str, timeout: timedelta, store, peer: int):
+    """``call()``, which blocks in MPI with no timeout of its own, bounded by the
+    smaller of ``timeout`` and ``RINGCOMM_CONNECT_TIMEOUT``: past it, raise an error
+    that names the hosts, interfaces and variables to check (the call itself stays
+    blocked in its thread: MPI cannot cancel it)."""
+    limit = min(timeout.total_seconds(), settings.get("RINGCOMM_CONNECT_TIMEOUT"))
+    result: list = []
+
+    def run():
+        try:
+            result.append((True, call()))
+        except BaseException as e:  # handed to the caller
+            result.append((False, e))
+
+    t = threading.Thread(target=run, name=f"ringcomm-bootstrap-{what}", daemon=True)
+    t.start()
+    t.join(limit)
+    if not result:
+        import torch.distributed as dist
+
+        path = network.last or network.Path()
+        path.hosts.setdefault(peer, network.host_of(store, peer))
+        raise dist.DistBackendError(
+            f"ringcomm bootstrap: {what} did not complete within {limit:g} s, so the MPI "
+            f"connection between the ranks' hosts does not work. {path.describe()}")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
+
+
 def _connect_world(store, rank: int, size: int, timeout: timedelta):
-    """Join ``size`` MPI singletons into one intracommunicator ranked like torch."""
+    """Join ``size`` MPI singletons into one intracommunicator ranked like torch.
+
+    Every rank has met the others in :func:`prepare_network`, so each MPI connect
+    and accept below is bounded by ``RINGCOMM_CONNECT_TIMEOUT``."""
     from mpi4py import MPI
 
     if size == 1:
@@ -140,13 +206,17 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
         # arriving early would be accepted in another rank's place.
         _store_wait(store, f"ringcomm/turn/{rank}", timeout)
         port = _store_wait(store, "ringcomm/port", timeout).decode()
-        inter = MPI.COMM_SELF.Connect(port, root=0)
+        inter = _bounded(lambda: MPI.COMM_SELF.Connect(port, root=0),
+                         f"rank {rank}'s MPI connect to rank 0", timeout, store, 0)
         comm = inter.Merge(high=True)
         inter.Free()
     for newcomer in range(rank + 1, size):
         if rank == 0:
             store.set(f"ringcomm/turn/{newcomer}", b"1")
-        inter = comm.Accept(port if rank == 0 else None, root=0)
+        members = comm
+        inter = _bounded(lambda: members.Accept(port if rank == 0 else None, root=0),
+                         f"rank {rank}'s MPI accept of rank {newcomer}", timeout, store,
+                         newcomer)
         merged = inter.Merge(high=False)  # members first: ranks 0..newcomer
         inter.Free()
         comm.Free()

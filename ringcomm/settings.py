@@ -23,7 +23,7 @@ class Setting:
 
     Attributes:
         name: the variable, ``RINGCOMM_...``.
-        kind: how its value is read: ``bool``, ``int``, ``float``, ``path``,
+        kind: how its value is read: ``bool``, ``int``, ``float``, ``path``, ``name``,
             ``level`` or ``algorithms``.
         default: the value when it is unset or empty.
         meaning: one line for the README.
@@ -93,7 +93,7 @@ def _algorithms(raw: str) -> dict[str, str]:
 
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
-    "bool": _bool, "int": _int, "float": _float, "path": str, "level": _level,
+    "bool": _bool, "int": _int, "float": _float, "path": str, "name": str, "level": _level,
     "algorithms": _algorithms,
 }
 
@@ -115,6 +115,13 @@ SETTINGS: tuple[Setting, ...] = (
             "ranks per host, as consecutive blocks of world ranks, for hierarchical "
             "algorithms; 0 takes the layout from the launcher", option="local_size",
             minimum=0),
+    Setting("RINGCOMM_IFACE", "name", None,
+            "network interface for MPI and NCCL when ranks span hosts (default: the one "
+            "that carries this host's traffic to `MASTER_ADDR`); see docs/multi-node.md"),
+    Setting("RINGCOMM_CONNECT_TIMEOUT", "float", 60.0,
+            "seconds bootstrap's MPI connect between torchrun's processes may take once "
+            "every rank has started, before it fails naming hosts and interfaces",
+            minimum=1),
     Setting("RINGCOMM_DEBUG", "level", "OFF",
             "`INFO` logs each `auto` choice; `DETAIL` also compares every collective's "
             "kind and sizes across ranks before it runs"),
