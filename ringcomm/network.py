@@ -9,8 +9,8 @@ the variables the user left unset:
 
 * ``MPIR_CVAR_CH4_NETMOD=ofi`` and ``FI_PROVIDER=tcp``: libfabric's TCP provider
   (under torchrun; under mpiexec the launcher already wired MPI up);
-* ``FI_TCP_IFACE`` (or ``UCX_NET_DEVICES`` when the netmod is UCX) and
-  ``NCCL_SOCKET_IFNAME``: the interface that carries this host's traffic to the
+* ``FI_TCP_IFACE`` (or ``UCX_NET_DEVICES`` when the netmod is UCX),
+  ``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME``: the interface that carries this host's traffic to the
   store (``MASTER_ADDR``), or ``RINGCOMM_IFACE`` when it is set.
 
 Every choice is logged at INFO (``RINGCOMM_DEBUG=INFO``) and kept in
@@ -34,7 +34,7 @@ log = logging.getLogger("ringcomm")
 
 #: the variables that decide the network path, named in bootstrap's errors
 VARIABLES = ("RINGCOMM_IFACE", "MPIR_CVAR_CH4_NETMOD", "FI_PROVIDER", "FI_TCP_IFACE",
-             "UCX_NET_DEVICES", "NCCL_SOCKET_IFNAME", "MASTER_ADDR")
+             "UCX_NET_DEVICES", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "MASTER_ADDR")
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -194,6 +194,9 @@ def apply(iface: str | None, spans_hosts: bool, set_netmod: bool) -> dict[str, s
         if netmod in ("ucx", "") and settings.get("RINGCOMM_IFACE"):
             default("UCX_NET_DEVICES", iface)
         default("NCCL_SOCKET_IFNAME", iface)
+        # torch's gloo binds to the host name's address, else to loopback: name the
+        # interface for the gloo groups a job makes beside ringcomm's
+        default("GLOO_SOCKET_IFNAME", iface)
     if new:
         log.info("ringcomm: network path %s", " ".join(f"{k}={v}" for k, v in new.items()))
     return new

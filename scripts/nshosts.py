@@ -164,21 +164,24 @@ esac
 """)
         os.chmod(self.launcher, 0o755)
 
-    def torchrun_argv(self, host: int, nproc: int, port: int, args: list[str]) -> list[str]:
-        """torchrun's command line for ``host``: static rendezvous on host 0."""
+    def torchrun_argv(self, host: int, nproc: int, port: int, args: list[str],
+                      nnodes: int | None = None) -> list[str]:
+        """torchrun's command line for ``host`` of a job on the first ``nnodes`` hosts
+        (default: all): static rendezvous on host 0."""
         return [os.path.join(os.path.dirname(sys.executable), "torchrun"),
-                "--nnodes", str(self.n), "--node-rank", str(host),
+                "--nnodes", str(nnodes or self.n), "--node-rank", str(host),
                 "--nproc-per-node", str(nproc), "--rdzv-backend", "static",
                 "--master-addr", self.addresses[0], "--master-port", str(port), *args]
 
-    def mpiexec_argv(self, nprocs: int, args: list[str]) -> list[str]:
-        """mpiexec's command line (run it on host 0): ranks spread in blocks of
-        ``nprocs / n`` over the hosts."""
-        per_host = -(-nprocs // self.n)
+    def mpiexec_argv(self, nprocs: int, args: list[str], hosts: int | None = None) -> list[str]:
+        """mpiexec's command line (run it on host 0): ranks in blocks of
+        ``ceil(nprocs / hosts)`` over the first ``hosts`` hosts (default: all)."""
+        hosts = hosts or self.n
+        per_host = -(-nprocs // hosts)
         return [os.path.join(os.path.dirname(sys.executable), "mpiexec"),
                 "-launcher", "ssh", "-launcher-exec", self.launcher,
-                "-hosts", ",".join(self.addresses), "-n", str(nprocs), "-ppn", str(per_host),
-                *args]
+                "-hosts", ",".join(self.addresses[:hosts]), "-n", str(nprocs),
+                "-ppn", str(per_host), *args]
 
 
 def _kill(p: subprocess.Popen) -> None:

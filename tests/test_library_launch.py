@@ -1,14 +1,14 @@
 """The algorithm library (ringcomm/library) under real launchers, against gloo:
 world sizes 2, 3 and 5 under mpiexec and torchrun, hierarchical on a real
-multi-host layout (RINGCOMM_LOCAL_SIZE=2 under mpiexec on 3 and 5 ranks; two
-torchrun agents as two nodes of 2 ranks). One launch per case checks every
+multi-host layout (RINGCOMM_LOCAL_SIZE=2 under mpiexec on 3 and 5 ranks; on real
+hosts in tests/test_multinode.py). One launch per case checks every
 algorithm, op, dtype and size (tests/ranks/library_check.py); world sizes 1 and 4
 are covered in-process (tests/test_library.py)."""
 from __future__ import annotations
 
 import pytest
 
-from conftest import assert_checks, mpirun, torchrun, torchrun_nodes
+from conftest import assert_checks, mpirun, torchrun
 
 #: case -> (launcher, ranks, extra environment, expected host layout, options). Every
 #: dtype under mpiexec; under torchrun, which adds only the launcher, two (--quick).
@@ -27,9 +27,3 @@ def test_library_against_gloo(case):
     launch, n, env, hosts, extra = CASES[case]
     out = launch(n, "library_check.py", "--hosts", hosts, *extra, timeout=240, env=env).stdout
     assert_checks(out, f"library_check {case}", n)
-
-
-def test_hierarchical_on_two_torchrun_nodes():
-    out = torchrun_nodes(2, 2, "library_check.py", "--hosts", "0,0,1,1", "--quick",
-                         timeout=240)
-    assert_checks(out, "library_check torchrun 2 nodes x 2", 4)

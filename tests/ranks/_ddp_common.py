@@ -38,6 +38,19 @@ def init() -> tuple[int, int, dict[str, dist.ProcessGroup], Checker]:
     return rank, dist.get_world_size(), groups, Checker(rank)
 
 
+class Classifier(nn.Module):
+    """Three linear layers: 12 features -> 3 classes (for :func:`train_classifier`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(12, 32)
+        self.fc2 = nn.Linear(32, 32)
+        self.fc3 = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
 def train_classifier(wrapper, model: nn.Module, group, *, bucket_cap_mb: float, batch: int,
                      steps: int = 4) -> list[torch.Tensor]:
     """``steps`` SGD steps of ``wrapper(model)`` (a DDP class) on ``group``, each rank on

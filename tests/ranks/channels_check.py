@@ -9,30 +9,18 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ringcomm
 from ddp import DistributedDataParallel as OurDDP
 from _common import Checker
-from _ddp_common import train_classifier
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(12, 32)
-        self.fc2 = nn.Linear(32, 32)
-        self.fc3 = nn.Linear(32, 3)
-
-    def forward(self, x):
-        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+from _ddp_common import Classifier, train_classifier
 
 
 def train(wrapper, group) -> list[torch.Tensor]:
     torch.manual_seed(0)
     # small buckets: several allreduces in flight per backward, on different channels
-    return train_classifier(wrapper, Net(), group, bucket_cap_mb=0.002, batch=6)
+    return train_classifier(wrapper, Classifier(), group, bucket_cap_mb=0.002, batch=6)
 
 
 def burst(group, rank: int, p: int) -> list[torch.Tensor]:
