@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -184,10 +185,11 @@ def test_quick_run_writes_csv_plot_and_a_tuning_file_ringcomm_accepts(quick_run)
 def test_torchrun_launch_with_concurrent_collectives_on_channels(tmp_path):
     """Under torchrun, --concurrent 3 (three collectives in flight per timed call) on
     a ringcomm group of two channels, against MPI's non-blocking collectives and two
-    gloo groups used in turn; -c checks the first collective's buffers."""
+    gloo groups used in turn; -c checks the first collective's buffers; --links on
+    measures the one link (within this host)."""
     out = str(tmp_path / "c.json")
     proc = torchrun(2, SCRIPT, "-b", "1K", "-e", "64K", "-f", "64", "-n", "2", "-w", "0",
-                    "--min-time", "0", "--rounds", "1", "-c", "--concurrent", "3",
+                    "--min-time", "0", "--rounds", "1", "-c", "--concurrent", "3", "--links", "on",
                     "--channels", "2", "--coll", "allreduce,allgather", "--algos", "auto",
                     "--peers", "mpi,gloo,floor", "--no-model", "--json", out, timeout=120)
     rows = [ln.split() for ln in proc.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
@@ -200,6 +202,11 @@ def test_torchrun_launch_with_concurrent_collectives_on_channels(tmp_path):
         doc = json.load(f)
     assert doc["meta"]["timing"]["concurrent"] == 3
     assert doc["meta"]["ringcomm"]["num_channels"] == 2
+    [link] = doc["meta"]["links"]
+    assert link["link"] == f"within {socket.gethostname()}" and link["ranks"] == [0, 1]
+    assert link["latency_us"] > 0 and link["bandwidth_GBps"] > 0
+    assert f"# links (ping-pong over ringcomm send/recv; latency 8 B, bandwidth 4 MiB): " \
+           f"{link['link']} {link['latency_us']:.1f} us" in proc.stdout
     by_col: dict = {}
     for r in doc["results"]:
         by_col.setdefault(r["column"], []).append(r)
@@ -414,6 +421,15 @@ def test_bad_targets_files_are_refused_naming_the_field(tmp_path, change, messag
 # ---------------------------------------------------------------------------
 # flags
 # ---------------------------------------------------------------------------
+def test_links_pair_ranks_within_each_host_then_each_pair_of_hosts():
+    from ringcomm.bench.links import pairs
+
+    assert pairs(["a"]) == []
+    assert pairs(["a", "b", "a", "c", "b"]) == [
+        (0, 2, "within a"), (1, 4, "within b"),
+        (0, 1, "a <-> b"), (0, 3, "a <-> c"), (1, 3, "b <-> c")]
+
+
 @pytest.mark.parametrize("text,value", [("4", 4), ("64K", 65536), ("1M", 1 << 20),
                                         ("2GiB", 2 << 30), ("0.5K", 512), ("8 kb", 8192)])
 def test_parse_size(text, value):

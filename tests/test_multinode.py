@@ -17,6 +17,7 @@ namespaces cannot be made (not root, no iproute2).
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -72,11 +73,11 @@ def _start(hosts, host: int, argv: list[str], env: dict | None) -> subprocess.Po
 def torchrun_hosts(hosts, nnodes: int, per_node: int, program: str, *args: str,
                    timeout: float = 150, env: dict | None = None,
                    check: bool = True) -> list[tuple[int, str]]:
-    """tests/ranks/``program`` under one torchrun agent on each of the first ``nnodes``
+    """tests/ranks/``program`` (or a path) under one torchrun agent on each of the first ``nnodes``
     hosts; each agent's (exit code, output)."""
     port = next(_ports)
-    procs = [_start(hosts, i, hosts.torchrun_argv(i, per_node, port,
-                                                  [str(RANKS / program), *args], nnodes), env)
+    path = program if os.path.sep in program else str(RANKS / program)
+    procs = [_start(hosts, i, hosts.torchrun_argv(i, per_node, port, [path, *args], nnodes), env)
              for i in range(nnodes)]
     outs = _wait(hosts, procs, f"{program} on {nnodes} hosts", timeout)
     if check and any(code for code, _ in outs):
@@ -122,6 +123,25 @@ def test_mpiexec_two_hosts_network_ddp_and_subgroups(hosts):
 def test_mpiexec_two_hosts_collectives_check(hosts):
     out = mpiexec_hosts(hosts, 2, 2, "collectives_check.py")
     assert_checks(out, "collectives_check mpiexec 2 hosts x 1", 2)
+
+
+def test_the_benchmark_across_hosts_reports_its_links(hosts, tmp_path):
+    """compare_collectives on 2 hosts x 2 ranks: links within each host and between
+    them, measured first and printed above the tables; results checked (-c)."""
+    out = tmp_path / "bench.json"
+    outs = torchrun_hosts(hosts, 2, 2, str(ROOT / "scripts" / "compare_collectives.py"), "-b",
+                          "4K", "-e", "64K", "-f", "16", "-n", "2", "-w", "1", "--min-time", "0",
+                          "--rounds", "1", "-c", "--algos", "ring,hierarchical,auto",
+                          "--peers", "gloo", "--no-model", "--json", str(out))
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["hosts"] == {"node0": 2, "node1": 2}
+    assert [x["link"] for x in doc["meta"]["links"]] == [
+        "within node0", "within node1", "node0 <-> node1"]
+    assert all(x["latency_us"] > 0 and x["bandwidth_GBps"] > 0 for x in doc["meta"]["links"])
+    assert "# links (ping-pong" in outs[0][1]
+    assert {r["status"] for r in doc["results"]} == {"ok"}
+    assert all(r["wrong"] == 0 for r in doc["results"])
+    assert {r["auto_choice"] for r in doc["results"] if r["column"] == "auto"} == {"hierarchical"}
 
 
 def test_a_network_path_that_cannot_connect_fails_in_time_naming_what_to_check(hosts):

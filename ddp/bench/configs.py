@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import math
 import os
+import socket
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ringcomm
+from ringcomm.bench import links
 
 import ddp
 from ddp.bench import roundrobin
@@ -156,6 +158,11 @@ class World:
         for b in args.backend_list[1:]:
             self.groups[b] = dist.new_group(backend=b, timeout=timeout)
         self.ctrl = dist.new_group(backend="gloo", timeout=timeout)
+        #: host name of each rank, and the links between them when there are several
+        self.hosts = self.gather(socket.gethostname())
+        self.links = (links.measure(self.hosts, self.rank, self.gather,
+                                    group=self.groups["ringcomm"])
+                      if len(set(self.hosts)) > 1 and "ringcomm" in self.groups else None)
         self.cores = os.cpu_count() or 1
         self.threads = int(args.threads) if args.threads != "auto" else auto_threads(self.size)
         torch.set_num_threads(self.threads)

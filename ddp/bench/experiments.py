@@ -403,6 +403,7 @@ class Bench:
         return {
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "world_size": w.size, "launcher": launcher, "cores": w.cores,
+            "hosts": {h: w.hosts.count(h) for h in dict.fromkeys(w.hosts)}, "links": w.links,
             "torch_threads_per_rank": w.threads, "oversubscribed": w.oversubscribed(),
             "cpu": cpu_model(),
             "versions": {"ringcomm": ringcomm.__version__, "torch": torch.__version__,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ringcomm.bench.links import text as links_text
 from ringcomm.bench.sizes import format_size
 
 from ddp.bench.constants import VERIFY_STEPS
@@ -19,6 +20,8 @@ def header_text(meta: dict) -> str:
         f"# world: {meta['world_size']} ranks, launcher {meta['launcher']}, {meta['cores']} "
         f"cores ({meta['cpu']}), torch threads per rank {meta['torch_threads_per_rank']}"
         + _over(meta),
+        *([f"# hosts: " + ", ".join(f"{h} x{n}" for h, n in meta["hosts"].items()),
+           links_text(meta["links"])] if meta.get("links") else []),
         f"# versions: ringcomm {v['ringcomm']}, torch {v['torch']}, mpi4py {v['mpi4py']}, "
         f"{v['mpi_library']}, numpy {v['numpy']}, python {v['python']}",
         f"# configurations: {', '.join(meta['configurations'])} (implementation/backend; "

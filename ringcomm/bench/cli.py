@@ -138,6 +138,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="issue N collectives at once (asynchronously, each on its own "
                         "buffers) per timed call and wait for all: the time is that of the "
                         "N, the bandwidths are aggregate")
+    g.add_argument("--links", choices=("auto", "on", "off"), default="auto",
+                   help="first measure each link (ping-pong latency and bandwidth within "
+                        "each host and between each pair of hosts); auto: when the ranks "
+                        "span hosts")
     g = p.add_argument_group("ringcomm settings")
     g.add_argument("--channels", type=int, default=None, metavar="K",
                    help="communicators of ringcomm's group, used in turn "

@@ -14,6 +14,7 @@ import json
 
 from ringcomm.bench.analysis import analyse
 from ringcomm.bench.columns import Column
+from ringcomm.bench.links import text as links_text
 from ringcomm.bench.results import Point, group_keys, ok_points, points
 from ringcomm.bench.sizes import Shape, format_size
 
@@ -34,6 +35,7 @@ def header_text(meta: dict, columns: list[Column], args: argparse.Namespace) -> 
         "# ringcomm compare_collectives " + meta["started"],
         f"# world: {meta['world_size']} ranks on {len(meta['hosts'])} host(s): {hosts}; "
         f"launcher {meta['launcher']}",
+        *([links_text(meta["links"])] if meta.get("links") else []),
         f"# versions: ringcomm {v['ringcomm']}, torch {v['torch']}, mpi4py {v['mpi4py']}, "
         f"{v['mpi_library']}, numpy {v['numpy']}, python {v['python']}"
         + (f", cupy {v['cupy']}, NCCL {v['nccl']}" if v["cupy"] else ""),

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import ringcomm
 from ringcomm import settings
+from ringcomm.bench import links
 from ringcomm.bench.columns import (Calls, Column, mpi_comm, mpi_missing, nccl_needed,
                                     nccl_version, plan_columns)
 
@@ -76,6 +77,10 @@ class Session:
             raise SystemExit(self.fail(f"-r/--root {args.root} is not a rank of the "
                                        f"{self.p}-rank world"))
         self.columns = self._agreed_columns()
+        if args.links == "on" or (args.links == "auto" and len(set(self.hosts)) > 1):
+            self.links = links.measure(self.hosts, self.rank, self.ctrl.allgather)
+        else:
+            self.links = None
         self.calls = Calls(self.columns, self.comm, args.root, self.p, self.pg.num_channels)
         self.pick_width = max([5] + [len(n) for coll in args.collectives
                                      for n in ringcomm.REGISTRY.get(coll, {})])
@@ -115,6 +120,7 @@ class Session:
         a = self.args
         return {
             "started": self.started, "world_size": self.p, "hosts": hosts, "launcher": launcher,
+            "links": self.links,
             "versions": {"ringcomm": ringcomm.__version__, "torch": torch.__version__,
                          "mpi4py": version_of("mpi4py"),
                          "mpi_library": mpi_library() if self.no_mpi is None else self.no_mpi,
