@@ -150,7 +150,7 @@ def prepare_network(store, rank: int, size: int, timeout: timedelta) -> None:
     if launched_by_mpi() or _world is not None:
         return
     path = network.compare_hosts(store, rank, size, timeout, set_netmod=not mpi_started())
-    if path.spans_hosts and mpi_started() and not path.set_vars:
+    if path.spans_hosts and mpi_started() and not os.environ.get("MPIR_CVAR_CH4_NETMOD"):
         log.warning("ringcomm: this group spans hosts but MPI was started before ringcomm "
                     "could choose its network path; if bootstrap hangs, set "
                     "MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp before MPI starts")

@@ -1,7 +1,7 @@
-"""Numbers in the README, docs/benchmarks.md and docs/paper-reproduction.md come
-from the committed benchmark JSON, never by hand (the README's settings table from ringcomm/settings.py); the
-other generated docs are renderings of their JSON; the architecture's worked
-path matches the code."""
+"""Numbers in the README, docs/benchmarks.md, docs/paper-reproduction.md and
+docs/multi-node.md come from the committed benchmark JSON, never by hand (the
+README's settings table from ringcomm/settings.py); the other generated docs are
+renderings of their JSON; the architecture's worked path matches the code."""
 from __future__ import annotations
 
 import importlib.util
@@ -110,6 +110,29 @@ def test_stale_paper_doc_is_detected(tmp_path, run_doc_numbers):
     doc.write_text("no blocks\n")
     rc, err = run_doc_numbers(*cmd, "--check")
     assert rc == 2 and "<!-- generated:paper-run begin -->" in err
+
+
+def test_stale_multinode_doc_is_detected(tmp_path, run_doc_numbers):
+    # docs/multi-node.md's blocks: the measured crossover and the runs across hosts
+    doc = tmp_path / "multi-node.md"
+    names = ("multinode-crossover", "multinode-runs")
+    doc.write_text("".join(f"x\n<!-- generated:{n} begin -->\n| 4 KiB | 1 us |\n"
+                           f"<!-- generated:{n} end -->\n" for n in names))
+    cmd = ["--multinode", str(doc), "--paper", "none"]
+    rc, err = run_doc_numbers(*cmd, "--check")
+    assert rc == 1 and "multi-node.md is stale" in err, err
+    assert run_doc_numbers(*cmd)[0] == 0
+    text = doc.read_text()
+    assert "| 4 KiB | 1 us |" not in text
+    assert "hierarchical's time over the fastest flat algorithm" in text
+    assert "Links: within node0:" in text and "node0 <-> node1:" in text
+    assert "| size | ring | tree | recursive_doubling | rabenseifner | hierarchical |" in text
+    assert "docs/data/multinode.json" in text
+    committed = (ROOT / "docs" / "multi-node.md").read_text()
+    for n in names:
+        begin = f"<!-- generated:{n} begin -->"
+        block = text[text.index(begin):text.index(f"<!-- generated:{n} end -->")]
+        assert block in committed, n
 
 
 def test_reliability_doc_is_the_rendering_of_its_json():

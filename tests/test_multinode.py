@@ -141,7 +141,8 @@ def test_the_benchmark_across_hosts_reports_its_links(hosts, tmp_path):
     assert "# links (ping-pong" in outs[0][1]
     assert {r["status"] for r in doc["results"]} == {"ok"}
     assert all(r["wrong"] == 0 for r in doc["results"])
-    assert {r["auto_choice"] for r in doc["results"] if r["column"] == "auto"} == {"hierarchical"}
+    assert {(r["size"], r["auto_choice"]) for r in doc["results"] if r["column"] == "auto"} \
+        == {(4096, "recursive_doubling"), (65536, "hierarchical")}
 
 
 def test_a_network_path_that_cannot_connect_fails_in_time_naming_what_to_check(hosts):

@@ -160,8 +160,7 @@ class World:
         self.ctrl = dist.new_group(backend="gloo", timeout=timeout)
         #: host name of each rank, and the links between them when there are several
         self.hosts = self.gather(socket.gethostname())
-        self.links = (links.measure(self.hosts, self.rank, self.gather,
-                                    group=self.groups["ringcomm"])
+        self.links = (links.measure(self.hosts, self.rank, group=self.groups["ringcomm"])
                       if len(set(self.hosts)) > 1 and "ringcomm" in self.groups else None)
         self.cores = os.cpu_count() or 1
         self.threads = int(args.threads) if args.threads != "auto" else auto_threads(self.size)

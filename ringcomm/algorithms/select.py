@@ -69,10 +69,14 @@ DEFAULT_TUNING: dict[str, dict[str, list]] = {
                   ">=48": _allreduce_rows(5 * MiB, 16 * MiB),   # 48: -5.7 MiB; dt 6.7-19 MiB
                   ">=96": _allreduce_rows(6 * MiB, 64 * MiB),   # 96: -6.7 MiB; dt 8-90 MiB
                   # Several ranks per host on several hosts: reduce within hosts, only
-                  # the hosts' first ranks talk across (at every size, as MPICH's
-                  # SMP-aware allreduce does by default): the model has one link speed,
-                  # so this row rests on inter-host links being the slow ones.
-                  "hosts": [[None, "hierarchical"]]},
+                  # the hosts' first ranks talk across, so each inter-host link carries
+                  # the buffer once per host, not once per rank. Measured across
+                  # namespace hosts (scripts/bench_hosts.py, docs/multi-node.md): on
+                  # 2 hosts x 2 ranks with 1 Gbit/s between hosts it is the fastest from
+                  # 128 KiB on (1 MiB: 0.77x the ring's time); below 16 KiB recursive
+                  # doubling's log2 p steps (its first ones within hosts) beat its
+                  # 2 log2 L + log2 H.
+                  "hosts": [[16384, "recursive_doubling"], [None, "hierarchical"]]},
     # A binomial tree sends log2 p copies from the root; a chain sends one per rank.
     "broadcast": {"default": [[262144, "tree"], [None, "ring"]],
                   "2": [[None, "tree"]], "3": [[None, "tree"]]},

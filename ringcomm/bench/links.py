@@ -8,8 +8,6 @@ that a table across hosts can be read against the links it ran on.
 from __future__ import annotations
 
 import time
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
@@ -57,21 +55,27 @@ def _ping_pong(rank: int, a: int, b: int, nbytes: int, least: int, fill_s: float
         trips += 1
 
 
-def measure(hosts: list[str], rank: int, allgather: Callable[[object], list],
-            group=None) -> list[dict]:
-    """Every link of :func:`pairs` (all ranks call this; those not in a pair wait):
-    ``{"link", "ranks", "latency_us", "bandwidth_GBps"}`` each, the same on every rank."""
+def measure(hosts: list[str], rank: int, group=None) -> list[dict]:
+    """Every link of :func:`pairs`, over ringcomm group ``group`` (default: the world;
+    all its ranks call this): ``{"link", "ranks", "latency_us", "bandwidth_GBps"}``
+    each, the same on every rank. The ranks outside a pair wait in a gloo barrier,
+    which sleeps: a waiting rank that polled would take the pair's cores when ranks
+    outnumber cores."""
+    idle = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD),
+                          backend="gloo")
     found = []
     for a, b, label in pairs(hosts):
         row: dict = {"link": label, "ranks": [a, b]}
         for (nbytes, least, fill_s), key in zip(SIZES, ("latency_us", "bandwidth_GBps")):
             secs = _ping_pong(rank, a, b, nbytes, least, fill_s, group) \
                 if rank in (a, b) else None
-            secs = next(s for s in allgather(secs) + [0.0] if s is not None)
-            one_way = secs / 2
+            got: list = [None] * len(hosts)
+            dist.all_gather_object(got, secs, group=idle)
+            one_way = next(s for s in got if s is not None) / 2
             row[key] = round(one_way * 1e6, 1) if key == "latency_us" else \
-                round(nbytes / one_way / 1e9, 3) if one_way else None
+                round(nbytes / one_way / 1e9, 3)
         found.append(row)
+    dist.destroy_process_group(idle)
     return found
 
 

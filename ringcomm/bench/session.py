@@ -78,7 +78,7 @@ class Session:
                                        f"{self.p}-rank world"))
         self.columns = self._agreed_columns()
         if args.links == "on" or (args.links == "auto" and len(set(self.hosts)) > 1):
-            self.links = links.measure(self.hosts, self.rank, self.ctrl.allgather)
+            self.links = links.measure(self.hosts, self.rank)
         else:
             self.links = None
         self.calls = Calls(self.columns, self.comm, args.root, self.p, self.pg.num_channels)

@@ -56,9 +56,9 @@ def main() -> None:
     c.check(hosts == want_hosts, f"host layout {hosts}, expected {want_hosts}")
     c.check(ringcomm.get_group(small_seg).planner.hosts == want_hosts, "subgroup host layout")
     multi = bool(want_hosts) and len(set(want_hosts)) < len(want_hosts)
-    for nbytes in (8, 1 << 20):
+    for nbytes in (8, 1 << 20):  # multi-host: recursive doubling up to 16 KiB
         chosen = ringcomm.get_group().algorithm_for("allreduce", nbytes)
-        c.check((chosen == "hierarchical") == multi,
+        c.check((chosen == "hierarchical") == (multi and nbytes > 16384),
                 f"auto chose {chosen} for {nbytes} B on hosts {want_hosts}")
     # auto (hierarchical on several hosts) gives the right sum
     t = torch.full((5,), float(rank + 1))
