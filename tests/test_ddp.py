@@ -161,7 +161,7 @@ def test_describe_mismatch_names_first_difference_and_ranks():
 
 
 # -- multi-rank programs ------------------------------------------------------------
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3])  # 4 ranks on 2 cores add time, not cases
 def test_equivalence_with_single_process(world):
     out = mpirun(world, "ddp_equivalence.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, f"ddp_equivalence mpiexec n={world}", world)

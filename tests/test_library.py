@@ -404,7 +404,8 @@ def test_a_tuning_file_default_replaces_the_builtin_size_rows(tmp_path):
     table = select.load_tuning(str(f))
     assert select.choose(table, "allreduce", 1 << 20, 8) == "tree"
     assert select.choose(table, "allreduce", 1 << 20, 128) == "double_tree"
-    assert select.choose(table, "allreduce", 1, 8, (0, 0, 1, 1, 2, 2, 3, 3)) == "hierarchical"
+    assert select.choose(table, "allreduce", 1 << 20, 8, (0, 0, 1, 1, 2, 2, 3, 3)) == \
+        "hierarchical"
     f.write_text(json.dumps({"allreduce": {"<=4": [[None, "tree"]]}}))
     with pytest.raises(ValueError, match="bad key '<=4'"):
         select.load_tuning(str(f))
