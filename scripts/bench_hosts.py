@@ -13,7 +13,10 @@ gloo; links measured first):
   default UCX sees namespace hosts as one machine and moves their messages
   through shared memory, bypassing the shaped link);
 * the same under torchrun with unshaped links (a veth pair is as fast as memory);
-* 2 hosts x 1 rank, 1 Gbit/s: one link, ringcomm against MPI and gloo on it.
+* 2 hosts x 1 rank, 1 Gbit/s: one link, ringcomm against MPI and gloo on it;
+* ``--ddp FILE``: also the DDP paper's latency breakdown (``scripts/bench_ddp.py
+  --sections breakdown``) on 2 hosts x 1 rank over the 1 Gbit/s link, where
+  overlapping the allreduce with backward has a slow link to hide.
 
 With 2 cores, 4 ranks are oversubscribed: small-message times carry that noise,
 large ones are bound by the 1 Gbit/s link.
@@ -46,11 +49,13 @@ SETUPS = {
 }
 
 
-def run(name: str, out: Path, timeout: float) -> dict:
+def run(name: str, out: Path, timeout: float, args: list[str] | None = None) -> dict:
+    """Setup ``name`` running ``args`` (default: the collectives benchmark) with
+    ``--json out``; the setup and the benchmark's JSON."""
     launcher, nhosts, per_host, rate, extra = SETUPS[name]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **extra,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    args = [*BENCH, "--json", str(out)]
+    args = [*(args or BENCH), "--json", str(out)]
     with nshosts.NamespaceHosts(nhosts, rate=rate) as hosts:
         if launcher == "torchrun":
             procs = [hosts.popen(i, hosts.torchrun_argv(i, per_host, 29500, args), env=env,
@@ -70,10 +75,12 @@ def run(name: str, out: Path, timeout: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True, help="where to write all runs")
+    ap.add_argument("--ddp", metavar="FILE",
+                    help="also run the DDP breakdown on 2 hosts x 1 rank, JSON to FILE")
     ap.add_argument("--only", help="comma list of setups to run (default: all)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per setup")
     a = ap.parse_args(argv)
-    names = a.only.split(",") if a.only else list(SETUPS)
+    names = [n for n in a.only.split(",") if n] if a.only is not None else list(SETUPS)
     unknown = [n for n in names if n not in SETUPS]
     if unknown:
         ap.error(f"unknown setups {unknown}; known: {list(SETUPS)}")
@@ -86,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         for i, name in enumerate(names):
             print(f"bench_hosts: {name}", file=sys.stderr, flush=True)
             runs.append(run(name, Path(tmp) / f"{i}.json", a.timeout))
-    Path(a.json).write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+        Path(a.json).write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+        if a.ddp:
+            print("bench_hosts: DDP breakdown, torchrun 2x1 1gbit", file=sys.stderr, flush=True)
+            ddp = run("torchrun 2x1 1gbit", Path(tmp) / "ddp.json", a.timeout,
+                      [str(ROOT / "scripts" / "bench_ddp.py"), "--sections", "breakdown"])
+            Path(a.ddp).write_text(json.dumps(ddp, indent=1) + "\n")
     return 0
 
 

@@ -115,7 +115,7 @@ def test_stale_paper_doc_is_detected(tmp_path, run_doc_numbers):
 def test_stale_multinode_doc_is_detected(tmp_path, run_doc_numbers):
     # docs/multi-node.md's blocks: the measured crossover and the runs across hosts
     doc = tmp_path / "multi-node.md"
-    names = ("multinode-crossover", "multinode-runs")
+    names = ("multinode-crossover", "multinode-runs", "multinode-ddp")
     doc.write_text("".join(f"x\n<!-- generated:{n} begin -->\n| 4 KiB | 1 us |\n"
                            f"<!-- generated:{n} end -->\n" for n in names))
     cmd = ["--multinode", str(doc), "--paper", "none"]
@@ -127,7 +127,8 @@ def test_stale_multinode_doc_is_detected(tmp_path, run_doc_numbers):
     assert "hierarchical's time over the fastest flat algorithm" in text
     assert "Links: within node0:" in text and "node0 <-> node1:" in text
     assert "| size | ring | tree | recursive_doubling | rabenseifner | hierarchical |" in text
-    assert "docs/data/multinode.json" in text
+    assert "docs/data/multinode.json" in text and "bench_ddp_2hosts.json" in text
+    assert "# links (ping-pong" in text and "latency breakdown per iteration" in text
     committed = (ROOT / "docs" / "multi-node.md").read_text()
     for n in names:
         begin = f"<!-- generated:{n} begin -->"
