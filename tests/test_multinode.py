@@ -87,11 +87,11 @@ def torchrun_hosts(hosts, nnodes: int, per_node: int, program: str, *args: str,
 
 
 def mpiexec_hosts(hosts, nhosts: int, n: int, program: str, *args: str,
-                  timeout: float = 150) -> str:
+                  timeout: float = 150, env: dict | None = None) -> str:
     """tests/ranks/``program`` on ``n`` ranks over the first ``nhosts`` hosts, mpiexec
     started on host 0."""
     argv = hosts.mpiexec_argv(n, [sys.executable, str(RANKS / program), *args], hosts=nhosts)
-    [(code, out)] = _wait(hosts, [_start(hosts, 0, argv, None)], f"{program} (mpiexec)", timeout)
+    [(code, out)] = _wait(hosts, [_start(hosts, 0, argv, env)], f"{program} (mpiexec)", timeout)
     if code:
         pytest.fail(f"{program} failed under mpiexec on {nhosts} hosts (exit {code}):\n"
                     f"{out[-8000:]}")
@@ -115,8 +115,10 @@ def test_torchrun_two_hosts_of_two_ranks_hierarchical(hosts):
 
 
 def test_mpiexec_two_hosts_network_ddp_and_subgroups(hosts):
+    """With RINGCOMM_IFACE: applied before MPI starts (UCX_NET_DEVICES), MASTER_ADDR is
+    that interface's address."""
     out = mpiexec_hosts(hosts, 2, 3, "multinode_check.py", "--hosts", "0,0,1",
-                        "--netmod", "launcher")
+                        "--netmod", "launcher", env={"RINGCOMM_IFACE": "eth0"})
     assert_checks(out, "multinode_check mpiexec 2 hosts n=3", 3)
 
 

@@ -84,6 +84,11 @@ def main() -> None:
                 f"network path {path}")
     else:  # mpiexec wired MPI up: ringcomm leaves its netmod alone
         c.check("MPIR_CVAR_CH4_NETMOD" not in env, "netmod set under mpiexec")
+        if env.get("RINGCOMM_IFACE"):  # named: UCX uses it, the store is on it
+            c.check(env.get("UCX_NET_DEVICES") == args.iface,
+                    f"UCX_NET_DEVICES={env.get('UCX_NET_DEVICES')}")
+            host = network.interfaces().get(args.iface) if rank == 0 else env["MASTER_ADDR"]
+            c.check(env["MASTER_ADDR"] == host, f"MASTER_ADDR={env['MASTER_ADDR']}")
     for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         c.check(env.get(var) == args.iface, f"{var}={env.get(var)}")
     try:
