@@ -10,8 +10,9 @@ the variables the user left unset:
 * ``MPIR_CVAR_CH4_NETMOD=ofi`` and ``FI_PROVIDER=tcp``: libfabric's TCP provider
   (under torchrun; under mpiexec the launcher already wired MPI up);
 * ``FI_TCP_IFACE`` (or ``UCX_NET_DEVICES`` when the netmod is UCX),
-  ``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME``: the interface that carries this host's traffic to the
-  store (``MASTER_ADDR``), or ``RINGCOMM_IFACE`` when it is set.
+  ``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME``: the interface that carries
+  this host's traffic to the store (``MASTER_ADDR``), or ``RINGCOMM_IFACE`` when
+  it is set.
 
 Every choice is logged at INFO (``RINGCOMM_DEBUG=INFO``) and kept in
 :data:`last` for the error raised when bootstrap cannot connect.

@@ -8,6 +8,7 @@ that a table across hosts can be read against the links it ran on.
 from __future__ import annotations
 
 import time
+
 import torch
 import torch.distributed as dist
 
