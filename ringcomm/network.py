@@ -224,6 +224,36 @@ def _get(store, key: str, timeout: timedelta) -> bytes:
     return store.get(key)
 
 
+#: how often a rank waiting for the others to start says so
+WAIT_REPORT_S = 30.0
+
+
+def _missing(store, size: int) -> list[int]:
+    return [r for r in range(size) if not store.check([f"ringcomm/net/{r}"])]
+
+
+def _wait_for_all(store, rank: int, size: int, timeout: timedelta) -> None:
+    """Wait until every rank has recorded itself, logging a warning every
+    :data:`WAIT_REPORT_S` (rank 0 names the missing ranks); past ``timeout``, raise
+    naming them."""
+    waited = timedelta(0)
+    while True:
+        step = min(timeout - waited, timedelta(seconds=WAIT_REPORT_S))
+        try:
+            store.wait(["ringcomm/net/all"], step)
+            return
+        except Exception as e:  # the store's timeout (DistStoreError)
+            waited += step
+            if waited >= timeout:
+                raise type(e)(f"ringcomm bootstrap: rank {rank} waited {timeout} for ranks "
+                              f"{_missing(store, size) or '?'} to start ({e})") from None
+            arrived = store.add("ringcomm/net/arrived", 0)
+            who = f": ranks {_missing(store, size)}" if rank == 0 else ""
+            log.warning("ringcomm bootstrap: rank %d has waited %d s for %d of %d ranks to "
+                        "start%s (the group's timeout is %s)", rank, waited.total_seconds(),
+                        size - arrived, size, who, timeout)
+
+
 def compare_hosts(store, rank: int, size: int, timeout: timedelta,
                   set_netmod: bool) -> Path:
     """Meet every rank of a group through ``store`` (bounded by ``timeout``), decide
@@ -246,12 +276,7 @@ def compare_hosts(store, rank: int, size: int, timeout: timedelta,
         store.add("ringcomm/net/elsewhere", 1)
     if store.add("ringcomm/net/arrived", 1) == size:
         store.set("ringcomm/net/all", b"1")
-    try:
-        store.wait(["ringcomm/net/all"], timeout)
-    except Exception as e:
-        missing = [r for r in range(size) if not store.check([f"ringcomm/net/{r}"])]
-        raise type(e)(f"ringcomm bootstrap: rank {rank} waited {timeout} for ranks "
-                      f"{missing or '?'} to start ({e})") from None
+    _wait_for_all(store, rank, size, timeout)
     spans = store.add("ringcomm/net/elsewhere", 0) > 0
     path = Path(spans_hosts=spans, hosts={0: first["host"], rank: mine["host"]})
     iface, addr = mine["iface"], mine["addr"]

@@ -212,6 +212,14 @@ def test_ringcomm_iface_is_checked_and_applied_on_one_host_too(clean_env):
         "UCX_NET_DEVICES": "lo", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
 
 
+def test_a_rank_that_does_not_start_is_reported_while_waiting_then_named(clean_env, caplog):
+    clean_env.setattr(network, "WAIT_REPORT_S", 0.1)
+    with pytest.raises(Exception, match=r"waited .* for ranks \[1, 2\] to start"):
+        network.compare_hosts(dist.HashStore(), 0, 3, timedelta(seconds=0.35), set_netmod=True)
+    reports = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert reports and "2 of 3 ranks to start: ranks [1, 2]" in reports[0], reports
+
+
 def test_compare_hosts_on_one_host_sets_nothing(clean_env):
     clean_env.setenv("MASTER_ADDR", "127.0.0.1")
     store = dist.HashStore()
