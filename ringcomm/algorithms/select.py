@@ -71,11 +71,10 @@ DEFAULT_TUNING: dict[str, dict[str, list]] = {
                   # Several ranks per host on several hosts: reduce within hosts, only
                   # the hosts' first ranks talk across, so each inter-host link carries
                   # the buffer once per host, not once per rank. Measured across
-                  # namespace hosts (scripts/bench_hosts.py, docs/multi-node.md): on
-                  # 2 hosts x 2 ranks with 1 Gbit/s between hosts it is the fastest from
-                  # 128 KiB on (1 MiB: 0.77x the ring's time); below 16 KiB recursive
-                  # doubling's log2 p steps (its first ones within hosts) beat its
-                  # 2 log2 L + log2 H.
+                  # namespace hosts (scripts/bench_hosts.py; the ratios are in
+                  # docs/multi-node.md): on 2 hosts x 2 ranks with 1 Gbit/s between hosts
+                  # it is the fastest from 128 KiB on; below 16 KiB recursive doubling's
+                  # log2 p steps (its first ones within hosts) beat its 2 log2 L + log2 H.
                   "hosts": [[16384, "recursive_doubling"], [None, "hierarchical"]]},
     # A binomial tree sends log2 p copies from the root; a chain sends one per rank.
     "broadcast": {"default": [[262144, "tree"], [None, "ring"]],
