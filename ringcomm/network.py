@@ -158,14 +158,15 @@ def advertised_address() -> str:
     if forced is not None:
         return interfaces()[forced]
     mine = set(interfaces().values())
-    for name in (os.environ.get("PMI_HOSTNAME"), socket.gethostname()):
+    # (name, whether its address must be one of this machine's)
+    for name, local in ((os.environ.get("PMI_HOSTNAME"), True), (socket.gethostname(), False)):
         if not name:
             continue
         try:
             addr = socket.gethostbyname(name)
         except OSError:
             continue
-        if not _loopback(addr) and (addr in mine or name != os.environ.get("PMI_HOSTNAME")):
+        if not _loopback(addr) and (addr in mine or not local):
             return addr
     return socket.gethostname()
 

@@ -46,10 +46,10 @@ def hosts():
         yield h
 
 
-def _wait(hosts, procs, what: str, timeout: float) -> list[tuple[int, str]]:
+def _wait(procs, what: str, timeout: float) -> list[tuple[int, str]]:
     """(exit code, stdout + stderr) of each process; kills all and fails at ``timeout``."""
     deadline = time.monotonic() + timeout
-    outs = []
+    outs: list[tuple[int, str]] = []
     try:
         for p in procs:
             o, e = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -58,10 +58,9 @@ def _wait(hosts, procs, what: str, timeout: float) -> list[tuple[int, str]]:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-        rest = [p.communicate() for p in procs[len(outs):]]
+        outs += [(p.returncode, "".join(p.communicate())) for p in procs[len(outs):]]
         pytest.fail(f"timed out after {timeout}s: {what}\n" + "\n".join(
-            f"--- {i}\n{(o + e)[-3000:]}" for i, (o, e) in
-            enumerate([("", x) for _, x in outs] + rest)))
+            f"--- {i}\n{out[-3000:]}" for i, (_, out) in enumerate(outs)))
     return outs
 
 
@@ -79,7 +78,7 @@ def torchrun_hosts(hosts, nnodes: int, per_node: int, program: str, *args: str,
     path = program if os.path.sep in program else str(RANKS / program)
     procs = [_start(hosts, i, hosts.torchrun_argv(i, per_node, port, [path, *args], nnodes), env)
              for i in range(nnodes)]
-    outs = _wait(hosts, procs, f"{program} on {nnodes} hosts", timeout)
+    outs = _wait(procs, f"{program} on {nnodes} hosts", timeout)
     if check and any(code for code, _ in outs):
         pytest.fail(f"{program} failed on {nnodes} torchrun hosts:\n" + "\n".join(
             f"--- host {i} (exit {code})\n{out[-5000:]}" for i, (code, out) in enumerate(outs)))
@@ -91,7 +90,7 @@ def mpiexec_hosts(hosts, nhosts: int, n: int, program: str, *args: str,
     """tests/ranks/``program`` on ``n`` ranks over the first ``nhosts`` hosts, mpiexec
     started on host 0."""
     argv = hosts.mpiexec_argv(n, [sys.executable, str(RANKS / program), *args], hosts=nhosts)
-    [(code, out)] = _wait(hosts, [_start(hosts, 0, argv, env)], f"{program} (mpiexec)", timeout)
+    [(code, out)] = _wait([_start(hosts, 0, argv, env)], f"{program} (mpiexec)", timeout)
     if code:
         pytest.fail(f"{program} failed under mpiexec on {nhosts} hosts (exit {code}):\n"
                     f"{out[-8000:]}")
