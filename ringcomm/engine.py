@@ -1,9 +1,21 @@
-"""Per-group execution: one collective at a time, in issue order, each with a deadline.
+"""Per-lane execution on the CPU: one collective at a time, in issue order, each
+with a deadline.
 
 Every rank issues collectives in the same order, so executing them in issue
 order on one thread keeps the ranks matched. A synchronous call that finds
-nothing queued or running runs inline on the caller's thread (no thread
-hand-off, lower latency) — still one at a time and still in order.
+nothing queued or running runs on the caller's thread (no hand-off, no future)
+and returns a completed Work; asynchronous calls queue for the lane's progress
+thread.
+
+Future callbacks. The progress thread completes a Work's future, so torch runs
+its ``then`` callbacks there, while the thread still owns the lane. A
+collective issued from such a callback runs at once, inline, on that thread:
+at the same point of every rank's sequence, so ranks stay matched (torch's
+PowerSGD hook issues an allreduce in a callback and waits for it). A callback
+that blocks otherwise, on a Work of this lane (detected) or for longer than
+:data:`HANDOFF_S` while collectives queue behind it (a watcher notices), hands
+the lane to a new progress thread and goes on as a plain thread: a wait inside
+a callback never deadlocks the lane.
 
 A collective that fails (timeout, transport error) leaves its peers in an
 unknown state, so the group is marked broken: queued and later collectives
@@ -14,21 +26,26 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
 from .transport import Transport, TransportAborted, TransportTimeout
-from .work import Work
+from .work import Done, Work
 
 log = logging.getLogger("ringcomm")
 
+#: a future callback that runs this long while collectives wait behind it loses the lane
+HANDOFF_S = 0.05
+_current = threading.current_thread
+
 
 class Engine:
-    """Runs the collectives of one group on its transport.
+    """Runs the collectives of one lane on its transport.
 
     Args:
-        tp: the group's collective transport.
+        tp: the lane's transport.
         describe: returns a short description of the group for error messages.
     """
 
@@ -37,11 +54,20 @@ class Engine:
         self._describe = describe
         self._cv = threading.Condition(threading.Lock())  # the default RLock is slower
         self._queue: collections.deque = collections.deque()
-        self._busy = False
+        #: held by whoever runs a collective on the lane (and its future callbacks)
+        self._own = threading.Lock()
+        self._owner: threading.Thread | None = None
         self._stopped = False
         self._error: BaseException | None = None
+        #: the thread that progresses the lane now (a callback that blocks hands it on)
         self._thread: threading.Thread | None = None
+        self._threads = 0
         self._last: Work | None = None
+        #: when the progress thread entered the callbacks of a finished collective
+        self._callbacks_since: float | None = None
+        #: collectives running inline inside those callbacks (the lane is busy, not stuck)
+        self._nested = 0
+        self._watcher: threading.Thread | None = None
         #: called with the error when a collective fails here (the group's other
         #: channels are then broken too, see ``Lanes``)
         self.on_failure: Callable[[BaseException], None] | None = None
@@ -59,99 +85,209 @@ class Engine:
             self._error = err
 
     def on_progress_thread(self) -> bool:
-        """True when called from this group's progress thread."""
-        return self._thread is not None and threading.current_thread() is self._thread
+        """True when called from the thread that progresses this lane now."""
+        return _current() is self._thread
 
     def alive(self) -> bool:
         """False once shut down with work left undone."""
         return not self._stopped or (self._thread is not None and self._thread.is_alive())
 
-    def submit(self, op: str, fn: Callable[[], Any], *, async_op: bool, timeout_s: float,
-               tag: int = 0) -> Work:
-        """Queue ``fn`` (the whole collective) and return its Work.
+    def submit(self, call: Any, args: Sequence, async_op: bool, timeout_s: float) -> Work:
+        """Run or queue ``call.execute(*args)`` (the whole collective) and return its Work.
 
         Args:
-            op: collective name for messages.
-            fn: runs the collective on ``self.tp`` and returns the Work's value.
-            async_op: False lets the call run inline when the group is idle.
+            call: a prepared call: ``name`` and ``execute``.
+            args: what ``execute`` takes for this call.
+            async_op: False lets the call run on the caller's thread when the lane is idle.
             timeout_s: deadline for the collective, counted from when it starts.
-            tag: message tag of the collective (the same on every rank).
         """
-        if not async_op and self.on_progress_thread():
-            # A future callback runs on this thread: a synchronous collective queued
-            # here would wait for the thread that is waiting for it.
-            raise dist.DistBackendError(
-                f"ringcomm {op}: a synchronous collective inside a future callback (on the "
-                "group's progress thread) would deadlock; use async_op=True and chain with "
-                "Future.then")
-        work = self._last = Work(op, self)
+        if _current() is self._thread:
+            # a future callback of this lane issues a collective: it runs now (see the
+            # module docstring), so a wait for it inside the callback returns
+            with self._cv:  # the watcher must not hand the lane on meanwhile
+                nested = _current() is self._thread
+                if nested:
+                    self._nested += 1
+            if nested:
+                try:
+                    return self._run_inline(call, args, timeout_s)
+                finally:
+                    with self._cv:
+                        self._nested -= 1
+                        if self._callbacks_since is not None:
+                            self._callbacks_since = time.monotonic()
+        if not async_op and not self._queue and self._own.acquire(False):
+            # idle: run here, on the caller's thread (the short path: _run_inline's body)
+            try:
+                if self._error is None and not self._stopped:
+                    tp = self.tp
+                    tp.begin(timeout_s)
+                    try:
+                        value = call.execute(*args)
+                    except BaseException as e:  # noqa: BLE001 - the Work's error
+                        tp.end()
+                        return self._failed(call, e, timeout_s)
+                    tp.end()
+                    work = self._last = Done(call.name, value, None)
+                    return work
+                return self._run_inline(call, args, timeout_s)
+            finally:
+                self._own.release()
+                if self._queue:  # another thread queued work meanwhile
+                    with self._cv:
+                        self._cv.notify_all()
         with self._cv:
             if self._stopped:
-                work._finish(exc=dist.DistBackendError(
-                    f"ringcomm {op}: {self._describe()} has been shut down"))
-                return work
-            inline = not async_op and not self._busy and not self._queue
-            if inline:
-                self._busy = True
-            else:
-                self._queue.append((work, op, fn, timeout_s, tag))
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._loop, name=f"ringcomm-{self._describe()}", daemon=True)
-                    self._thread.start()
-                self._cv.notify_all()
-        if inline:
-            try:
-                self._run(work, op, fn, timeout_s, tag)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    if self._queue:  # another thread queued work meanwhile
-                        self._cv.notify_all()
+                return Work.failed(call.name, dist.DistBackendError(
+                    f"ringcomm {call.name}: {self._describe()} has been shut down"))
+            work = self._last = Work(call.name, self)
+            self._queue.append((work, call, args, timeout_s))
+            if self._thread is None:
+                self._spawn()
+            self._cv.notify_all()
+            return work
+
+    def _run_inline(self, call: Any, args: Sequence, timeout_s: float) -> Any:
+        """Run one collective on this thread; a Work made complete."""
+        if self._stopped:
+            return Work.failed(call.name, dist.DistBackendError(
+                f"ringcomm {call.name}: {self._describe()} has been shut down"))
+        try:
+            work = Done(call.name, self._execute(call, args, timeout_s), None)
+        except BaseException as e:  # noqa: BLE001 - the error is the Work's
+            work = Done(call.name, None, e)
+        self._last = work
         return work
 
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stopped and (self._busy or not self._queue):
-                    self._cv.wait()
-                if self._stopped:
-                    pending, self._queue = list(self._queue), collections.deque()
-                    break
-                work, op, fn, timeout_s, tag = self._queue.popleft()
-                self._busy = True
-            try:
-                self._run(work, op, fn, timeout_s, tag)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
-        for work, op, *_ in pending:
-            work._finish(exc=dist.DistBackendError(
-                f"ringcomm {op}: {self._describe()} was shut down before this collective ran"))
+    def _failed(self, call: Any, e: BaseException, timeout_s: float) -> Done:
+        """A collective that ran inline failed: the group is broken; its Work."""
+        err = self._wrap(call.name, e, timeout_s)
+        self._error = err
+        log.error("%s", err)
+        if self.on_failure is not None:
+            self.on_failure(err)
+        err.__cause__ = e
+        work = self._last = Done(call.name, None, err)
+        return work
 
-    def _run(self, work: Work, op: str, fn: Callable[[], Any], timeout_s: float,
-             tag: int) -> None:
+    def _execute(self, call: Any, args: Sequence, timeout_s: float) -> Any:
+        """Run one collective; raise its error, wrapped, after breaking the group."""
         if self._error is not None:
-            work._finish(exc=dist.DistBackendError(
-                f"ringcomm {op}: {self._describe()} is unusable after an earlier failure: "
-                f"{self._error}"))
-            return
+            raise dist.DistBackendError(
+                f"ringcomm {call.name}: {self._describe()} is unusable after an earlier "
+                f"failure: {self._error}")
         tp = self.tp
-        tp.begin(op, timeout_s, tag)
+        tp.begin(timeout_s)
         try:
-            value = fn()
+            value = call.execute(*args)
         except BaseException as e:  # noqa: BLE001 - every failure must reach the Work
-            tp.abandon()
-            err = self._wrap(op, e, timeout_s)
+            tp.end()
+            err = self._wrap(call.name, e, timeout_s)
             self._error = err
             log.error("%s", err)
             if self.on_failure is not None:
                 self.on_failure(err)
-            work._finish(exc=err)
-        else:
-            tp.end()
-            work._finish(value)
+            raise err from e
+        tp.end()
+        return value
+
+    # -- the progress thread ---------------------------------------------------------
+    def _spawn(self) -> None:
+        """Start a progress thread and make it the lane's (called holding ``_cv``)."""
+        self._threads += 1
+        t = threading.Thread(target=self._loop, daemon=True,
+                             name=f"ringcomm-{self._describe()}-{self._threads}")
+        self._thread = t
+        t.start()
+
+    def _loop(self) -> None:
+        me = _current()
+        while True:
+            with self._cv:
+                while not self._stopped and self._thread is me and not self._queue:
+                    self._cv.wait()
+                if self._thread is not me:
+                    return  # a blocked callback handed the lane on
+                if self._stopped:
+                    pending, self._queue = list(self._queue), collections.deque()
+                    break
+            # own the lane before taking the head of the queue: a synchronous call on
+            # another thread runs inline only when it owns the lane and nothing is queued
+            self._own.acquire()
+            with self._cv:
+                if not self._queue or self._thread is not me:
+                    self._own.release()
+                    continue
+                work, call, args, timeout_s = self._queue.popleft()
+            self._owner = me
+            try:
+                value = self._execute(call, args, timeout_s)
+            except BaseException as e:  # noqa: BLE001
+                value, exc = None, e
+            else:
+                exc = None
+            # callbacks run here, while this thread owns the lane (module docstring)
+            self._callbacks_since = time.monotonic()
+            try:
+                work._finish(value, exc)
+            finally:
+                self._callbacks_since = None
+                with self._cv:
+                    if self._owner is me:  # not handed on meanwhile
+                        self._owner = None
+                        self._own.release()
+        for work, call, *_ in pending:
+            work._finish(exc=dist.DistBackendError(
+                f"ringcomm {call.name}: {self._describe()} was shut down before this collective "
+                "ran"))
+
+    def hand_off(self) -> None:
+        """Called on the progress thread by a callback about to block: a new progress
+        thread takes the lane, and this one finishes its callback as a plain thread."""
+        with self._cv:
+            if _current() is not self._thread:
+                return
+            self._release_owner()
+            if self._stopped:
+                self._thread = None
+                return
+            self._spawn()
+            self._cv.notify_all()
+
+    def _release_owner(self) -> None:
+        """The blocked callback's thread gives up the lane (called holding ``_cv``)."""
+        if self._owner is not None:
+            self._owner = None
+            self._own.release()
+
+    def watch_callbacks(self) -> None:
+        """Start (once) the watcher that hands the lane on when a future callback blocks
+        in a way the engine cannot see (a ``torch.futures.Future.wait`` on a collective
+        still queued behind it)."""
+        if self._watcher is not None:
+            return
+        with self._cv:
+            if self._watcher is not None:
+                return
+            self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                             name=f"ringcomm-watcher-{self._describe()}")
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._stopped:
+            time.sleep(HANDOFF_S / 2)
+            since, thread = self._callbacks_since, self._thread
+            if since is None or not self._queue or time.monotonic() - since < HANDOFF_S:
+                continue
+            with self._cv:
+                if (self._thread is thread and self._callbacks_since is since and self._queue
+                        and not self._nested):
+                    log.info("ringcomm: a future callback on %s has run %.0f ms with "
+                             "collectives queued; a new progress thread takes the lane",
+                             self._describe(), (time.monotonic() - since) * 1e3)
+                    self._release_owner()
+                    self._spawn()
+                    self._cv.notify_all()
 
     def _wrap(self, op: str, e: BaseException, timeout_s: float) -> BaseException:
         where = f"{self._describe()}, rank {self.tp.rank} of {self.tp.size}"
@@ -163,6 +299,8 @@ class Engine:
                    "the group is unusable now.")
         elif isinstance(e, TransportAborted):
             msg = f"ringcomm {op} was interrupted ({where}): {e}"
+        elif isinstance(e, dist.DistBackendError) and str(e).startswith("ringcomm"):
+            return e
         else:
             msg = f"ringcomm {op} failed ({where}): {type(e).__name__}: {e}"
         err = dist.DistBackendError(msg)

@@ -1,25 +1,31 @@
 """Executors: run a schedule (:mod:`ringcomm.schedule`) on a transport.
 
-A :class:`Plan` is a schedule compiled once per call shape: regions numbered
-(so a call only slices its buffers), and the dependencies the point-to-point
-executor needs. Two ways to run it:
+A :class:`Plan` is a schedule compiled once per call shape: regions numbered,
+and the dependencies the point-to-point executor needs. A *program* is a plan
+prepared for one channel and reduce op, with its scratch; for each set of
+caller buffer addresses it keeps a *binding*: the step lists with every
+message made ready to issue, so a repeated call does only the messages and the
+local work. Three kinds:
 
-* :func:`run_p2p`, over a :class:`ringcomm.transport.Transport` (MPI for CPU
-  tensors, in-process threads for tests). Messages are non-blocking, so a step's
-  sends may go out, and its receives be posted, before earlier steps finished,
-  as long as no data they touch is still in use: a segment reduced in step s is
-  forwarded at once while later segments are still arriving. Sends and receives
-  keep schedule order, so messages between a pair still match step by step.
-* :func:`run_grouped`, over an NCCL-like communicator (:class:`GroupComm`):
+* :class:`P2PProgram`, over a :class:`ringcomm.transport.Transport` (MPI for
+  CPU tensors, in-process threads for tests). Messages are persistent requests
+  (made once per binding), so a step's sends may go out, and its receives be
+  posted, before earlier steps finished, as long as no data they touch is still
+  in use: a segment reduced in step s is forwarded at once while later segments
+  are still arriving. Sends and receives keep schedule order, so messages
+  between a pair still match step by step.
+* :class:`GroupProgram`, over an NCCL-like communicator (:class:`GroupComm`):
   each step is one group (group start, its sends and receives, group end), its
   local work follows on the same stream. This is the only order NCCL allows;
   :mod:`ringcomm.simulator` provides a communicator that enforces NCCL's rules
   on CPU tensors, the CUDA transport the real one.
+* :class:`NativeProgram`: the transport library's own collective (``native``).
 """
 from __future__ import annotations
 
 import bisect
-from typing import Protocol, Sequence
+import collections
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -28,6 +34,11 @@ from .schedule import Reduce, Region, Schedule, buffer_lengths
 
 #: receives the point-to-point executor keeps posted ahead of the step it waits on
 RECV_AHEAD = 64
+#: bindings (sets of caller buffer addresses) a program keeps, least recent dropped
+BINDINGS = 4
+#: the tag of a schedule's message: its number among the messages it exchanges with
+#: that peer in that direction, modulo this, plus the group's epoch times this
+TAG_SPAN = 1 << 16
 
 
 class _Spans:
@@ -188,18 +199,6 @@ class Plan:
         _, a, e, _ = self.regions[v]
         return e - a
 
-    def bind(self, bufs: Sequence[torch.Tensor | None], scratch) -> list:
-        """Tensor views of every region, for ``bufs`` (the caller's 1-D buffers) and
-        scratch buffers from ``scratch(slot, numel)``."""
-        full = list(bufs)
-        for i, n in enumerate(self.scratch):
-            full.append(scratch(i, n))
-        views = []
-        for buf, a, e, whole in self.regions:
-            t = full[buf]
-            views.append(t if whole else t[a:e])
-        return views
-
 
 def _prefix_upto(ready: list[int], nsteps: int) -> list[int]:
     """``upto[i]``: length of the longest prefix of ``ready`` whose values are <= i."""
@@ -215,46 +214,219 @@ def _prefix_upto(ready: list[int], nsteps: int) -> list[int]:
     return out
 
 
-def run_p2p(plan: Plan, tp, views: list, op) -> None:
-    """Run ``plan`` over point-to-point transport ``tp`` (waits honour its deadline)."""
-    sends, recvs, recv_waits = plan.send_list, plan.recv_list, plan.recv_waits
-    sreq: list = [None] * len(sends)
-    rreq: list = [None] * len(recvs)
-    ns = nr = 0
-    isend, irecv, wait_all = tp.isend, tp.irecv, tp.wait_all
-    reduce_ = ops.reducer(op) if op is not None else None
-    traced = trace.active()
-    if traced:
-        trace.annotate(peers=plan.peers, steps=len(plan.steps))
-        t0, step = trace.now(), 0
-    for send_upto, recv_upto, mine, send_waits, local in plan.p2p_steps:
-        while ns < send_upto:
-            peer, v = sends[ns]
-            sreq[ns] = isend(views[v], peer)
-            ns += 1
-        while nr < recv_upto:
-            waits = recv_waits[nr]
-            if waits:
-                wait_all([sreq[k] for k in waits])
-            peer, v = recvs[nr]
-            rreq[nr] = irecv(views[v], peer)
-            nr += 1
-        if mine or send_waits:
-            wait_all([rreq[j] for j in mine] + [sreq[k] for k in send_waits])
-        for is_reduce, d, s in local:
-            if is_reduce:
-                reduce_(views[d], views[s])
+def _key(bufs: Sequence[torch.Tensor | None]) -> Any:
+    """The binding key of the caller's buffers: their addresses."""
+    if len(bufs) == 1:
+        return bufs[0].data_ptr()
+    return tuple(0 if b is None else b.data_ptr() for b in bufs)
+
+
+class _Program:
+    """What every program shares: the plan, its scratch, the views of the regions
+    its local work touches, and the bindings."""
+
+    def __init__(self, plan: Plan, scratch: Sequence[torch.Tensor]):
+        self.plan = plan
+        self.scratch = list(scratch)  # held: persistent requests point into it
+        self._bindings: collections.OrderedDict = collections.OrderedDict()
+        nbuf = plan.nbuffers
+        # local work's regions: caller regions are sliced at every call (holding a view
+        # of the caller's memory would keep it alive), scratch ones once
+        used = sorted({v for _, _, local in plan.steps for _, d, s in local for v in (d, s)})
+        self._lpos = {v: i for i, v in enumerate(used)}
+        self._recipe = []
+        for v in used:
+            buf, a, e, whole = plan.regions[v]
+            if buf >= nbuf:
+                t = self.scratch[buf - nbuf]
+                self._recipe.append((2, t if whole else t[a:e], a, e))
             else:
-                views[d].copy_(views[s])
-        if traced:
-            t0, step = plan.trace_step(step, t0), step + 1
-    if plan.tail_sends:
-        wait_all([sreq[k] for k in plan.tail_sends])
+                self._recipe.append((0 if whole else 1, buf, a, e))
+        self._static = all(k == 2 for k, *_ in self._recipe)
+        self._fixed = [x[1] for x in self._recipe] if self._static else None
+        # the common small case: caller buffers whole (no slicing) next to scratch
+        self._whole = (None if self._static or any(k == 1 for k, *_ in self._recipe) else
+                       ([x[1] if x[0] == 2 else None for x in self._recipe],
+                        [(i, x[1]) for i, x in enumerate(self._recipe) if x[0] == 0]))
+
+    def _local_views(self, bufs: Sequence) -> list:
+        if self._static:
+            return self._fixed  # type: ignore[return-value]
+        if self._whole is not None:
+            out, callers = self._whole
+            out = out.copy()
+            for i, b in callers:
+                out[i] = bufs[b]
+            return out
+        out = []
+        for kind, x, a, e in self._recipe:
+            out.append(x if kind == 2 else bufs[x] if kind == 0 else bufs[x][a:e])
+        return out
+
+    def _views(self, bufs: Sequence) -> list:
+        """A view of every region (to bind messages)."""
+        full = [*bufs, *self.scratch]
+        return [full[buf] if whole else full[buf][a:e]
+                for buf, a, e, whole in self.plan.regions]
+
+    def _binding(self, bufs: Sequence) -> Any:
+        key = _key(bufs)
+        bd = self._bindings.get(key)
+        if bd is None:
+            bd = self._bind(bufs)
+            if len(self._bindings) >= BINDINGS:
+                self._release(self._bindings.popitem(last=False)[1])
+            self._bindings[key] = bd
+        return key, bd
+
+    def _bind(self, bufs: Sequence) -> Any:
+        raise NotImplementedError
+
+    def _release(self, bd: Any) -> None:
+        """Free a binding's resources (it is not running)."""
+
+    def _drop(self, key: Any, bd: Any, bufs: Sequence) -> None:
+        """A run failed: the binding cannot be reused."""
+        self._bindings.pop(key, None)
+
+    def close(self) -> None:
+        """Release every binding."""
+        while self._bindings:
+            self._release(self._bindings.popitem()[1])
+
+
+class P2PProgram(_Program):
+    """A plan on a point-to-point transport, for one reduce op.
+
+    Args:
+        plan: the compiled schedule.
+        tp: the transport.
+        scratch: the schedule's scratch buffers (held by the program).
+        op: the reduce op (None for collectives that do not reduce).
+        epoch: the group's epoch (see :data:`TAG_SPAN`).
+    """
+
+    def __init__(self, plan: Plan, tp, scratch: Sequence[torch.Tensor], op, epoch: int = 0):
+        super().__init__(plan, scratch)
+        self.tp = tp
+        self._reduce = ops.reducer(op) if op is not None else None
+        self._base = epoch * TAG_SPAN
+
+    def _bind(self, bufs: Sequence) -> tuple:
+        """Persistent requests for every message, and per step the batches to start
+        and wait for, in the order :class:`Plan` worked out."""
+        plan, tp = self.plan, self.tp
+        views = self._views(bufs)
+        limit, base = tp.tag_limit, self._base
+        counts: dict = collections.defaultdict(int)
+
+        def tag(kind: str, peer: int) -> int:
+            k = counts[kind, peer]
+            counts[kind, peer] = k + 1
+            return (base + k % TAG_SPAN) % limit
+
+        sreq = [tp.send_init(views[v], peer, tag("s", peer)) for peer, v in plan.send_list]
+        rreq = [tp.recv_init(views[v], peer, tag("r", peer)) for peer, v in plan.recv_list]
+        batch, rw = tp.batch, plan.recv_waits
+        steps, ns, nr = [], 0, 0
+        lpos, reduce_, copy_ = self._lpos, self._reduce, torch.Tensor.copy_
+        for i, (send_upto, recv_upto, mine, send_waits, local) in enumerate(plan.p2p_steps):
+            actions: list = []
+            # receives that wait for no send go first: posted before the matching send
+            # arrives, a message skips MPI's unexpected queue
+            first = []
+            while nr < recv_upto and not rw[nr]:
+                first.append(rreq[nr])
+                nr += 1
+            starts = first + sreq[ns:send_upto]
+            ns = max(ns, send_upto)
+            if starts:
+                actions.append((False, batch(starts)))
+            while nr < recv_upto:
+                if rw[nr]:
+                    actions.append((True, batch([sreq[k] for k in rw[nr]])))
+                group = [rreq[nr]]
+                nr += 1
+                while nr < recv_upto and not rw[nr]:
+                    group.append(rreq[nr])
+                    nr += 1
+                actions.append((False, batch(group)))
+            waits = [rreq[j] for j in mine] + [sreq[k] for k in send_waits]
+            if waits:
+                actions.append((True, batch(waits)))
+            work = [(reduce_ if is_reduce else copy_, lpos[d], lpos[s])
+                    for is_reduce, d, s in local]
+            steps.append((actions, work))
+        tail = [sreq[k] for k in plan.tail_sends]
+        if tail:
+            steps.append(([(True, batch(tail))], []))
+        return steps, sreq + rreq
+
+    def _release(self, bd: tuple) -> None:
+        self.tp.free(bd[1])
+
+    def _drop(self, key: Any, bd: tuple, bufs: Sequence) -> None:
+        super()._drop(key, bd, bufs)
+        self.tp.abandon(bd[1], keep=list(bufs))
+
+    def run(self, bufs: Sequence[torch.Tensor | None]) -> None:
+        """One collective on the caller's 1-D buffers (``ringcomm.schedule.BUFFERS``'
+        order); waits honour the transport's deadline."""
+        key = bufs[0].data_ptr() if len(bufs) == 1 else _key(bufs)
+        bd = self._bindings.get(key)
+        if bd is None:
+            key, bd = self._binding(bufs)
+        whole = self._whole
+        if whole is not None:  # _local_views, written out for the common small case
+            lv = whole[0].copy()
+            for i, b in whole[1]:
+                lv[i] = bufs[b]
+        else:
+            lv = self._local_views(bufs)
+        tp = self.tp
+        if trace.active():
+            return self._run_traced(key, bd, bufs, lv)
+        start, wait = tp.start, tp.wait
+        try:
+            for actions, work in bd[0]:
+                for is_wait, b in actions:
+                    if is_wait:
+                        wait(b)
+                    else:
+                        start(b)
+                for fn, d, s in work:
+                    fn(lv[d], lv[s])
+        except BaseException:
+            self._drop(key, bd, bufs)
+            raise
+
+    def _run_traced(self, key: Any, bd: tuple, bufs: Sequence, lv: list) -> None:
+        """:meth:`run`, each step recorded in the trace."""
+        plan, tp = self.plan, self.tp
+        trace.annotate(peers=plan.peers, steps=len(plan.steps))
+        t0, k = trace.now(), 0
+        try:
+            for actions, work in bd[0]:
+                for is_wait, b in actions:
+                    (tp.wait if is_wait else tp.start)(b)
+                for fn, d, s in work:
+                    fn(lv[d], lv[s])
+                if k < len(plan.steps):
+                    t0, k = plan.trace_step(k, t0), k + 1
+        except BaseException:
+            self._drop(key, bd, bufs)
+            raise
 
 
 class GroupComm(Protocol):
-    """The NCCL-like interface :func:`run_grouped` drives. Every call only enqueues
-    work on the communicator's stream; completion is the caller's business."""
+    """The NCCL-like interface :class:`GroupProgram` drives. Every call only enqueues
+    work on the communicator's stream; completion is the caller's business.
+
+    A communicator may also have ``message(kind, buf, peer) -> (fn, args) | None``:
+    the call that issues a send or receive of ``buf`` (``kind`` ``"send"`` or
+    ``"recv"``), worked out once per binding; None: nothing to issue (an empty
+    message). Without it, ``send``/``recv`` are called with the buffer.
+    """
 
     def group_start(self) -> None: ...
 
@@ -269,24 +441,76 @@ class GroupComm(Protocol):
     def local_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
 
-def run_grouped(plan: Plan, comm: GroupComm, views: list, op) -> None:
-    """Enqueue ``plan`` on ``comm``: one group per step, local work after it."""
-    traced = trace.active()
-    if traced:
-        trace.annotate(peers=plan.peers, steps=len(plan.steps))
-        t0 = trace.now()
-    for i, (sends, recvs, local) in enumerate(plan.steps):
-        if sends or recvs:
-            comm.group_start()
-            for peer, v in sends:
-                comm.send(views[v], peer)
-            for peer, v in recvs:
-                comm.recv(views[v], peer)
-            comm.group_end(f"step {i}")
-        for is_reduce, d, s in local:
-            if is_reduce:
-                comm.local_reduce(views[d], views[s], op)
-            else:
-                comm.local_copy(views[d], views[s])
-        if traced:  # the time to enqueue the step
-            t0 = plan.trace_step(i, t0)
+class GroupProgram(_Program):
+    """A plan on an NCCL-like communicator: one group per step, local work after it."""
+
+    def __init__(self, plan: Plan, comm: GroupComm, scratch: Sequence[torch.Tensor], op):
+        super().__init__(plan, scratch)
+        self.comm = comm
+        self.op = op
+        self._labels = [f"step {i}" for i in range(len(plan.steps))]
+
+    def _bind(self, bufs: Sequence) -> list:
+        comm, views, lpos = self.comm, self._views(bufs), self._lpos
+        message = getattr(comm, "message", None)
+        steps = []
+        for i, (sends, recvs, local) in enumerate(self.plan.steps):
+            msgs = []
+            for kind, xfers in (("send", sends), ("recv", recvs)):
+                for peer, v in xfers:
+                    if message is not None:
+                        m = message(kind, views[v], peer)
+                        if m is not None:
+                            msgs.append(m)
+                    else:
+                        msgs.append((comm.send if kind == "send" else comm.recv,
+                                     (views[v], peer)))
+            steps.append((bool(sends or recvs), msgs,
+                          [(is_reduce, lpos[d], lpos[s]) for is_reduce, d, s in local],
+                          self._labels[i]))
+        return steps
+
+    def run(self, bufs: Sequence[torch.Tensor | None]) -> None:
+        """Enqueue one collective on the caller's 1-D buffers."""
+        _, steps = self._binding(bufs)
+        lv = self._local_views(bufs)
+        comm, op = self.comm, self.op
+        traced = trace.active()
+        if traced:
+            trace.annotate(peers=self.plan.peers, steps=len(self.plan.steps))
+            t0 = trace.now()
+        for i, (grouped, msgs, work, label) in enumerate(steps):
+            if grouped:
+                comm.group_start()
+                for fn, args in msgs:
+                    fn(*args)
+                comm.group_end(label)
+            for is_reduce, d, s in work:
+                if is_reduce:
+                    comm.local_reduce(lv[d], lv[s], op)
+                else:
+                    comm.local_copy(lv[d], lv[s])
+            if traced:  # the time to enqueue the step
+                t0 = self.plan.trace_step(i, t0)
+
+
+class NativeProgram:
+    """The channel library's own ``collective`` (algorithm ``native``) for one call
+    shape (:meth:`ringcomm.transport.Channel.native_init`)."""
+
+    def __init__(self, channel, collective: str, layout: tuple, dtype: torch.dtype, op,
+                 root: int):
+        self.channel = channel
+        self._call = channel.native_init(collective, layout, dtype, op, root)
+
+    def run(self, bufs: Sequence[torch.Tensor | None]) -> None:
+        nc = self._call
+        try:
+            nc.start(bufs)
+            nc.finish(bufs)
+        except BaseException:
+            self.channel.abandon(nc.handles(), keep=list(bufs))
+            raise
+
+    def close(self) -> None:
+        pass

@@ -30,19 +30,25 @@ class FakeNccl:
     Pass it as ``nccl=`` to :class:`ringcomm.ProcessGroupRingcomm` with
     ``nccl_device_type="cpu"``; :func:`nccl_groups` does that for a whole world.
 
+    With ``record=True`` nothing moves: every call is counted (``calls``) and
+    returns at once, and a communicator needs no peers. That measures the Python
+    time of ringcomm's CUDA path alone (``scripts/bench_cuda_path.py``).
+
     Args:
         id_form: what ``get_unique_id`` returns: ``"bytes"`` (CuPy 14) or
             ``"tuple"`` of signed chars (CuPy 13); the communicator takes only that.
         timeout_s: how long a group may wait for its peers.
+        record: count the calls and do nothing else.
     """
 
     available = True
 
-    def __init__(self, id_form: str = "bytes", timeout_s: float = 60.0):
+    def __init__(self, id_form: str = "bytes", timeout_s: float = 60.0, record: bool = False):
         if id_form not in ("bytes", "tuple"):
             raise ValueError(f"FakeNccl: id_form must be 'bytes' or 'tuple', got {id_form!r}")
         self.id_form = id_form
         self.timeout_s = timeout_s
+        self.record = record
         self._fabrics: dict[bytes, SimFabric] = {}
         self._lock = threading.Lock()
         self._tls = threading.local()
@@ -64,6 +70,10 @@ class FakeNccl:
         if not isinstance(uid, want):
             raise TypeError(f"FakeNccl({self.id_form!r}): the unique id must be "
                             f"{want.__name__}, got {type(uid).__name__}")
+        if self.record:
+            if not 0 <= rank < ndev:
+                raise ValueError(f"FakeNccl: rank {rank} does not fit a communicator of {ndev}")
+            return _RecordingComm(self, rank, ndev)
         key = bytes(x & 0xFF for x in uid)
         with self._lock:
             fabric = self._fabrics.setdefault(key, SimFabric(ndev))
@@ -75,12 +85,17 @@ class FakeNccl:
     # -- groups (per thread, as in NCCL) --------------------------------------------
     def groupStart(self) -> None:  # noqa: N802
         self.calls["groupStart"] += 1
+        if self.record:
+            return
         depth = getattr(self._tls, "depth", 0)
         if depth == 0:
             self._tls.ops = []
         self._tls.depth = depth + 1
 
     def groupEnd(self) -> None:  # noqa: N802
+        if self.record:
+            self.calls["groupEnd"] += 1
+            return
         depth = getattr(self._tls, "depth", 0)
         if depth == 0:
             raise RuntimeError("FakeNccl: groupEnd without groupStart")
@@ -251,3 +266,47 @@ class _FakeComm:
     def destroy(self) -> None:
         self.lib.calls["destroy"] += 1
         self.sim.close()
+
+
+class _RecordingComm:
+    """A communicator of a recording :class:`FakeNccl`: every call is counted and
+    returns at once (argument lists as ``cupy.cuda.nccl.NcclCommunicator``'s)."""
+
+    def __init__(self, lib: FakeNccl, rank: int, size: int):
+        self.lib, self.rank, self.size = lib, rank, size
+        self._calls = lib.calls
+
+    def send(self, buf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._calls["send"] += 1
+
+    def recv(self, buf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._calls["recv"] += 1
+
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,  # noqa: N802
+                  stream: int) -> None:
+        self._calls["allReduce"] += 1
+
+    def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int,
+               stream: int) -> None:
+        self._calls["reduce"] += 1
+
+    def broadcast(self, sendbuf: int, recvbuf: int, count: int, datatype: int, root: int,
+                  stream: int) -> None:
+        self._calls["broadcast"] += 1
+
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,  # noqa: N802
+                  stream: int) -> None:
+        self._calls["allGather"] += 1
+
+    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int,  # noqa: N802
+                      op: int, stream: int) -> None:
+        self._calls["reduceScatter"] += 1
+
+    def check_async_error(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self._calls["abort"] += 1
+
+    def destroy(self) -> None:
+        self._calls["destroy"] += 1

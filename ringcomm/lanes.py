@@ -19,6 +19,10 @@ import torch
 from .transport import Channel, Transport
 
 
+class _Turn(threading.local):
+    k = 0
+
+
 class Lane:
     """One device's channel and engine."""
 
@@ -63,8 +67,9 @@ class Lanes:
             # a failed collective leaves the ranks in an unknown state: the whole group
             # is unusable, whichever channel it ran on
             lane.engine.on_failure = self.mark_broken
-        #: the channel the next collective runs on (see :meth:`turn_to`)
-        self.turn = 0
+        # the channel the next collective runs on (see :meth:`turn_to`), per thread: a
+        # future callback's collective takes its own lane's (ringcomm.engine)
+        self._turn = _Turn()
         self.nccl_type = nccl_type
         self._cpu_error = cpu_error
         self._store = store
@@ -81,10 +86,24 @@ class Lanes:
         """The CPU lane of channel 0 (point-to-point messages use it)."""
         return self.cpus[0] if self.cpus else None
 
+    @property
+    def turn(self) -> int:
+        """The channel this thread's next collective runs on."""
+        return self._turn.k
+
     def turn_to(self, call: int) -> None:
-        """Run the next collective on channel ``call mod K``: every rank numbers its
-        calls alike, so every rank puts the same collective on the same channel."""
-        self.turn = call % self.channels
+        """Run this thread's next collective on channel ``call mod K``: every rank
+        numbers its calls alike, so every rank puts the same collective on the same
+        channel."""
+        self._turn.k = call % self.channels
+
+    def nested_lane(self) -> Lane | None:
+        """The CPU lane whose progress thread is calling (a future callback issuing a
+        collective), else None."""
+        for lane in self.cpus:
+            if lane.engine.on_progress_thread():
+                return lane
+        return None
 
     def for_tensor(self, t: torch.Tensor, op: str, channel: int | None = None) -> Lane:
         """The lane that runs a call on ``t``'s device (created on first use): the
@@ -120,7 +139,10 @@ class Lanes:
         else the first device this group used, else the current CUDA device."""
         dev = getattr(opts, "device", None)
         ids = list(getattr(opts, "device_ids", None) or [])
-        if ids and (dev is None or dev.type == "cpu") and self.nccl_type == "cuda":
+        if (ids and (dev is None or dev.type == "cpu") and self.nccl_type == "cuda"
+                and (not self.cpus or self._cuda_usable())):
+            # as gloo, a CPU-only process reads device_ids as no device at all
+            # (Accelerate passes them on every barrier)
             dev = torch.device("cuda", ids[0])
         if isinstance(dev, torch.device) and dev.type == self.nccl_type:
             if dev.type == "cuda" and dev.index is None:
@@ -133,6 +155,19 @@ class Lanes:
         if self.nccl_type == "cuda" and torch.cuda.is_available():
             return self.for_device(torch.device("cuda", torch.cuda.current_device()), "barrier")
         return self.for_device(torch.device("cpu"), "barrier")
+
+    def _cuda_usable(self) -> bool:
+        """CUDA devices and an NCCL library to run them with are both here."""
+        if self._nccl_lib is not None:
+            return True
+        if not torch.cuda.is_available():
+            return False
+        from .transport import nccl
+        try:
+            self._nccl_lib = nccl.load()
+        except nccl.NcclUnavailable:
+            return False
+        return True
 
     def mark_broken(self, err: BaseException) -> None:
         """Every lane of the group refuses later collectives with ``err``."""

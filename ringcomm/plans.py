@@ -1,7 +1,8 @@
 """From a call's shape to something that runs: which algorithm (the group's
 choice, or ``auto``'s), its compiled schedule (cached per call shape, and for a
-user's algorithm checked before first use), and a ``run(bufs)`` over a lane.
-Also the ``RINGCOMM_DEBUG=DETAIL`` check that every rank runs the same call.
+user's algorithm checked before first use), and the program that runs it on a
+lane (:mod:`ringcomm.executors`). Also the ``RINGCOMM_DEBUG=DETAIL`` check that
+every rank runs the same call, and the group's epoch (message tags).
 """
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ from . import algorithms, checker
 from .algorithms import NATIVE, REGISTRY, select
 from .algorithms import names as algorithm_names
 from .algorithms import ring as _ring
-from .executors import Plan
+from .executors import GroupProgram, NativeProgram, P2PProgram, Plan
 from .lanes import Lane
 from .schedule import Context, ScheduleError
 from .settings import Options
-from .transport import Channel
+from .transport import Channel, Transport
 
 log = logging.getLogger("ringcomm")
 
@@ -31,9 +32,9 @@ PLAN_CACHE_SIZE = 512
 #: elements over all ranks, at a proportionally smaller shape above it
 CHECK_ELEMENTS = 1 << 18
 
-#: ``run(bufs)``: one collective on the caller's buffers, ordered as
-#: ``ringcomm.schedule.BUFFERS`` lists them
-Run = Callable[[list], None]
+#: what :meth:`Planner.prepare` returns: ``run(bufs)`` runs one collective on the
+#: caller's buffers, ordered as ``ringcomm.schedule.BUFFERS`` lists them
+Program = Any
 
 
 class AlgorithmFailed(RuntimeError):
@@ -57,7 +58,9 @@ class Planner:
         self.algos.update(options.algorithms)
         self._tuning = select.load_tuning(options.tuning_file)
         self._plans: collections.OrderedDict = collections.OrderedDict()
-        self._prepared: dict = {}
+        self._fingerprints: dict = {}
+        #: bumped by :meth:`refused`; part of every message tag
+        self.epoch = 0
         self._lock = threading.Lock()
         self._logged: set = set()
 
@@ -76,20 +79,16 @@ class Planner:
 
     def prepare(self, lane: Lane, collective: str, layout: tuple, dtype: torch.dtype, *,
                 nbytes: int, root: int = 0, op: Any = None,
-                name: str | None = None) -> tuple[str, Run]:
-        """Choose the algorithm for one call and return ``(name, run)``.
+                name: str | None = None) -> tuple[str, Program]:
+        """Choose the algorithm for one call shape and return ``(name, program)``: the
+        program runs it on ``lane`` (``program.run(bufs)``, the caller's buffers in the
+        order of ``ringcomm.schedule.BUFFERS``). A new program every time: the caller
+        (a prepared call) owns it, and closes it when it is dropped.
 
         Runs on the caller's thread, so a schedule a user's builder gets wrong is
         refused here, on every rank alike, before anything is sent.
         """
-        key = None
         if name is None:
-            # A training loop repeats the same calls: skip choosing and looking up.
-            key = (lane, collective, layout, dtype, op, root, self.algos[collective],
-                   self.segment_bytes, algorithms.generation)
-            hit = self._prepared.get(key)
-            if hit is not None:
-                return hit
             name = self.choose(collective, nbytes)
         build = REGISTRY[collective].get(name)
         if build is None:
@@ -98,16 +97,9 @@ class Planner:
         tp = lane.tp
         if build is NATIVE:
             tp.check_native(collective, dtype, op)
-            prepared: tuple[str, Run] = (
-                name, lambda bufs: tp.native(collective, bufs, layout, dtype, op, root))
-        else:
-            prepared = name, runner(tp, self.plan(collective, name, build, layout, root, dtype),
-                                    dtype, op)
-        if key is not None:
-            if len(self._prepared) >= PLAN_CACHE_SIZE:
-                self._prepared.clear()
-            self._prepared[key] = prepared
-        return prepared
+            return name, NativeProgram(tp, collective, layout, dtype, op, root)
+        plan = self.plan(collective, name, build, layout, root, dtype)
+        return name, program(tp, plan, dtype, op, self.epoch)
 
     def plan(self, collective: str, name: str, build: Callable, layout: tuple, root: int,
              dtype: torch.dtype) -> Plan:
@@ -141,15 +133,28 @@ class Planner:
         mine = _fingerprint(op, fields)
         dev = lane.tp.device
         rows = torch.empty(self.size, mine.numel(), dtype=torch.uint8, device=dev)
-        plan = self.plan("allgather", "ring", _ring.allgather, (mine.numel(),) * self.size, 0,
-                         torch.uint8)
-        runner(lane.tp, plan, torch.uint8, None)([*rows.unbind(0), mine.to(dev)])
+        checker_prog = self._fingerprints.get(lane)
+        if checker_prog is None:
+            plan = self.plan("allgather", "ring", _ring.allgather, (mine.numel(),) * self.size,
+                             0, torch.uint8)
+            checker_prog = self._fingerprints[lane] = program(lane.tp, plan, torch.uint8,
+                                                              None, self.epoch)
+        checker_prog.run([*rows.unbind(0), mine.to(dev)])
         rows = rows.cpu()  # on a stream: waits for the exchange
         bad = [r for r in range(self.size) if not torch.equal(rows[r], mine)]
         if bad:
             theirs = "; ".join(f"rank {r} runs {_describe(rows[r])}" for r in bad)
             raise RuntimeError(f"collective mismatch: rank {self.rank} runs {_describe(mine)}, "
                                f"but {theirs}")
+
+    def refused(self) -> None:
+        """A call was refused on this rank (bad input): a new epoch. Later messages
+        carry other tags than the ranks that ran the call expect, so the mismatch ends
+        in a clear timeout rather than in data exchanged between different calls."""
+        self.epoch += 1
+        for prog in self._fingerprints.values():
+            prog.close()
+        self._fingerprints.clear()
 
 
 #: the DETAIL fingerprint: the operation's name in this many bytes, then this many
@@ -175,16 +180,13 @@ def dtype_code(dtype: torch.dtype) -> int:
     return zlib.crc32(str(dtype).encode())
 
 
-def runner(tp: Channel, plan: Plan, dtype: torch.dtype, op: Any) -> Run:
-    """``run(bufs)``: ``plan`` on the caller's buffers over ``tp``, scratch from it."""
-
-    def scratch(i: int, n: int) -> torch.Tensor:
-        return tp.scratch(i, n, dtype)
-
-    def run(bufs: list) -> None:
-        tp.execute(plan, plan.bind(bufs, scratch), op)
-
-    return run
+def program(channel: Channel, plan: Plan, dtype: torch.dtype, op: Any, epoch: int = 0):
+    """The program that runs ``plan`` on ``channel``: over point-to-point messages on a
+    transport, one group per step on an NCCL communicator."""
+    scratch = [channel.scratch(i, n, dtype) for i, n in enumerate(plan.scratch)]
+    if isinstance(channel, Transport):
+        return P2PProgram(plan, channel, scratch, op, epoch)
+    return GroupProgram(plan, channel, scratch, op)
 
 
 def check_user_schedule(build: Callable, ctx: Context, name: str):

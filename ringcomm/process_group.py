@@ -3,13 +3,12 @@ builders of :mod:`ringcomm.requests`, plus what belongs to the group itself:
 its identity, its algorithm choices, point-to-point messages and its end.
 
 A torch call ``pg.allreduce([t], opts)`` goes ``METHODS["allreduce"]`` ->
-``requests.allreduce(pg, [t], opts)`` (checks, lane, algorithm) -> a
-:class:`~ringcomm.requests.Request` -> the lane's engine, which returns torch's
-``Work``.
+``requests.allreduce(pg, [t], opts)``, which finds the prepared call of the
+call's shape (made on its first call: checks, lane, algorithm, program) ->
+the lane's engine, which runs it (or queues it) and returns torch's ``Work``.
 """
 from __future__ import annotations
 
-import functools
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -22,7 +21,7 @@ from .checks import Inputs
 from .engine import Engine
 from .lanes import Lane, Lanes
 from .plans import AlgorithmFailed, Planner
-from .requests import Request
+from .requests import Calls
 from .settings import Options, get
 from .transport import Transport
 from .work import P2PWork
@@ -30,7 +29,7 @@ from .work import P2PWork
 __all__ = ["ProcessGroupRingcomm", "Options", "METHODS"]
 
 #: torch's ProcessGroup method name -> the request builder that serves it
-METHODS: dict[str, Callable[..., Request]] = {
+METHODS: dict[str, Callable[..., tuple]] = {
     "allreduce": requests.allreduce,
     "allreduce_coalesced": requests.allreduce_coalesced,
     "reduce": requests.reduce,
@@ -88,7 +87,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         super().__init__(rank, size)
         # plain ints: rank() and size() cross into C++ on every call
         self._rank, self._size = rank, size
-        self._timeout_s = timeout.total_seconds()
+        self.timeout_s = timeout.total_seconds()
         self._group_name = group_id
         self._group_desc = ""
         self.inputs = Inputs(rank, size, nccl_device_type)
@@ -104,11 +103,13 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                              f"num_channels={channels}")
         cpus = [Lane(tp, Engine(tp, self._channel_name(k, channels)), False, k)
                 for k, tp in enumerate(transports)]
-        self.lanes = Lanes(rank, size, cpus or None, store=store, timeout_s=self._timeout_s,
+        self.lanes = Lanes(rank, size, cpus or None, store=store, timeout_s=self.timeout_s,
                            describe=self._describe, cpu_error=cpu_error, nccl=nccl,
                            nccl_type=nccl_device_type, channels=channels)
         #: collectives called so far, refused ones included (see :func:`_method`)
-        self._seq = 0
+        self.seq = 0
+        #: the prepared calls, by shape (:mod:`ringcomm.requests`)
+        self.calls = Calls()
 
     # -- identity -------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -163,41 +164,6 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """The algorithm a ``collective`` of ``nbytes`` per rank runs on this group."""
         return self.planner.choose(collective, nbytes)
 
-    # -- collectives ----------------------------------------------------------
-    def _submit(self, req: Request) -> dist.Work:
-        """Run (MPI) or enqueue (NCCL) ``req`` on its lane."""
-        lane, timeout_s, run = req.lane, self._timeout(req.opts), req.run
-        if trace.active():
-            run = self._traced(req)
-        if lane.on_stream:
-            return lane.engine.submit(req.op, run, async_op=True, timeout_s=timeout_s,
-                                      keep=req.keep, blocking=req.blocking)
-        return lane.engine.submit(req.op, run,
-                                  async_op=bool(getattr(req.opts, "asyncOp", True)),
-                                  timeout_s=timeout_s, tag=self._seq % lane.tp.tag_limit)
-
-    def _traced(self, req: Request) -> Callable[[], Any]:
-        """``req.run`` recorded in the trace: its enqueue now, on the caller's thread,
-        and its run where it runs (on a stream: the time to issue it)."""
-        args = {"group": self._describe(), "seq": self._seq, "device": req.lane.key,
-                "channel": req.lane.channel,
-                "bytes": sum(t.numel() * t.element_size() for t in req.keep
-                             if isinstance(t, torch.Tensor))}
-        trace.instant(f"enqueue {req.op}", "enqueue", **args)
-        enqueued = trace.now()
-
-        def run() -> Any:
-            with trace.span(req.op, "collective", enqueued_us=enqueued, **args):
-                return req.run()
-
-        return run
-
-    def _timeout(self, opts: Any) -> float:
-        t = getattr(opts, "timeout", None)
-        if isinstance(t, timedelta) and t.total_seconds() > 0:
-            return t.total_seconds()
-        return self._timeout_s
-
     # -- point-to-point -------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:
         """``dist.send``/``isend``: posted at once (non-blocking), so rings of sends
@@ -211,7 +177,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             return self._pair_message("send", t, dstRank)
         buf = t if t.is_contiguous() else t.contiguous()
         h = lane.tp.p2p_isend(buf.view(-1).view(torch.uint8), dstRank, tag)
-        return P2PWork("send", lane.engine, lane.tp, h, self._timeout_s)
+        return P2PWork("send", lane.engine, lane.tp, h, self.timeout_s)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
         """``dist.recv``/``irecv`` from ``srcRank``."""
@@ -233,24 +199,15 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def _pair_message(self, kind: str, t: torch.Tensor, peer: int) -> dist.Work:
         lane, pair_peer = self.lanes.pair(t.device, peer, kind)
-        tp = lane.tp
-        move = tp.send if kind == "send" else tp.recv
-        buf = t.view(-1).view(torch.uint8)
-
-        def run():
-            tp.group_start()  # a lone message is a group of its own, as in torch
-            move(buf, pair_peer)
-            tp.group_end(kind)
-            return [t]
-
-        return lane.engine.submit(f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}",
-                                  run, async_op=True, timeout_s=self._timeout_s, keep=[t])
+        call = _PairMessage(f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}",
+                            lane, kind == "send", pair_peer)
+        return lane.engine.submit(call, (t,), async_op=True, timeout_s=self.timeout_s)
 
     def _post_recv(self, lane: Lane, t: torch.Tensor, src: int | None, tag: int) -> dist.Work:
         buf = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
         h = lane.tp.p2p_irecv(buf.view(-1).view(torch.uint8), src, tag)
         on_done = None if buf is t else (lambda: t.copy_(buf))
-        return P2PWork("recv", lane.engine, lane.tp, h, self._timeout_s, on_done)
+        return P2PWork("recv", lane.engine, lane.tp, h, self.timeout_s, on_done)
 
     # -- lifecycle ------------------------------------------------------------
     def shutdown(self) -> None:
@@ -258,47 +215,130 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         an error, queued ones fail, later calls fail; NCCL communicators are destroyed
         once their work finished (aborted if that takes more than 10 s)."""
         self.lanes.close("the process group was shut down while this collective ran", 10.0)
+        self.calls.clear()
 
     def abort(self) -> None:
         """Like :meth:`shutdown`, without waiting for anything: NCCL communicators are
         aborted and their pending Works fail."""
         self.lanes.close("the process group was aborted while this collective ran", 0.0)
+        self.calls.clear()
 
     def _stop_threads(self, wait_s: float) -> None:
         """At interpreter exit: stop the progress thread; NCCL lanes end without waiting."""
         self.lanes.stop_threads(wait_s)
 
 
-def _method(torch_name: str, build: Callable[..., Request]) -> Callable[..., dist.Work]:
-    """The ProcessGroup method ``torch_name``: build the call's request, then submit it.
+class _Traced:
+    """A prepared call recorded in the trace: its enqueue now, on the caller's thread,
+    and its run where it runs (on a stream: the time to issue it)."""
 
-    Every call is numbered, refused ones included. The number picks the channel
-    (``Options.num_channels``) and is the MPI tag of
-    the collective's messages: if a call is refused on some ranks only (bad input
-    there), those ranks' next collective carries a different tag from the others'
-    current one, so the mismatch ends in a clear timeout instead of two different
-    collectives silently exchanging data.
+    __slots__ = ("call", "name", "lane", "blocking", "targs", "enqueued")
+
+    def __init__(self, call: Any, args: tuple, seq: int, group: str):
+        self.call, self.name, self.lane = call, call.name, call.lane
+        self.blocking = getattr(call, "blocking", False)
+        self.targs = {"group": group, "seq": seq, "device": call.lane.key,
+                      "channel": call.lane.channel,
+                      "bytes": sum(t.numel() * t.element_size()
+                                   for t in requests.tensors_in(args))}
+        trace.instant(f"enqueue {self.name}", "enqueue", **self.targs)
+        self.enqueued = trace.now()
+
+    def execute(self, *args: Any) -> Any:
+        with trace.span(self.name, "collective", enqueued_us=self.enqueued, **self.targs):
+            return self.call.execute(*args)
+
+    def touched(self, args: tuple) -> list:
+        return self.call.touched(args)
+
+
+class _PairMessage:
+    """A lone send or receive on a pair's NCCL communicator: a group of its own, as in
+    torch."""
+
+    blocking = False
+
+    def __init__(self, name: str, lane: Lane, send: bool, peer: int):
+        self.name, self.lane, self.send, self.peer = name, lane, send, peer
+
+    def execute(self, t: torch.Tensor) -> list:
+        tp = self.lane.tp
+        tp.group_start()
+        (tp.send if self.send else tp.recv)(t.view(-1).view(torch.uint8), self.peer)
+        tp.group_end("send" if self.send else "recv")
+        return [t]
+
+    def touched(self, args: tuple) -> list:
+        return list(args)
+
+
+def _method(torch_name: str, build: Callable[..., tuple]) -> Callable[..., dist.Work]:
+    """The ProcessGroup method ``torch_name``: find (or prepare) the call, then hand
+    it to its lane's engine.
+
+    Every call is numbered; the number picks the channel (``Options.num_channels``).
+    A call refused on this rank (bad input) starts a new epoch of the group's
+    message tags (:meth:`ringcomm.plans.Planner.refused`): if it was refused on
+    some ranks only, those ranks' next collective carries other tags than the
+    others' current one, so the mismatch ends in a clear timeout instead of two
+    different collectives silently exchanging data. A collective issued by a future
+    callback on a lane's progress thread runs on that lane at once and takes no
+    number (:mod:`ringcomm.engine`).
     """
-    @functools.wraps(build)
     def method(self: ProcessGroupRingcomm, *args: Any, **kwargs: Any) -> dist.Work:
-        self._seq += 1
-        self.lanes.turn_to(self._seq)
+        lanes = self.lanes
+        if lanes.channels == 1:
+            self.seq += 1
+        else:
+            nested = lanes.nested_lane()
+            if nested is None:
+                self.seq += 1
+                lanes.turn_to(self.seq)
+            else:
+                lanes.turn_to(nested.channel)
         try:
-            req = build(self, *args, **kwargs)
+            call, call_args = build(self, *args, **kwargs)
         except AlgorithmFailed as e:
             # as when a built-in algorithm fails while running: the group is unusable
             err = dist.DistBackendError(f"ringcomm {torch_name} ({self._describe()}, rank "
                                         f"{self._rank} of {self._size}): {e}; the group is "
                                         "unusable now")
             err.__cause__ = e
-            self.lanes.mark_broken(err)
+            lanes.mark_broken(err)
             raise err from e
-        return self._submit(req)
+        except Exception:
+            self.planner.refused()
+            self.calls.clear()
+            raise
+        if trace.active():
+            call = _Traced(call, call_args, self.seq, self._describe())
+        opts = args[-1] if args else kwargs.get("opts")  # torch's options come last
+        timeout = getattr(opts, "timeout", None)
+        return call.lane.engine.submit(
+            call, call_args, async_op=getattr(opts, "asyncOp", True),
+            timeout_s=self.timeout_s if timeout is None or timeout.days < 0 or not timeout
+            else timeout.total_seconds())
 
     method.__name__ = torch_name
     method.__qualname__ = f"ProcessGroupRingcomm.{torch_name}"
+    method.__doc__ = build.__doc__
     return method
 
 
 for _name, _build in METHODS.items():
     setattr(ProcessGroupRingcomm, _name, _method(_name, _build))
+_generic_allreduce = ProcessGroupRingcomm.allreduce
+
+
+def _allreduce(self: ProcessGroupRingcomm, tensors: list[torch.Tensor],
+               opts: Any = None) -> dist.Work:
+    # the short path for the collective every training step calls (its key, its
+    # lookup and the engine, with nothing between); any other call goes the generic way
+    work = requests.allreduce_prepared(self, tensors, opts)
+    return work if work is not None else _generic_allreduce(self, tensors, opts)
+
+
+_allreduce.__doc__ = requests.allreduce.__doc__
+_allreduce.__name__ = "allreduce"
+_allreduce.__qualname__ = "ProcessGroupRingcomm.allreduce"
+ProcessGroupRingcomm.allreduce = _allreduce

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,9 @@ class CudaStreams:
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device)
         self.handle = self.stream.cuda_stream
+        self._side: torch.cuda.Stream | None = None
+        #: tensors must be marked as used on the internal stream
+        self.keeps = True
 
     def device_context(self) -> Any:
         return torch.cuda.device(self.device)
@@ -72,9 +75,17 @@ class CudaStreams:
         event.record(self.stream)
         return event
 
-    def future(self, value: Any) -> torch.futures.Future:
-        fut = torch.futures.Future(devices=[self.device])
-        fut.set_result(value)  # records its own events on the current (internal) stream
+    def future_after(self, event: Any, value: Any) -> torch.futures.Future:
+        """A CUDA-aware future holding ``value``, complete once ``event`` is: made when
+        asked for, on a side stream that waits for the event, so it waits for nothing
+        enqueued on the internal stream after the collective."""
+        with torch.cuda.device(self.device):
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device)
+            self._side.wait_event(event)
+            fut = torch.futures.Future(devices=[self.device])
+            with torch.cuda.stream(self._side):
+                fut.set_result(value)  # records its events on the side stream
         return fut
 
     def wait_on_current(self, event: Any) -> None:
@@ -95,6 +106,7 @@ class HostStreams:
     same engine then runs on CPU tensors in CI."""
 
     handle = 0
+    keeps = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -117,7 +129,7 @@ class HostStreams:
     def record(self) -> Any:
         return _Done
 
-    def future(self, value: Any) -> torch.futures.Future:
+    def future_after(self, event: Any, value: Any) -> torch.futures.Future:
         fut = torch.futures.Future()
         fut.set_result(value)
         return fut
@@ -133,13 +145,13 @@ def streams_for(device: torch.device) -> CudaStreams | HostStreams:
 class StreamWork(BaseWork):
     """Handle of a collective enqueued on a stream (see the module docstring)."""
 
-    def __init__(self, op: str, engine: "StreamEngine", done: Any, fut: torch.futures.Future,
-                 timeout_s: float, value: Any, blocking: bool):
+    def __init__(self, op: str, engine: "StreamEngine", done: Any, timeout_s: float, value: Any,
+                 blocking: bool):
         super().__init__()
         self._op = op
         self._engine = engine
         self._end = done
-        self._fut = fut
+        self._fut: torch.futures.Future | None = None
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
         self._value = value
@@ -176,7 +188,9 @@ class StreamWork(BaseWork):
 
     def get_future(self) -> torch.futures.Future:
         """A CUDA-aware future holding the outputs: waiting on it, or a ``then``
-        callback, is ordered after the collective on the stream."""
+        callback, is ordered after the collective on the stream. Made on first ask."""
+        if self._fut is None:
+            self._fut = self._engine.streams.future_after(self._end, self._value)
         return self._fut
 
     def is_completed(self) -> bool:
@@ -223,24 +237,24 @@ class StreamEngine:
             event = s.record()
         return lambda: s.wait_on_current(event)
 
-    def submit(self, op: str, fn: Callable[[], Any], *, async_op: bool, timeout_s: float,
-               tag: int = 0, keep: Iterable[torch.Tensor] = (), blocking: bool = False) -> StreamWork:
-        """Enqueue ``fn`` (it issues the whole collective) and return its Work.
+    def submit(self, call: Any, args: Sequence, async_op: bool = True,
+               timeout_s: float = 0.0) -> StreamWork:
+        """Enqueue ``call.execute(*args)`` (it issues the whole collective) and return
+        its Work: the same interface as :meth:`ringcomm.engine.Engine.submit`.
 
         Args:
-            op: collective name for messages.
-            fn: issues the collective's work and returns the Work's value.
+            call: a prepared call: ``name``, ``execute``, ``touched(args)`` (the tensors
+                it reads or writes, kept alive until it finished) and ``blocking``
+                (``wait()`` blocks the CPU, as for a barrier).
+            args: what ``execute`` takes for this call.
             async_op: unused: every collective is asynchronous on the stream.
             timeout_s: the watchdog aborts the communicator this long after enqueueing
                 if the collective has not completed.
-            tag: unused (NCCL matches by issue order).
-            keep: tensors the collective reads or writes (kept alive until it finished).
-            blocking: ``wait()`` blocks the CPU (barrier).
         Raises:
             torch.distributed.DistBackendError: the group is unusable after an earlier
                 failure, or enqueueing failed (the communicator is aborted then).
         """
-        s = self.streams
+        s, op = self.streams, call.name
         with self._lock:
             self._raise_if_broken(op)
             deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
@@ -248,16 +262,16 @@ class StreamEngine:
             try:
                 s.wait_for_caller()
                 with s.on_stream():
-                    value = fn()
-                    s.keep_alive(keep)
+                    value = call.execute(*args)
+                    if s.keeps:
+                        s.keep_alive(call.touched(args))
                     done = s.record()
-                    fut = s.future(value)
             except BaseException as e:  # noqa: BLE001 - the group cannot go on after this
                 raise self._fail(op, e, timeout_s) from e
             finally:
                 self._enqueuing = None
-            work = StreamWork(op, self, done, fut, timeout_s, value,
-                              blocking or self._blocking_wait)
+            work = StreamWork(op, self, done, timeout_s, value,
+                              call.blocking or self._blocking_wait)
             with self._state:
                 self._pending.append(work)
                 if self._watchdog is None:

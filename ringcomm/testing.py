@@ -24,7 +24,7 @@ import torch
 
 from . import ops
 from .checker import local_layout
-from .executors import Plan, run_grouped, run_p2p
+from .executors import GroupProgram, P2PProgram, Plan
 from .schedule import Context
 from .simulator import SimFabric
 from .transport.base import Transport
@@ -46,7 +46,7 @@ def run_ranks(size: int, fn: Callable[[Transport], Any], timeout_s: float = 30.0
 
     def body(rank: int) -> Any:
         tp = fabric.transport(rank)
-        tp.begin("run_ranks", timeout_s)
+        tp.begin(timeout_s)
         try:
             return fn(tp)
         finally:
@@ -102,17 +102,18 @@ def run_schedule(build: Callable, collective: str, size: int, layout: tuple,
     plans = [Plan(build(Context(collective, size, r, local_layout(collective, layout, r, root),
                                 root, seg, tuple(hosts)))) for r in range(size)]
 
-    def views(r: int) -> list:
+    def scratch(r: int) -> list[torch.Tensor]:
         dtype = next((b.dtype for b in bufs[r] if b is not None), torch.uint8)
-        return plans[r].bind(bufs[r], lambda i, n: torch.empty(n, dtype=dtype))
+        return [torch.empty(n, dtype=dtype) for n in plans[r].scratch]
 
     if executor == "nccl-sim":
         fabric = SimFabric(size)
         for r in range(size):
-            run_grouped(plans[r], fabric.comm(r), views(r), op)
+            GroupProgram(plans[r], fabric.comm(r), scratch(r), op).run(bufs[r])
         fabric.drain()
     elif executor == "threads":
-        run_ranks(size, lambda tp: run_p2p(plans[tp.rank], tp, views(tp.rank), op), timeout_s)
+        run_ranks(size, lambda tp: P2PProgram(plans[tp.rank], tp, scratch(tp.rank), op).run(
+            bufs[tp.rank]), timeout_s)
     else:
         raise ValueError(f"run_schedule: executor must be one of {EXECUTORS}, got {executor!r}")
 

@@ -21,6 +21,8 @@ class BaseWork(dist.Work):
     """What every ringcomm Work answers from its state (``_op``, ``_exc``, ``_value``)
     and its :meth:`is_completed`."""
 
+    __slots__ = ()
+
     _op: str
     _exc: BaseException | None
     _value: Any
@@ -49,6 +51,9 @@ class Work(BaseWork):
     The internal future is completed with the result *or the exception object*;
     :meth:`get_future` returns a ``then``-chained future that raises it, because an
     exception set with ``Future.set_exception`` does not survive the trip through C++.
+    Events and futures are made only when someone waits or asks for a future: a
+    synchronous call that ran on the caller's thread returns a Work made complete
+    (:meth:`done`, :meth:`failed`).
     """
 
     def __init__(self, op: str, engine: "Any"):
@@ -57,13 +62,21 @@ class Work(BaseWork):
         self._engine = engine
         self._lock = threading.Lock()
         self._done = False
-        # Created only when someone has to wait or asks for a future: a synchronous
-        # call that ran inline completes before anybody looks.
         self._event: threading.Event | None = None
         self._fut: torch.futures.Future | None = None
         self._public: torch.futures.Future | None = None
         self._value: Any = None
         self._exc: BaseException | None = None
+
+    @staticmethod
+    def done(op: str, value: Any) -> "Done":
+        """A Work that completed with ``value``."""
+        return Done(op, value, None)
+
+    @staticmethod
+    def failed(op: str, exc: BaseException) -> "Done":
+        """A Work that failed with ``exc``."""
+        return Done(op, None, exc)
 
     # -- completion (engine side) ---------------------------------------------
     def _finish(self, value: Any = None, exc: BaseException | None = None) -> None:
@@ -99,15 +112,14 @@ class Work(BaseWork):
         return True
 
     def _block(self, event: threading.Event, limit: float) -> None:
-        if self._engine.on_progress_thread():
-            # A future callback runs on the progress thread; waiting there for a
-            # collective that thread has yet to run would never end.
-            raise dist.DistBackendError(
-                f"ringcomm {self._op}: Work.wait() called on the group's progress thread "
-                "(inside a future callback) would deadlock; chain with Future.then instead")
+        engine = self._engine
+        if engine.on_progress_thread():
+            # a future callback waits for a collective queued behind it on its own
+            # lane: a new thread takes the lane, this one waits as a plain thread
+            engine.hand_off()
         start = time.monotonic()
         while not event.wait(1.0 if limit <= 0 else min(1.0, limit)):
-            if not self._engine.alive():
+            if not engine.alive():
                 raise dist.DistBackendError(
                     f"ringcomm {self._op}: the group's progress thread stopped before the "
                     "collective completed (was the process group shut down?)")
@@ -122,11 +134,46 @@ class Work(BaseWork):
                 self._fut = torch.futures.Future()
                 if self._done:
                     self._fut.set_result(self._exc if self._exc is not None else self._value)
+                elif self._engine is not None and hasattr(self._engine, "watch_callbacks"):
+                    self._engine.watch_callbacks()
                 self._public = self._fut.then(_unwrap)
             return self._public
 
     def is_completed(self) -> bool:
         return self._done
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+_work_init = dist.Work.__init__
+
+
+class Done(BaseWork):
+    """A Work complete when made: a synchronous call that ran on the caller's thread.
+    Its future is made only if asked for."""
+
+    __slots__ = ("_op", "_value", "_exc", "_public")
+
+    def __init__(self, op: str, value: Any, exc: BaseException | None):
+        _work_init(self)  # cheaper than super(): this is on every synchronous call
+        self._op, self._value, self._exc = op, value, exc
+        self._public: torch.futures.Future | None = None
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        if self._public is None:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(self._exc if self._exc is not None else self._value)
+            self._public = fut.then(_unwrap)
+        return self._public
+
+    def is_completed(self) -> bool:
+        return True
 
     def synchronize(self) -> None:
         self.wait()

@@ -1,10 +1,14 @@
-"""Where a small allreduce's time goes: the same 4 KiB recursive-doubling allreduce
-timed layer by layer, from MPI alone up to ``dist.all_reduce``.
+"""Where a small allreduce's time goes: the same 4 KiB allreduce timed layer by
+layer, from MPI alone up to ``dist.all_reduce``, along the path a call takes:
+``dist.all_reduce`` -> the group's method -> the prepared call (found by its
+key) -> the engine -> the program (executor) -> the transport -> MPI.
 
     mpiexec -n 2 python scripts/bench_layers.py --json docs/data/layers_2ranks.json
 
 Each row adds one layer of ringcomm on top of the row before; times are the
 maximum over ranks of the best of 5 repetitions of the mean over many calls.
+``--algo`` picks the algorithm (default recursive doubling: one exchange and
+one add at 2 ranks).
 """
 from __future__ import annotations
 
@@ -18,14 +22,14 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from ringcomm import ops
-from ringcomm.executors import run_p2p
+from ringcomm import requests
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bytes", type=int, default=4096)
     ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--algo", default="recursive_doubling")
     ap.add_argument("--json", help="write the results here (rank 0)")
     a = ap.parse_args(argv)
     dist.init_process_group("ringcomm")
@@ -35,43 +39,51 @@ def main(argv: list[str] | None = None) -> int:
     if p != 2:
         raise SystemExit("bench_layers: run it on exactly 2 ranks")
     pg = ringcomm.get_group()
-    tp = pg.lanes.cpu.tp
     world = ringcomm.bootstrap.world_comm()
     n = a.bytes // 4
     t, s = torch.ones(n), torch.empty(n)
     peer = 1 - rank
-    fa = MPI.buffer.fromaddress
-    algo = "recursive_doubling"
-    plan = pg.planner.plan("allreduce", algo, ringcomm.REGISTRY["allreduce"][algo], (n,), 0,
-                           torch.float32)
-    views = plan.bind([t], lambda i, k: tp.scratch(i, k, torch.float32))
+    ringcomm.set_algorithm("allreduce", a.algo)
     opts = dist.AllreduceOptions()
     opts.asyncOp = False
-    ringcomm.set_algorithm("allreduce", algo)
+    call, args = requests.allreduce(pg, [t], opts)
+    program, lane = call.programs[0], call.lane
+    tp, engine = lane.tp, lane.engine
+    fa = MPI.buffer.fromaddress
+    comm = tp.comm.Dup()
+    by_hand = [comm.Recv_init([fa(s.data_ptr(), s.nbytes), MPI.BYTE], peer, 7),
+               comm.Send_init([fa(t.data_ptr(), t.nbytes), MPI.BYTE], peer, 7)]
+    through = tp.batch([tp.recv_init(s, peer, 9), tp.send_init(t, peer, 9)])
 
-    def raw_exchange():
-        r = tp.comm.Irecv([fa(s.data_ptr(), s.nbytes), MPI.BYTE], peer, 7)
-        q = tp.comm.Isend([fa(t.data_ptr(), t.nbytes), MPI.BYTE], peer, 7)
-        while not (r.Test() and q.Test()):
-            pass
+    def persistent_by_hand():
+        MPI.Prequest.Startall(by_hand)
+        for q in by_hand:
+            while not q.Test():
+                pass
 
-    def tp_exchange():
-        tp.wait_all([tp.irecv(s, peer), tp.isend(t, peer)])
+    def transport_exchange():
+        tp.start(through)
+        tp.wait(through)
 
-    def executor():
-        tp.begin("allreduce", 60.0, 5)
-        run_p2p(plan, tp, views, ops.SUM)
+    def program_run():
+        tp.begin(60.0)
+        program.run([t])
+        tp.end()
+
+    def prepared_call():
+        tp.begin(60.0)
+        call.execute(*args)
         tp.end()
 
     layers = [
         ("MPI's own Allreduce (mpi4py)", lambda: tp.comm.Allreduce(MPI.IN_PLACE, t.numpy())),
-        ("one exchange, mpi4py by hand", raw_exchange),
-        ("one exchange through the transport", tp_exchange),
-        ("the compiled schedule (run_p2p): exchange + add", executor),
-        ("the engine (Work, deadline, issue order)",
-         lambda: pg.lanes.cpu.engine.submit("allreduce", lambda: run_p2p(plan, tp, views, ops.SUM),
-                                   async_op=False, timeout_s=60.0, tag=5)),
-        ("ProcessGroupRingcomm.allreduce", lambda: pg.allreduce([t], opts)),
+        ("one exchange, persistent requests by hand (mpi4py)", persistent_by_hand),
+        ("one exchange through the transport (start, wait)", transport_exchange),
+        (f"the program ({type(program).__name__}.run): messages + local work", program_run),
+        ("the prepared call (execute)", prepared_call),
+        ("the engine (inline run, deadline, completed Work)",
+         lambda: engine.submit(call, args, async_op=False, timeout_s=60.0)),
+        ("ProcessGroupRingcomm.allreduce (key, lookup)", lambda: pg.allreduce([t], opts)),
         ("dist.all_reduce", lambda: dist.all_reduce(t)),
     ]
     rows = []
@@ -82,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         best = min(timeit.repeat(fn, number=a.calls, repeat=5)) / a.calls * 1e6
         rows.append((name, max(world.allgather(best))))
     if rank == 0:
-        print(f"| {a.bytes} B allreduce, {algo}, 2 ranks | time per call | added |")
+        print(f"| {a.bytes} B allreduce, {a.algo}, 2 ranks | time per call | added |")
         print("|---|---:|---:|")
         prev = None
         for name, us in rows:
@@ -93,8 +105,12 @@ def main(argv: list[str] | None = None) -> int:
             with open(a.json, "w") as f:
                 json.dump({"schema": "ringcomm.bench_layers/1",
                            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                           "bytes": a.bytes, "algorithm": algo, "world_size": p,
+                           "bytes": a.bytes, "algorithm": a.algo, "world_size": p,
                            "rows": [{"layer": k, "time_us": v} for k, v in rows]}, f, indent=1)
+    for q in by_hand:
+        q.Free()
+    tp.free(through.handles)
+    comm.Free()
     dist.destroy_process_group()
     return 0
 

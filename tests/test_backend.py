@@ -39,6 +39,15 @@ def test_torch_ddp_matches_gloo(launch):
     assert_checks(out, f"torch_ddp_check {launch.__name__} n=2", 2)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("launch", [mpirun, torchrun], ids=["mpiexec", "torchrun"])
+def test_comm_hooks_that_wait_in_callbacks_match_gloo(launch, n):
+    """torch's PowerSGD hooks, and a hook whose callback issues an allreduce and waits
+    for it: the callbacks' collectives run, DDP trains as on gloo, nothing hangs."""
+    out = launch(n, "comm_hooks_check.py", timeout=180).stdout
+    assert_checks(out, f"comm_hooks_check {launch.__name__} n={n}", n)
+
+
 #: failures and lifecycle, under mpiexec: the case -> (program and arguments, ranks,
 #: extra environment). Each rank must report exactly its recorded number of checks.
 FAILURE_CASES = {

@@ -85,6 +85,18 @@ def test_every_collective_and_algorithm_on_three_channels():
     assert min(counts) > 100
 
 
+class _Hold:
+    """A call that keeps its lane busy until ``release`` is set."""
+
+    name = "hold"
+
+    def __init__(self, release: threading.Event):
+        self.release = release
+
+    def execute(self) -> None:
+        self.release.wait(30)
+
+
 def test_a_collective_completes_while_another_channel_is_held():
     """Channel 1's progress thread is held; the first allreduce (call 1, channel 1)
     queues behind it, the second (call 2, channel 0) completes anyway. With one
@@ -96,7 +108,7 @@ def test_a_collective_completes_while_another_channel_is_held():
 
         def run(rank: int, pg):
             held = pg.lanes.cpus[1 % channels].engine
-            hold = held.submit("hold", lambda: release.wait(30), async_op=True, timeout_s=60)
+            hold = held.submit(_Hold(release), (), async_op=True, timeout_s=60)
             first = pg.allreduce([torch.ones(4)])
             second = pg.allreduce([torch.ones(4)])
             deadline = time.monotonic() + 5

@@ -9,7 +9,7 @@ import torch
 
 from ringcomm import checker, ops
 from ringcomm.algorithms import ring
-from ringcomm.executors import Plan, run_grouped
+from ringcomm.executors import GroupProgram, Plan
 from ringcomm.plans import check_user_schedule as _check_user_schedule
 from ringcomm.schedule import Builder, Context, Copy, Reduce, Region, ScheduleError
 from ringcomm.simulator import SimFabric, SimulatorError
@@ -114,7 +114,7 @@ def test_simulator_with_one_thread_per_rank():
         def body(r):
             comm = fabric.comm(r)
             plan = Plan(build(Context("allgather", p, r, (3,) * p, 0, 2)))
-            run_grouped(plan, comm, plan.bind(bufs[r], lambda i, n: torch.empty(n)), None)
+            GroupProgram(plan, comm, [torch.empty(n) for n in plan.scratch], None).run(bufs[r])
             try:
                 comm.synchronize(timeout_s=20)
                 outcome[r] = "ok"

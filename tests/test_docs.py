@@ -182,11 +182,12 @@ def test_architecture_worked_path_names_what_the_code_does():
     path = text[text.index("## Worked path"):]
     path = path[:path.index("\n## ", 1)]
     chosen = select.choose(select.load_tuning(None), "allreduce", 4096, 2)
-    assert f"`{chosen}`" in path and f'Request("allreduce[{chosen}]"' in path, chosen
+    assert f"`{chosen}`" in path and f'"allreduce[{chosen}]"' in path, chosen
     assert METHODS["allreduce"].__name__ == "allreduce"
-    for module, name in (("requests", "allreduce"), ("checks", "options"),
-                         ("plans", "Planner"), ("lanes", "Lanes"), ("engine", "Engine"),
-                         ("executors", "run_p2p"), ("ops", "finalize_"),
+    for module, name in (("requests", "allreduce"), ("requests", "allreduce_prepared"),
+                         ("requests", "_Allreduce"), ("plans", "Planner"), ("lanes", "Lanes"),
+                         ("engine", "Engine"), ("executors", "P2PProgram"),
+                         ("ops", "finalize_"), ("work", "Done"),
                          ("transport.mpi", "MPITransport")):
         assert f"{module.split('.')[-1]}.py" in path or f"{module}" in path, module
         assert hasattr(importlib.import_module(f"ringcomm.{module}"), name), (module, name)

@@ -12,7 +12,7 @@ import torch
 from ringcomm import checker, ops
 from ringcomm.algorithms import BUILTIN as SHIPPED
 from ringcomm.algorithms import NATIVE, REGISTRY, common
-from ringcomm.executors import Plan, run_p2p
+from ringcomm.executors import P2PProgram, Plan
 from ringcomm.schedule import Context
 from ringcomm.testing import run_ranks, run_schedule
 
@@ -160,8 +160,8 @@ def test_barrier_waits_for_everyone():
                 arrived.append(tp.rank)
             token = torch.ones(1, dtype=torch.uint8)
             plan = plans[tp.rank]
-            run_p2p(plan, tp, plan.bind([token], lambda i, n: torch.empty(n, dtype=torch.uint8)),
-                    None)
+            P2PProgram(plan, tp, [torch.empty(n, dtype=torch.uint8) for n in plan.scratch],
+                       None).run([token])
             with lock:
                 return len(arrived)
 
@@ -174,8 +174,9 @@ def test_mismatched_sizes_fail_instead_of_hanging():
              for r, n in ((0, 10), (1, 20))]
     bufs = [torch.ones(10), torch.ones(20)]
     with pytest.raises(RuntimeError):
-        run_ranks(2, lambda tp: run_p2p(plans[tp.rank], tp, plans[tp.rank].bind(
-            [bufs[tp.rank]], lambda i, n: torch.empty(n)), ops.SUM), timeout_s=2)
+        run_ranks(2, lambda tp: P2PProgram(plans[tp.rank], tp, [
+            torch.empty(n) for n in plans[tp.rank].scratch], ops.SUM).run([bufs[tp.rank]]),
+            timeout_s=2)
 
 
 def test_tree_shapes():

@@ -1,10 +1,11 @@
 """What the process group needs from the layer below, for one device.
 
-:class:`Channel`: rank, size, device, scratch buffers, running a compiled
-schedule (:meth:`Channel.execute`) and the library's own collectives. Two kinds:
+:class:`Channel`: rank, size, device, scratch buffers and the library's own
+collectives. Two kinds, both driven by :mod:`ringcomm.executors` and driving
+nothing themselves:
 
-* :class:`Transport` (MPI for CPU tensors, threads in tests): non-blocking
-  point-to-point requests that a caller waits on. It moves contiguous tensors
+* :class:`Transport` (MPI for CPU tensors, threads in tests): persistent
+  point-to-point requests that a caller starts and waits on. It moves contiguous tensors
   between the ranks of one group and knows nothing of collectives. One
   collective runs on a transport at a time (the engine guarantees it);
   :meth:`Transport.begin` sets the deadline every wait of that collective honours.
@@ -19,7 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-
+_monotonic = time.monotonic
+_INF = float("inf")
 
 class TransportTimeout(TimeoutError):
     """A wait passed the deadline of the running collective."""
@@ -30,16 +32,21 @@ class TransportAborted(RuntimeError):
 
 
 class Handle:
-    """An outstanding send or receive. ``buf`` keeps the memory alive until it completes."""
+    """One message of a prepared schedule (a persistent request), or a user's send or
+    receive. ``buf`` keeps its memory alive where the handle owns that duty (user
+    messages, scratch); ``nbytes`` is what a receive must get."""
 
-    __slots__ = ("req", "buf", "peer", "kind", "status")
+    __slots__ = ("req", "buf", "peer", "kind", "status", "tag", "nbytes")
 
-    def __init__(self, req: Any, buf: torch.Tensor, peer: int, kind: str, status: Any = None):
+    def __init__(self, req: Any, buf: torch.Tensor | None, peer: int, kind: str,
+                 status: Any = None, tag: int = 0, nbytes: int = -1):
         self.req = req
         self.buf = buf
         self.peer = peer  # -1: any source
         self.kind = kind
         self.status = status
+        self.tag = tag
+        self.nbytes = buf.nbytes if nbytes < 0 and buf is not None else nbytes
 
 
 def packed(chunks: Sequence[torch.Tensor]) -> tuple[int, list[int], list[int]] | None:
@@ -57,7 +64,11 @@ def packed(chunks: Sequence[torch.Tensor]) -> tuple[int, list[int], list[int]] |
 
 
 class Channel(abc.ABC):
-    """One group's link between ``size`` ranks on one device; this process is ``rank``."""
+    """One group's link between ``size`` ranks on one device; this process is ``rank``.
+
+    A channel is driven: the executors of :mod:`ringcomm.executors` call it, and it
+    calls nothing above it.
+    """
 
     rank: int
     size: int
@@ -68,12 +79,6 @@ class Channel(abc.ABC):
         self.size = size
         self.device = device
         self._scratch: dict[int, torch.Tensor] = {}
-        self._views: dict[tuple, torch.Tensor] = {}
-
-    @abc.abstractmethod
-    def execute(self, plan: Any, views: list, op: Any) -> None:
-        """Run compiled schedule ``plan`` (:class:`ringcomm.executors.Plan`) on
-        ``views``, the tensors of its regions, reducing with ``op``."""
 
     # -- the library's own collectives (algorithm "native") ------------------------
     def check_native(self, collective: str, dtype: torch.dtype, op: Any) -> None:
@@ -82,33 +87,41 @@ class Channel(abc.ABC):
         raise ValueError(f"ringcomm {collective}: algorithm 'native' needs a transport with "
                          f"collectives of its own; {type(self).__name__} has none")
 
-    def native(self, collective: str, bufs: list, layout: tuple, dtype: torch.dtype, op: Any,
-               root: int) -> None:
-        """Run the transport library's own ``collective`` on the caller's buffers,
-        ordered and sized as for a schedule (``ringcomm.schedule.BUFFERS``)."""
+    def native_init(self, collective: str, layout: tuple, dtype: torch.dtype, op: Any,
+                    root: int) -> Any:
+        """The library's own ``collective`` for one call shape: an object whose
+        ``start(bufs)`` issues it on the caller's buffers (ordered and sized as for a
+        schedule, ``ringcomm.schedule.BUFFERS``), ``finish(bufs)`` waits for it (on a
+        transport that waits) and copies results out of any staging buffer, and
+        ``handles()`` names what a failure must abandon."""
         raise NotImplementedError(f"{type(self).__name__} has no collectives of its own")
+
+    def free(self, handles: Sequence[Handle]) -> None:
+        """Release inactive persistent requests (from :meth:`native_init` too)."""
+
+    def abandon(self, handles: Sequence[Handle], keep: Any = None) -> None:
+        """A collective failed with ``handles`` possibly active: cancel what can be
+        cancelled and keep ``keep`` (the caller's buffers) and the handles' buffers
+        alive until the library is done with them, so a late message cannot land in
+        freed memory. The handles are unusable afterwards."""
 
     # -- local work ----------------------------------------------------------
     def scratch(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A reusable work buffer of ``numel`` elements, distinct per ``slot``.
+        """A work buffer of ``numel`` elements, distinct per ``slot``, shared by the
+        collectives of this channel (they run one at a time).
 
-        Cached across collectives: fresh allocations of large buffers would pay page
-        faults on every call. Contents are undefined.
+        A prepared call holds the view it got, so its persistent requests stay valid
+        when a larger call regrows the slot; slots grow to powers of two, so the
+        buffers left to older calls add up to less than the newest. Contents are
+        undefined.
         """
-        key = (slot, numel, dtype)
-        view = self._views.get(key)
-        if view is not None:  # small collectives ask for the same view every call
-            return view
         nbytes = numel * dtype.itemsize
         buf = self._scratch.get(slot)
         if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+            buf = torch.empty(1 << max(nbytes - 1, 0).bit_length(), dtype=torch.uint8,
+                              device=self.device)
             self._scratch[slot] = buf
-            self._views = {k: v for k, v in self._views.items() if k[0] != slot}
-        view = self._views[key] = buf[:nbytes].view(dtype)
-        if len(self._views) > 256:
-            self._views.clear()
-        return view
+        return buf[:nbytes].view(dtype)
 
     def close(self) -> None:
         """Release communicators. The channel is unusable afterwards."""
@@ -117,19 +130,20 @@ class Channel(abc.ABC):
 class Transport(Channel):
     """Point-to-point messaging among ``size`` ranks; this process is ``rank``.
 
-    Subclasses implement :meth:`isend`, :meth:`irecv`, :meth:`wait_all` and
-    :meth:`abandon`; helpers (send, recv, sendrecv) build on those. Schedules run
-    on it with :func:`ringcomm.executors.run_p2p`.
+    A schedule's messages are persistent requests (:meth:`send_init`,
+    :meth:`recv_init`) made once per prepared call and buffer addresses, gathered
+    into batches (:meth:`batch`) that are started (:meth:`start`) and waited for
+    (:meth:`wait`) as the executor's precomputed step lists say. One collective
+    runs on a transport at a time (the engine guarantees it); :meth:`begin` sets
+    the deadline every wait of that collective honours.
     """
 
-    #: collective tags are taken modulo this
+    #: tags are taken modulo this
     tag_limit: int = 1 << 30
 
     def __init__(self, rank: int, size: int, device: torch.device):
         super().__init__(rank, size, device)
         self._deadline = float("inf")
-        self._what = ""
-        self._tag = 0
         self._stop: str | None = None
 
     def interrupt(self, reason: str) -> None:
@@ -140,62 +154,47 @@ class Transport(Channel):
     def stopped(self) -> bool:
         return self._stop is not None
 
-    def execute(self, plan: Any, views: list, op: Any) -> None:
-        from ..executors import run_p2p  # executors drive transports, not the reverse
-        run_p2p(plan, self, views, op)
-
     # -- per-collective state ------------------------------------------------
-    def begin(self, what: str, timeout_s: float, tag: int = 0) -> None:
-        """Start a collective named ``what``; every wait in it ends by ``timeout_s`` from
-        now, and its messages carry ``tag`` unless an algorithm passes its own."""
-        self._what = what
-        self._tag = tag
-        self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
+    def begin(self, timeout_s: float) -> None:
+        """Start a collective; every wait in it ends by ``timeout_s`` from now."""
+        self._deadline = _monotonic() + timeout_s if timeout_s > 0 else _INF
 
     def end(self) -> None:
-        """The collective finished normally."""
-        self._deadline = float("inf")
+        """The collective finished (or failed and was abandoned)."""
+        self._deadline = _INF
+
+    # -- persistent messages -------------------------------------------------------
+    @abc.abstractmethod
+    def send_init(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
+        """A persistent send of contiguous ``buf`` to ``peer`` with ``tag``: nothing moves
+        until it is started. Messages between a pair with the same tag match in the
+        order they were started."""
 
     @abc.abstractmethod
-    def abandon(self) -> None:
-        """The collective failed: cancel what can be cancelled and keep the buffers of
-        anything still in flight alive, so a late message cannot land in freed memory."""
+    def recv_init(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
+        """A persistent receive into contiguous ``buf`` from ``peer`` with ``tag``."""
 
-    # -- messaging -----------------------------------------------------------
-    @abc.abstractmethod
-    def isend(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> Handle:
-        """Start sending contiguous ``buf`` to ``peer``; messages between a pair with
-        the same tag arrive in the order they were sent. ``tag`` defaults to the
-        running collective's."""
+    def batch(self, handles: Sequence[Handle]) -> Any:
+        """``handles`` as one unit to :meth:`start` or :meth:`wait`, prepared once."""
+        return tuple(handles)
 
     @abc.abstractmethod
-    def irecv(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> Handle:
-        """Start receiving into contiguous ``buf`` from ``peer``."""
+    def start(self, batch: Any) -> None:
+        """Start every request of ``batch``, in order."""
 
     @abc.abstractmethod
-    def wait_all(self, handles: Sequence[Handle]) -> None:
-        """Block until every handle completed.
+    def wait(self, batch: Any) -> None:
+        """Block until every request of ``batch`` completed; a receive must have got
+        exactly its buffer's size.
 
         Raises:
             TransportTimeout: the collective's deadline passed first.
             TransportAborted: :meth:`interrupt` was called.
+            RuntimeError: a receive got another size than its buffer's.
         """
 
-    def wait(self, handle: Handle) -> None:
-        self.wait_all((handle,))
-
-    def send(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> None:
-        self.wait(self.isend(buf, peer, tag))
-
-    def recv(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> None:
-        self.wait(self.irecv(buf, peer, tag))
-
-    def sendrecv(self, sendbuf: torch.Tensor, dst: int, recvbuf: torch.Tensor, src: int,
-                 tag: int | None = None) -> None:
-        """Send to ``dst`` and receive from ``src`` at once (deadlock-free in rings)."""
-        r = self.irecv(recvbuf, src, tag)
-        s = self.isend(sendbuf, dst, tag)
-        self.wait_all((r, s))
+    def abandon(self, handles: Sequence[Handle], keep: Any = None) -> None:
+        self.end()
 
     # -- user point-to-point (dist.send / dist.recv) ----------------------------
     # A channel of its own, apart from collectives, so user tags never mix with

@@ -60,21 +60,24 @@ class LocalTransport(Transport):
         super().__init__(rank, fabric.size, torch.device("cpu"))
         self.fabric = fabric
 
-    def isend(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> Handle:
-        req = _Req()
-        key = (self.rank, peer, self._tag if tag is None else tag)
-        self.fabric._post(self.fabric._sends, key, req, buf)
-        return Handle(req, buf, peer, "send")
+    def send_init(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
+        return Handle(None, buf, peer, "send", None, tag)
 
-    def irecv(self, buf: torch.Tensor, peer: int, tag: int | None = None) -> Handle:
+    def recv_init(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
         if not buf.is_contiguous():
             raise ValueError("ringcomm local transport: buffers must be contiguous")
-        req = _Req()
-        key = (peer, self.rank, self._tag if tag is None else tag)
-        self.fabric._post(self.fabric._recvs, key, req, buf)
-        return Handle(req, buf, peer, "recv")
+        return Handle(None, buf, peer, "recv", None, tag)
 
-    def wait_all(self, handles: Sequence[Handle]) -> None:
+    def start(self, batch: Sequence[Handle]) -> None:
+        fabric = self.fabric
+        for h in batch:
+            h.req = _Req()
+            if h.kind == "send":
+                fabric._post(fabric._sends, (self.rank, h.peer, h.tag), h.req, h.buf)
+            else:
+                fabric._post(fabric._recvs, (h.peer, self.rank, h.tag), h.req, h.buf)
+
+    def wait(self, handles: Sequence[Handle]) -> None:
         with self.fabric.cv:
             while not all(h.req.done for h in handles):
                 if self._stop is not None:
@@ -88,5 +91,5 @@ class LocalTransport(Transport):
             if h.req.error:
                 raise RuntimeError(h.req.error)
 
-    def abandon(self) -> None:
+    def abandon(self, handles: Sequence[Handle], keep=None) -> None:
         self.end()

@@ -180,15 +180,20 @@ class NcclTransport(Channel):
         if n:
             self.comm.recv(buf.data_ptr(), n, _UINT8, peer, self.stream)
 
+    def message(self, kind: str, buf: torch.Tensor, peer: int) -> tuple | None:
+        """The NCCL call that issues a send or receive of ``buf``, with its arguments
+        worked out (address, bytes, peer, stream); None for an empty message."""
+        n = buf.numel() * buf.element_size()
+        if not n:
+            return None
+        fn = self.comm.send if kind == "send" else self.comm.recv
+        return fn, (buf.data_ptr(), n, _UINT8, peer, self.stream)
+
     def local_reduce(self, dst: torch.Tensor, src: torch.Tensor, op: Any) -> None:
         ops.reduce_(dst, src, op)
 
     def local_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
-
-    def execute(self, plan: Any, views: list, op: Any) -> None:
-        from ..executors import run_grouped
-        run_grouped(plan, self, views, op)
 
     # -- NCCL's own collectives ---------------------------------------------------
     def check_native(self, collective: str, dtype: torch.dtype, op: Any) -> None:
@@ -205,8 +210,13 @@ class NcclTransport(Channel):
                 raise ValueError(f"ringcomm {collective}: NCCL has no ReduceOp."
                                  f"{ops.op_name(op)}; use ring or tree")
 
+    def native_init(self, collective: str, layout: tuple, dtype: torch.dtype, op: Any,
+                    root: int) -> "_NcclNative":
+        return _NcclNative(self, collective, layout, dtype, op, root)
+
     def native(self, collective: str, bufs: list, layout: tuple, dtype: torch.dtype, op: Any,
                root: int) -> None:
+        """Enqueue NCCL's own ``collective`` on the caller's buffers."""
         c, s, p, me = self.comm, self.stream, self.size, self.rank
         if collective == "allreduce":
             b = bufs[0]
@@ -267,3 +277,23 @@ class NcclTransport(Channel):
             if not self._aborted:
                 self._aborted = True
                 self.comm.destroy()
+
+
+class _NcclNative:
+    """NCCL's own collective, prepared: enqueued at every start (NCCL has no
+    persistent collectives), nothing to wait for on the CPU."""
+
+    __slots__ = ("tp", "args")
+
+    def __init__(self, tp: NcclTransport, *args: Any):
+        self.tp, self.args = tp, args
+
+    def start(self, bufs: list) -> None:
+        collective, layout, dtype, op, root = self.args
+        self.tp.native(collective, bufs, layout, dtype, op, root)
+
+    def finish(self, bufs: list) -> None:
+        pass
+
+    def handles(self) -> list:
+        return []

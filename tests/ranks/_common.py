@@ -46,3 +46,19 @@ class Checker:
             sys.stderr.flush()
             sys.exit(1)
         print(f"rank {self.rank}: {self.count} checks passed", flush=True)
+
+
+def check_trained(c: Checker, what: str, ours: list, ref: list, gloo, rtol: float,
+                  atol: float) -> None:
+    """Parameters trained on ringcomm (``ours``) match those trained on gloo (``ref``),
+    and are the same on every rank (compared over the ``gloo`` group)."""
+    import torch
+    import torch.distributed as dist
+
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        c.check(torch.allclose(a, b, rtol=rtol, atol=atol),
+                f"{what} parameter {i}: max diff {(a - b).abs().max().item()}")
+    flat = torch.cat([q.flatten() for q in ours])
+    first = flat.clone()
+    dist.broadcast(first, src=0, group=gloo)
+    c.check(torch.equal(flat, first), f"{what}: replicas diverged")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import operator
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -270,22 +271,20 @@ def main() -> None:
     w.wait()
     c.check(w.is_completed() and w.is_success() and w.exception() is None, "work state")
 
-    # Waiting inside a future callback must never deadlock. A callback attached to a
-    # finished collective runs at once on the caller's thread: waiting there works. A
-    # callback attached while the collective still waits for a late rank runs on the
-    # progress thread: waiting there must raise. Rank 0 comes late and attaches its
-    # callback afterwards (the first case); the others attach theirs while they wait
-    # for it (the second). Every rank issues the same collectives.
+    # Waiting inside a future callback must never deadlock and must give the right
+    # result, as on gloo. A callback attached to a finished collective runs at once on
+    # the caller's thread; one attached while the collective still waits for a late
+    # rank runs on the lane's progress thread (rank 0 comes late: the first case; the
+    # others: the second). A collective issued there runs at once: a wait on its Work,
+    # or on its future as torch's PowerSGD hook does, returns.
     seen = {}
-    t2 = torch.ones(2)
+    t2, t3 = torch.ones(2), torch.ones(3)
 
     def callback(fut):
-        seen["work"] = dist.all_reduce(t2, async_op=True)
-        try:
-            seen["work"].wait()
-            seen["waited"] = True
-        except RuntimeError as e:
-            seen["error"] = str(e)
+        w = dist.all_reduce(t2, async_op=True)
+        w.wait()
+        seen["waited"] = True
+        seen["future"] = dist.all_reduce(t3, async_op=True).get_future().wait()
         return fut.value()
 
     if rank == 0:
@@ -294,13 +293,39 @@ def main() -> None:
     if rank == 0:
         work.wait()
     work.get_future().then(callback).wait()
-    if rank == 0:
-        c.check(seen.get("waited") is True, f"wait in a callback on the caller's thread: {seen}")
-    else:
-        c.check("deadlock" in seen.get("error", ""),
-                f"wait in a callback on the progress thread did not raise: {seen}")
-    seen["work"].wait()
+    c.check(seen.get("waited") is True, f"wait in a callback: {seen}")
     c.check(same(t2, torch.full((2,), float(p))), "collective issued in a callback")
+    c.check(isinstance(seen.get("future"), list) and same(seen["future"][0],
+                                                         torch.full((3,), float(p))),
+            f"future of a collective issued in a callback: {seen}")
+
+    # A callback that waits for a collective issued *after* its own (queued behind it
+    # on the lane), on the Work and on a torch future (which ringcomm cannot see): the
+    # lane passes to a new progress thread, and both complete.
+    for how in ("work", "future"):
+        later: dict = {}
+        ready = threading.Event()
+        t5 = torch.ones(5)
+
+        def waits_for_later(fut, how=how, later=later, ready=ready):
+            # on rank 0 the collective may be done before the callback is attached: it
+            # then runs on this (the main) thread, where there is nothing to wait for
+            if threading.current_thread() is not threading.main_thread() and ready.wait(20):
+                w = later["w"]
+                w.wait() if how == "work" else w.get_future().wait()
+                later["done"] = w.is_completed()
+            return fut.value()
+
+        if rank == 0:
+            time.sleep(0.3)
+        first = dist.all_reduce(torch.ones(2), async_op=True)
+        f1 = first.get_future().then(waits_for_later)
+        later["w"] = dist.all_reduce(t5, async_op=True)
+        ready.set()
+        f1.wait()
+        later["w"].wait()
+        c.check(later.get("done", rank == 0) is True and same(t5, torch.full((5,), float(p))),
+                f"callback waiting ({how}) for a later collective: {later}")
 
     # --- barrier: nobody leaves before everybody arrived -----------------------------
     store = dist.distributed_c10d._get_default_store()

@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringcomm
-from _common import Checker
+from _common import Checker, check_trained
 
 
 class Net(nn.Module):
@@ -95,13 +95,7 @@ def main() -> None:
         ref = train_ddp(gloo, 4, **kw)
         if ours is None:
             continue
-        for i, (a, b) in enumerate(zip(ours, ref)):
-            c.check(torch.allclose(a, b, rtol=1e-6, atol=1e-7),
-                    f"DDP {name} parameter {i}: max diff {(a - b).abs().max().item()}")
-        flat = torch.cat([p.flatten() for p in ours])
-        first = flat.clone()
-        dist.broadcast(first, src=0, group=gloo)
-        c.check(torch.equal(flat, first), f"DDP {name}: replicas diverged")
+        check_trained(c, f"DDP {name}", ours, ref, gloo, rtol=1e-6, atol=1e-7)
 
     c.check(isinstance(world, ringcomm.ProcessGroupRingcomm), "FSDP mesh group is ringcomm")
     ours = c.run("FSDP2 on ringcomm", train_fsdp, world, 3)
