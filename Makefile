@@ -17,7 +17,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install -e ".[test,plot]"
+	$(PY) -m pip install -e ".[test,plot,frameworks]"
 	touch $@
 
 demo: install

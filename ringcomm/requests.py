@@ -209,7 +209,7 @@ def allreduce(g: Group, tensors: list[torch.Tensor], opts: Any = None) -> tuple:
 
 
 def _allreduce_key(g: Group, t: torch.Tensor, opts: Any, contiguous: bool) -> tuple:
-    return ("allreduce", t.dtype, t.numel(), t.get_device(), contiguous, hash(opts.reduceOp),
+    return ("allreduce", t.dtype, t.numel(), t.device, contiguous, hash(opts.reduceOp),
             g.lanes.turn, g.planner.algos["allreduce"], algorithms.generation)
 
 
@@ -222,7 +222,7 @@ def allreduce_prepared(g: Group, tensors: Any, opts: Any) -> Any:
         if (isinstance(t, _Tensor) and t.layout is _strided and g.lanes.channels == 1
                 and not trace.active()):
             # the key of _allreduce_key, written out: this is the short path's first step
-            call = g.calls.get(("allreduce", t.dtype, t.numel(), t.get_device(),
+            call = g.calls.get(("allreduce", t.dtype, t.numel(), t.device,
                                 t.is_contiguous(), hash(opts.reduceOp), 0,
                                 g.planner.algos["allreduce"], algorithms.generation))
             if call is not None:
@@ -289,7 +289,7 @@ def allreduce_coalesced(g: Group, tensors: list[torch.Tensor], opts: Any = None)
     if not tensors:
         raise ValueError(f"ringcomm {name}: no tensors given")
     ts = [g.inputs.tensor(t, name, f"tensor {i}", like=tensors[0]) for i, t in enumerate(tensors)]
-    key = (name, tuple((t.dtype, t.numel()) for t in ts), ts[0].get_device(),
+    key = (name, tuple((t.dtype, t.numel()) for t in ts), ts[0].device,
            hash(opts.reduceOp), g.lanes.turn, g.planner.algos["allreduce"], algorithms.generation)
     call = _lookup(g, key, lambda: _AllreduceCoalesced(
         g, g.lanes.for_tensor(ts[0], name), ts, opts.reduceOp))
@@ -334,7 +334,7 @@ def reduce(g: Group, tensors: list[torch.Tensor], opts: Any = None) -> tuple:
     opts = options(opts, dist.ReduceOptions)
     t = g.inputs.single(tensors, "reduce")
     root = g.inputs.root(opts.rootRank, "reduce")
-    key = ("reduce", t.dtype, t.numel(), t.get_device(), hash(opts.reduceOp), root,
+    key = ("reduce", t.dtype, t.numel(), t.device, hash(opts.reduceOp), root,
            g.lanes.turn, g.planner.algos["reduce"], algorithms.generation)
 
     def make():
@@ -388,7 +388,7 @@ def _reduce_scatter(g: Group, name: str, jobs: list, opts: Any, value: Any) -> t
         for i, x in enumerate(ins):
             g.inputs.tensor(x, name, f"input {i} of output {k}", out0)
     key = (name, tuple((out.dtype, tuple(i.numel() for i in ins)) for out, ins in jobs),
-           out0.get_device(), hash(opts.reduceOp), g.lanes.turn,
+           out0.device, hash(opts.reduceOp), g.lanes.turn,
            g.planner.algos["reduce_scatter"], algorithms.generation)
 
     def make():
@@ -462,7 +462,7 @@ def broadcast(g: Group, tensors: list[torch.Tensor], opts: Any = None) -> tuple:
     root = g.inputs.root(opts.rootRank, "broadcast")
     if getattr(opts, "rootTensor", 0) != 0:
         raise ValueError(f"ringcomm broadcast: rootTensor must be 0, got {opts.rootTensor}")
-    key = ("broadcast", _nbytes(t), t.get_device(), root, g.lanes.turn,
+    key = ("broadcast", _nbytes(t), t.device, root, g.lanes.turn,
            g.planner.algos["broadcast"], algorithms.generation)
     call = _lookup(g, key, lambda: _Broadcast(g, g.lanes.for_tensor(t, "broadcast"), t, root))
     return call, (t, tensors)
@@ -502,7 +502,7 @@ def allgather(g: Group, output_lists: list[list[torch.Tensor]], inputs: list[tor
     t = g.inputs.tensor(inputs[0], "allgather", "input")
     outs = g.inputs.per_rank(output_lists[0], t, "allgather")
     layout = tuple(_nbytes(o) for o in outs)
-    key = ("allgather", layout, t.get_device(), g.lanes.turn, g.planner.algos["allgather"], algorithms.generation)
+    key = ("allgather", layout, t.device, g.lanes.turn, g.planner.algos["allgather"], algorithms.generation)
     call = _lookup(g, key, lambda: _Allgather(g, g.lanes.for_tensor(t, "allgather"),
                                               "allgather", [layout]))
     return call, ([(outs, t)], output_lists)
@@ -518,7 +518,7 @@ def allgather_coalesced(g: Group, output_lists: list[list[torch.Tensor]],
     g.inputs.coalesced_lists(output_lists, inputs, name)
     parts = [([output_lists[r][i] for r in range(p)], x) for i, x in enumerate(inputs)]
     layouts = [tuple(_nbytes(o) for o in outs) for outs, _ in parts]
-    key = (name, tuple(layouts), inputs[0].get_device(), g.lanes.turn,
+    key = (name, tuple(layouts), inputs[0].device, g.lanes.turn,
            g.planner.algos["allgather"], algorithms.generation)
     call = _lookup(g, key, lambda: _Allgather(g, g.lanes.for_tensor(inputs[0], name), name,
                                               layouts))
@@ -551,7 +551,7 @@ class _GatherInto(Call):
 
 
 def _gather_into(g: Group, name: str, pairs: list, value: Any) -> tuple:
-    key = (name, tuple(_nbytes(i) for _, i in pairs), pairs[0][1].get_device(), g.lanes.turn,
+    key = (name, tuple(_nbytes(i) for _, i in pairs), pairs[0][1].device, g.lanes.turn,
            g.planner.algos["allgather"], algorithms.generation)
     call = _lookup(g, key, lambda: _GatherInto(g, g.lanes.for_tensor(pairs[0][1], name), name,
                                                pairs))
@@ -615,7 +615,7 @@ class _Rooted(Call):
 def _rooted(g: Group, op: str, t: torch.Tensor, chunks: list | None, root: int,
             value: Any) -> tuple:
     layout = _rooted_layout(g, chunks, t)
-    key = (op, layout, t.get_device(), root, g.lanes.turn, g.planner.algos[op], algorithms.generation)
+    key = (op, layout, t.device, root, g.lanes.turn, g.planner.algos[op], algorithms.generation)
     call = _lookup(g, key, lambda: _Rooted(g, g.lanes.for_tensor(t, op), op, layout, root,
                                            t.numel()))
     return call, (t, chunks, value)
@@ -676,7 +676,7 @@ def all_to_all(g: Group, outputs: list[torch.Tensor], inputs: list[torch.Tensor]
     opts = options(opts, dist.AllToAllOptions)
     g.inputs.all_to_all(outputs, inputs)
     layout = (tuple(_nbytes(x) for x in inputs), tuple(_nbytes(o) for o in outputs))
-    key = ("all_to_all", layout, inputs[0].get_device(), g.lanes.turn,
+    key = ("all_to_all", layout, inputs[0].device, g.lanes.turn,
            g.planner.algos["alltoall"], algorithms.generation)
     call = _lookup(g, key, lambda: _AllToAll(g, g.lanes.for_tensor(inputs[0], "all_to_all"),
                                              "all_to_all", layout))
@@ -710,7 +710,7 @@ def all_to_all_single(g: Group, output: torch.Tensor, input: torch.Tensor,
     recvs = g.inputs.split_rows(output, list(output_split_sizes), "output")
     item = input.element_size()
     layout = (tuple((b - a) * item for a, b in sends), tuple((b - a) * item for a, b in recvs))
-    key = (op, layout, input.get_device(), g.lanes.turn, g.planner.algos["alltoall"], algorithms.generation)
+    key = (op, layout, input.device, g.lanes.turn, g.planner.algos["alltoall"], algorithms.generation)
     call = _lookup(g, key, lambda: _AllToAllSingle(g, g.lanes.for_tensor(input, op), op, layout))
     return call, (output, input, sends, recvs, [output])
 

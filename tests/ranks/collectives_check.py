@@ -97,6 +97,15 @@ def same(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
+def _refused(fn) -> str | None:
+    """The message of the ValueError ``fn`` raises, None if it raises none."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def main() -> None:
     dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -326,6 +335,43 @@ def main() -> None:
         later["w"].wait()
         c.check(later.get("done", rank == 0) is True and same(t5, torch.full((5,), float(p))),
                 f"callback waiting ({how}) for a later collective: {later}")
+
+    # Accelerate's wait_for_everyone passes device_ids on every barrier: without CUDA
+    # and CuPy, gloo reads them as no device at all, and so does ringcomm
+    if not torch.cuda.is_available():
+        c.run("barrier(device_ids=[0]) on a CPU-only torch", dist.barrier, device_ids=[0])
+
+    # --- prepared calls: a repeated call of a shape runs only on what it was made for
+    # (a new tensor of the shape, or one that differs in contiguity, size, dtype or
+    # device, gets the right result or the first call's error), and two calls of one
+    # shape in flight at once do not share what the first still holds
+    for algo in BUILTIN_ALLREDUCE:
+        ringcomm.set_algorithm("allreduce", algo)
+        base = torch.full((12,), float(rank))
+        dist.all_reduce(base)  # prepares the shape
+        total = float(sum(range(p)))
+        variants = {
+            "a new tensor": torch.full((12,), float(rank)),
+            "another shape, same numel": torch.full((3, 4), float(rank)),
+            "non-contiguous": torch.full((4, 3), float(rank)).t(),
+            "another size": torch.full((13,), float(rank)),
+            "another dtype": torch.full((12,), float(rank), dtype=torch.float64),
+        }
+        for what, x in variants.items():
+            dist.all_reduce(x)
+            c.check(same(x, torch.full(x.shape, total, dtype=x.dtype)),
+                    f"allreduce[{algo}] after a prepared call, {what}: {x.flatten()[:4].tolist()}")
+        bad = c.run(f"allreduce[{algo}] of a meta tensor after a prepared CPU one",
+                    lambda: _refused(lambda: dist.all_reduce(torch.empty(12, device="meta"))))
+        c.check(bad is not None and "meta" in bad, f"meta tensor after a prepared call: {bad}")
+        a, b = torch.full((12,), float(rank)), torch.full((12,), 2.0 * rank)
+        w1, w2 = dist.all_reduce(a, async_op=True), dist.all_reduce(b, async_op=True)
+        w3 = dist.all_reduce(a, async_op=True)  # the same tensor again, still in flight
+        for w in (w1, w2, w3):
+            w.wait()
+        c.check(same(a, torch.full((12,), total * p)) and same(b, torch.full((12,), 2 * total)),
+                f"allreduce[{algo}]: two calls of one shape in flight: {a[:2]} {b[:2]}")
+    ringcomm.set_algorithm("allreduce", "auto")
 
     # --- barrier: nobody leaves before everybody arrived -----------------------------
     store = dist.distributed_c10d._get_default_store()
