@@ -449,6 +449,13 @@ class GroupProgram(_Program):
         self.comm = comm
         self.op = op
         self._labels = [f"step {i}" for i in range(len(plan.steps))]
+        # a communicator whose local work is plain torch ops on the current stream (the
+        # CUDA transport) gets them called directly; a simulator gets its own methods
+        if getattr(comm, "local_work_inline", False):
+            reduce_ = ops.reducer(op) if op is not None else None
+            self._local = (reduce_, torch.Tensor.copy_)
+        else:
+            self._local = (lambda d, s: comm.local_reduce(d, s, op), comm.local_copy)
 
     def _bind(self, bufs: Sequence) -> list:
         comm, views, lpos = self.comm, self._views(bufs), self._lpos
@@ -465,33 +472,57 @@ class GroupProgram(_Program):
                     else:
                         msgs.append((comm.send if kind == "send" else comm.recv,
                                      (views[v], peer)))
+            reduce_, copy_ = self._local
             steps.append((bool(sends or recvs), msgs,
-                          [(is_reduce, lpos[d], lpos[s]) for is_reduce, d, s in local],
+                          [(reduce_ if is_reduce else copy_, lpos[d], lpos[s])
+                           for is_reduce, d, s in local],
                           self._labels[i]))
-        return steps
+        if trace.active():
+            return steps
+        # untraced runs take one flat list: None marks local work on the views
+        start, end, flat = comm.group_start, comm.group_end, []
+        for grouped, msgs, work, label in steps:
+            if grouped:
+                flat.append((start, ()))
+                flat.extend(msgs)
+                flat.append((end, (label,)))
+            flat.extend((None, w) for w in work)
+        return flat
 
     def run(self, bufs: Sequence[torch.Tensor | None]) -> None:
         """Enqueue one collective on the caller's 1-D buffers."""
-        _, steps = self._binding(bufs)
+        key = bufs[0].data_ptr() if len(bufs) == 1 else _key(bufs)
+        ops_ = self._bindings.get(key)
+        if ops_ is None or trace.active():
+            return self._run_traced(bufs)
         lv = self._local_views(bufs)
-        comm, op = self.comm, self.op
-        traced = trace.active()
-        if traced:
-            trace.annotate(peers=self.plan.peers, steps=len(self.plan.steps))
-            t0 = trace.now()
+        for fn, args in ops_:
+            if fn is None:
+                f, d, s = args
+                f(lv[d], lv[s])
+            else:
+                fn(*args)
+
+    def _run_traced(self, bufs: Sequence) -> None:
+        """:meth:`run` on a first binding or with the trace on (each step recorded)."""
+        self._bindings.pop(_key(bufs), None)
+        key, steps = self._binding(bufs)
+        if not trace.active():
+            return self.run(bufs)
+        lv = self._local_views(bufs)
+        comm = self.comm
+        trace.annotate(peers=self.plan.peers, steps=len(self.plan.steps))
+        t0 = trace.now()
         for i, (grouped, msgs, work, label) in enumerate(steps):
             if grouped:
                 comm.group_start()
                 for fn, args in msgs:
                     fn(*args)
                 comm.group_end(label)
-            for is_reduce, d, s in work:
-                if is_reduce:
-                    comm.local_reduce(lv[d], lv[s], op)
-                else:
-                    comm.local_copy(lv[d], lv[s])
-            if traced:  # the time to enqueue the step
-                t0 = self.plan.trace_step(i, t0)
+            for fn, d, s in work:
+                fn(lv[d], lv[s])
+            t0 = self.plan.trace_step(i, t0)  # the time to enqueue the step
+        self._bindings.pop(key, None)  # traced bindings keep the steps: not reused
 
 
 class NativeProgram:

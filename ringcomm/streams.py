@@ -33,6 +33,10 @@ import torch.distributed as dist
 from . import settings
 from .work import BaseWork
 
+_work_init = dist.Work.__init__
+_monotonic = time.monotonic
+_INF = float("inf")
+
 log = logging.getLogger("ringcomm")
 
 #: how often the watchdog looks at pending collectives
@@ -48,6 +52,8 @@ class CudaStreams:
             self.stream = torch.cuda.Stream(device)
         self.handle = self.stream.cuda_stream
         self._side: torch.cuda.Stream | None = None
+        self.inline = False
+        self._context = torch.cuda.StreamContext(self.stream)
         #: tensors must be marked as used on the internal stream
         self.keeps = True
 
@@ -63,7 +69,8 @@ class CudaStreams:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def on_stream(self) -> Any:
-        return torch.cuda.stream(self.stream)
+        # one context, made once: the engine enqueues one collective at a time
+        return self._context
 
     def keep_alive(self, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
@@ -107,6 +114,8 @@ class HostStreams:
 
     handle = 0
     keeps = False
+    #: the caller's work and the collective's run when issued: no stream to order
+    inline = True
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -145,15 +154,18 @@ def streams_for(device: torch.device) -> CudaStreams | HostStreams:
 class StreamWork(BaseWork):
     """Handle of a collective enqueued on a stream (see the module docstring)."""
 
-    def __init__(self, op: str, engine: "StreamEngine", done: Any, timeout_s: float, value: Any,
-                 blocking: bool):
-        super().__init__()
+    __slots__ = ("_op", "_engine", "_end", "_fut", "_timeout_s", "_deadline", "_value",
+                 "_blocking", "_exc", "_finished")
+
+    def __init__(self, op: str, engine: "StreamEngine", done: Any, timeout_s: float,
+                 deadline: float, value: Any, blocking: bool):
+        _work_init(self)  # cheaper than super(): this is on every call
         self._op = op
         self._engine = engine
         self._end = done
         self._fut: torch.futures.Future | None = None
         self._timeout_s = timeout_s
-        self._deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
+        self._deadline = deadline
         self._value = value
         self._blocking = blocking
         self._exc: BaseException | None = None  # set by the watchdog
@@ -256,21 +268,25 @@ class StreamEngine:
         """
         s, op = self.streams, call.name
         with self._lock:
-            self._raise_if_broken(op)
-            deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
+            if self._error is not None or self._stopped:
+                self._raise_if_broken(op)
+            deadline = _monotonic() + timeout_s if timeout_s > 0 else _INF
             self._enqueuing = (op, deadline, timeout_s)
             try:
-                s.wait_for_caller()
-                with s.on_stream():
+                if s.inline:
                     value = call.execute(*args)
-                    if s.keeps:
-                        s.keep_alive(call.touched(args))
-                    done = s.record()
+                else:
+                    s.wait_for_caller()
+                    with s.on_stream():
+                        value = call.execute(*args)
+                        if s.keeps:
+                            s.keep_alive(call.touched(args))
+                done = s.record()
             except BaseException as e:  # noqa: BLE001 - the group cannot go on after this
                 raise self._fail(op, e, timeout_s) from e
             finally:
                 self._enqueuing = None
-            work = StreamWork(op, self, done, timeout_s, value,
+            work = StreamWork(op, self, done, timeout_s, deadline, value,
                               call.blocking or self._blocking_wait)
             with self._state:
                 self._pending.append(work)

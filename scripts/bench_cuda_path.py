@@ -32,6 +32,7 @@ from ringcomm.process_group import ProcessGroupRingcomm
 from ringcomm.testing import FakeNccl
 
 BACKEND = "rcrecord"
+ALGOS = ("ring", "native")
 
 
 def _register(size: int, lib: FakeNccl) -> None:
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         _register(p, lib)
         group = dist.new_group(backend=f"{BACKEND}{p}")
         pg = ringcomm.get_group(group)
-        for algo in ("ring", "native"):
+        for algo in ALGOS:
             pg.set_algorithm("allreduce", algo)
             dist.all_reduce(t, group=group)  # prepares the call (and the communicator)
             before = dict(lib.calls)

@@ -139,9 +139,10 @@ def connect(lib: Any, store: Any, prefix: str, rank: int, size: int, timeout_s: 
 class NcclTransport(Channel):
     """One NCCL communicator of a group, on one device, enqueuing on one stream.
 
-    Implements :class:`ringcomm.executors.GroupComm`, so :func:`run_grouped`
-    drives it; the stream engine makes ``stream`` current around every call, so
-    the local reductions (torch ops) land on it too.
+    Implements :class:`ringcomm.executors.GroupComm`, so
+    :class:`~ringcomm.executors.GroupProgram` drives it; the stream engine makes
+    ``stream`` current around every call, so the local reductions (torch ops, which
+    the program calls directly: ``local_work_inline``) land on it too.
 
     Args:
         lib: ``cupy.cuda.nccl`` (or a stand-in with the same interface).
@@ -150,6 +151,9 @@ class NcclTransport(Channel):
         device: where the tensors live.
         stream: the stream handle (``cudaStream_t`` as an int) work is enqueued on.
     """
+
+    #: local reductions and copies are torch ops on the current stream
+    local_work_inline = True
 
     def __init__(self, lib: Any, comm: Any, rank: int, size: int, device: torch.device,
                  stream: int):
