@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 NP ?= 4
 
-.PHONY: install demo test conformance bench clean
+.PHONY: install demo test check-nccl-api conformance bench clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,14 @@ demo: install
 # pytest exits 5 when it collected no test: that is a failure here.
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# FakeNccl (the NCCL stand-in CI's CUDA path runs on) against the real
+# cupy.cuda.nccl: CuPy's and NCCL's wheels (about 500 MB) import without a GPU
+check-nccl-api: install
+	$(PY) -m pip install "cupy-cuda12x>=13.6" "nvidia-nccl-cu12>=2.19"
+	$(PY) -c "from cupy.cuda import nccl; assert nccl.available, 'NCCL did not load'"
+	$(PY) -m pytest tests/test_fake_nccl_api.py; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # torch's own distributed test suite against ringcomm (world size 3, CPU; about

@@ -179,13 +179,13 @@ class _FakeComm:
     def _others(self) -> list[int]:
         return [r for r in range(self.size) if r != self.rank]
 
-    def send(self, buf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         self.lib.calls["send"] += 1
-        self.lib._enqueue(self, [(peer, memory_at(buf, count, datatype))], [])
+        self.lib._enqueue(self, [(peer, memory_at(sendbuf, count, datatype))], [])
 
-    def recv(self, buf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         self.lib.calls["recv"] += 1
-        self.lib._enqueue(self, [], [(peer, memory_at(buf, count, datatype))])
+        self.lib._enqueue(self, [], [(peer, memory_at(recvbuf, count, datatype))])
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,  # noqa: N802
                   stream: int) -> None:
@@ -214,19 +214,19 @@ class _FakeComm:
 
         self.lib._enqueue(self, [], list(theirs.items()), post)
 
-    def broadcast(self, sendbuf: int, recvbuf: int, count: int, datatype: int, root: int,
+    def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int,
                   stream: int) -> None:
         self.lib.calls["broadcast"] += 1
         if self.rank == root:
-            src = memory_at(sendbuf, count, datatype)
+            src = memory_at(sendbuff, count, datatype)
 
             def post():
-                if sendbuf != recvbuf:
-                    memory_at(recvbuf, count, datatype).copy_(src)
+                if sendbuff != recvbuff:
+                    memory_at(recvbuff, count, datatype).copy_(src)
 
             self.lib._enqueue(self, [(r, src) for r in self._others()], [], post)
         else:
-            self.lib._enqueue(self, [], [(root, memory_at(recvbuf, count, datatype))])
+            self.lib._enqueue(self, [], [(root, memory_at(recvbuff, count, datatype))])
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,  # noqa: N802
                   stream: int) -> None:
@@ -276,10 +276,10 @@ class _RecordingComm:
         self.lib, self.rank, self.size = lib, rank, size
         self._calls = lib.calls
 
-    def send(self, buf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         self._calls["send"] += 1
 
-    def recv(self, buf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         self._calls["recv"] += 1
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,  # noqa: N802
@@ -290,7 +290,7 @@ class _RecordingComm:
                stream: int) -> None:
         self._calls["reduce"] += 1
 
-    def broadcast(self, sendbuf: int, recvbuf: int, count: int, datatype: int, root: int,
+    def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int,
                   stream: int) -> None:
         self._calls["broadcast"] += 1
 

@@ -90,6 +90,14 @@ class Planner:
         """
         if name is None:
             name = self.choose(collective, nbytes)
+            if REGISTRY[collective].get(name) is NATIVE and self.algos[collective] == "auto":
+                # a measured table may pick the library's own collective; where it cannot
+                # take this call (a dtype or op MPI lacks) auto takes the modelled choice
+                try:
+                    lane.tp.check_native(collective, dtype, op)
+                except ValueError:
+                    name = select.choose(select.MODELLED, collective, nbytes, self.size,
+                                         self.hosts)
         build = REGISTRY[collective].get(name)
         if build is None:
             raise ValueError(f"ringcomm {collective}: algorithm {name!r} is not registered "

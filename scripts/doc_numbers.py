@@ -58,8 +58,12 @@ from ddp.bench import paper  # noqa: E402
 DATA = ROOT / "docs" / "data" / "compare_2ranks.json"
 LAYERS = ROOT / "docs" / "data" / "layers_2ranks.json"
 CONCURRENT = ROOT / "docs" / "data" / "concurrent_2ranks.json"
+#: scripts/bench_cuda_path.py's JSON: the CUDA lane's Python per collective
+CUDA_PATH = ROOT / "docs" / "data" / "cuda_path.json"
 DDP_DATA = ROOT / "docs" / "data" / "bench_ddp_2ranks.json"
 DDP_RR_DATA = ROOT / "docs" / "data" / "bench_ddp_roundrobin_2ranks.json"
+#: the latency breakdown of every ddp.bench model, the short path's DDP measurement
+DDP_SHORT_DATA = ROOT / "docs" / "data" / "bench_ddp_short_path.json"
 MULTINODE = ROOT / "docs" / "data" / "multinode.json"
 MULTINODE_DDP = ROOT / "docs" / "data" / "bench_ddp_2hosts.json"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -348,7 +352,21 @@ def benchmarks_blocks(doc: dict, source: str, layers: dict, layers_source: str,
             "tables": markdown_tables(doc, heading="###").rstrip(),
             "targets": _targets(doc), "model": _model(doc),
             "layers": _layers(layers, layers_source),
-            "concurrent": _concurrent(conc, conc_source)}
+            "concurrent": _concurrent(conc, conc_source),
+            "cuda-path": _cuda_path(json.loads(CUDA_PATH.read_text()), _relative(CUDA_PATH))}
+
+
+def _cuda_path(doc: dict, source: str) -> str:
+    """The table of ``scripts/bench_cuda_path.py``: the CUDA lane's Python per call."""
+    rows = [f"| `dist.all_reduce` into a do-nothing group | | | {doc['dispatch_us']:.1f} us |"]
+    rows += [f"| ringcomm {r['algorithm']} | {r['ranks']} | {r['steps']} | {r['time_us']:.1f} us |"
+             for r in doc["rows"]]
+    return "\n".join([
+        f"| {format_size(doc['bytes'])} allreduce over FakeNccl (recording) | ranks | "
+        "NCCL groups | time per call |", "|---|---:|---:|---:|", *rows, "",
+        f"A 2-rank ring allreduce takes {doc['ring_2ranks_over_dispatch']:.2f}x the "
+        f"do-nothing dispatch; each further step {doc['us_per_step']:.2f} us. (From "
+        f"`{source}`, measured {doc['started']}.)"])
 
 
 def replace_blocks(text: str, blocks: dict, where: str) -> str:
@@ -393,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--multinode-ddp-data", default=str(MULTINODE_DDP),
                     help="scripts/bench_hosts.py --ddp's JSON (for docs/multi-node.md)")
     ap.add_argument("--multinode", default=str(ROOT / "docs" / "multi-node.md"))
+    ap.add_argument("--ddp-doc", default=str(ROOT / "docs" / "ddp.md"))
+    ap.add_argument("--ddp-short-data", default=str(DDP_SHORT_DATA),
+                    help="python -m ddp.bench --sections breakdown --model all's JSON")
     a = ap.parse_args(argv)
     readme, bench = Path(a.readme), Path(a.benchmarks)
     doc = json.loads(Path(a.data).read_text())
@@ -415,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
             json.loads(Path(a.multinode_data).read_text()), _relative(Path(a.multinode_data)),
             json.loads(Path(a.multinode_ddp_data).read_text()),
             _relative(Path(a.multinode_ddp_data))), a.multinode)
+        short = json.loads(Path(a.ddp_short_data).read_text())
+        short_source = _relative(Path(a.ddp_short_data))
+        new[Path(a.ddp_doc)] = replace_blocks(Path(a.ddp_doc).read_text(), {
+            "ddp-short-run": paper.run(short, short_source),
+            "ddp-short-breakdown": paper.breakdown(short),
+            "ddp-short-targets": paper.targets(short)}, a.ddp_doc)
         if a.paper.strip().lower() != "none":
             doc_ddp = json.loads(Path(a.ddp_data).read_text())
             doc_rr = json.loads(Path(a.ddp_rr_data).read_text())

@@ -305,3 +305,55 @@ def test_a_saved_model_report_renders_as_the_live_one():
     text, summary = analysis.model_report(fits, [8, 64], [4096, 1 << 20])
     assert "predicted time (us)" in text and "ring/tree crossover at 64 ranks" in text
     assert analysis.model_text(json.loads(json.dumps(summary))) == text
+
+
+def test_native_and_a_registered_algorithm_join_the_measured_tuning():
+    """Every ringcomm column but auto competes: the library's own collective and a
+    user's algorithm measured with --import take the sizes where they are fastest."""
+    sizes = [2 ** i for i in range(2, 24)]
+    pts = [("allreduce", "native", n, 5 + 0.004 * n) for n in sizes]
+    pts += [("allreduce", "mine", n, 30 + 0.001 * n) for n in sizes]
+    pts += [("allreduce", "auto", n, 1.0) for n in sizes]  # never a winner: auto is the mix
+    table = tuning.measured_tuning([_doc(2, ["native", "mine", "auto"], pts)], 0.03)
+    rows = table["allreduce"]["2"]
+    assert [name for _, name in rows] == ["native", "mine"], rows
+    assert 4096 <= rows[0][0] < 1 << 16
+
+
+def test_auto_falls_back_from_native_where_mpi_cannot_take_the_call(tmp_path):
+    """A tuning that picks native for every size still runs a bfloat16 allreduce (MPI
+    has no bfloat16): auto takes the built-in choice for it; float32 runs native."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from ringcomm import Options
+    from ringcomm.algorithms import select
+    from ringcomm.process_group import ProcessGroupRingcomm
+    from ringcomm.transport.local import LocalFabric, LocalTransport
+
+    class LikeMPI(LocalTransport):
+        """Native collectives for every dtype but bfloat16, as MPI."""
+
+        def check_native(self, collective, dtype, op):
+            if dtype == torch.bfloat16:
+                raise ValueError("MPI has no bfloat16")
+
+        def native_init(self, collective, layout, dtype, op, root):
+            return object()
+
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"allreduce": {"2": [[None, "native"]]}}))
+    pg = ProcessGroupRingcomm(0, 2, LikeMPI(LocalFabric(2), 0), timedelta(seconds=20),
+                              Options(tuning_file=str(path)))
+    lane = pg.lanes.for_tensor(torch.ones(1), "allreduce")
+    names = [pg.planner.prepare(lane, "allreduce", (8,), dtype, nbytes=8 * dtype.itemsize,
+                                op=dist.ReduceOp.SUM)[0]
+             for dtype in (torch.bfloat16, torch.float32)]
+    assert names == [select.choose(select.MODELLED, "allreduce", 16, 2), "native"], names
+    assert names[0] != "native"
+    pg.set_algorithm("allreduce", "native")  # chosen by name, it is refused as before
+    with pytest.raises(ValueError, match="bfloat16"):
+        pg.planner.prepare(lane, "allreduce", (8,), torch.bfloat16, nbytes=16,
+                           op=dist.ReduceOp.SUM)

@@ -5,6 +5,7 @@ renderings of their JSON; the architecture's worked path matches the code."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -50,7 +51,7 @@ def test_stale_readme_is_detected(tmp_path, run_doc_numbers):
 def test_stale_benchmarks_doc_is_detected(tmp_path, run_doc_numbers):
     # every generated block of docs/benchmarks.md, each with a made-up number in it
     names = ("example", "shipped-targets", "run", "tables", "targets", "model", "layers",
-             "concurrent")
+             "concurrent", "cuda-path")
     doc = tmp_path / "benchmarks.md"
     doc.write_text("".join(f"x\n<!-- generated:{n} begin -->\n| 4 KiB | 1 us |\n"
                            f"<!-- generated:{n} end -->\n" for n in names))
@@ -194,3 +195,15 @@ def test_architecture_worked_path_names_what_the_code_does():
     for method in re.findall(r"`transport\.(\w+)\(", path):
         from ringcomm.transport.mpi import MPITransport
         assert hasattr(MPITransport, method), method
+
+
+def test_autos_rows_for_two_ranks_are_the_committed_runs_measured_tuning():
+    """The shipped 2-rank tuning is what the committed benchmark run measured (every
+    algorithm, native included), not numbers typed by hand."""
+    from ringcomm.algorithms import select
+
+    run = json.loads((ROOT / "docs" / "data" / "compare_2ranks.json").read_text())
+    measured = run["analysis"]["measured_tuning"]
+    assert json.loads(select.MEASURED.read_text()) == measured
+    for coll, rows in measured.items():
+        assert select.DEFAULT_TUNING[coll]["2"] == rows["2"], coll

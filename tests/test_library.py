@@ -362,11 +362,15 @@ def test_a_wrong_schedule_is_still_refused():
 def test_auto_follows_the_library_rows():
     table = select.load_tuning(None)
     mib = 1 << 20
-    # rabenseifner takes the ring's band up to a threshold that grows with p
-    assert [select.choose(table, "allreduce", mib, p) for p in (2, 3, 4, 5, 8, 9, 16)] == \
-        ["ring", "ring", "rabenseifner", "ring", "rabenseifner", "rabenseifner", "rabenseifner"]
+    # rabenseifner takes the ring's band up to a threshold that grows with p (2 ranks:
+    # measured rows, tests/test_docs.py)
+    assert [select.choose(table, "allreduce", mib, p) for p in (3, 4, 5, 8, 9, 16)] == \
+        ["ring", "ring", "ring", "rabenseifner", "rabenseifner", "rabenseifner"]
+    assert select.choose(table, "allreduce", 512 << 10, 4) == "rabenseifner"
     assert select.choose(table, "allreduce", 4096, 8) == "recursive_doubling"
-    assert select.choose(table, "allreduce", 40000, 8) == "tree"
+    assert select.choose(table, "allreduce", 40000, 8) == "rabenseifner"
+    assert select.choose(table, "allreduce", 40000, 7) == "rabenseifner"
+    assert select.choose(table, "allreduce", 30000, 7) == "tree"
     assert select.choose(table, "allreduce", 1 << 30, 8) == "ring"
     # ranges: the largest ">=N" that fits; an exact world size before any range
     assert select.choose(table, "allreduce", 10 * mib, 100) == "double_tree"
@@ -379,7 +383,7 @@ def test_auto_follows_the_library_rows():
     # several hosts with several ranks on one: recursive doubling up to 16 KiB, then
     # hierarchical (measured across namespace hosts, docs/multi-node.md)
     for hosts, want in (((0, 0, 1, 1), "hierarchical"), ((0, 1, 1), "hierarchical"),
-                        ((0, 1, 2, 3), "tree"), ((), "tree")):
+                        ((0, 1, 2, 3), "rabenseifner"), ((), "rabenseifner")):
         assert select.choose(table, "allreduce", 65536, len(hosts) or 4, hosts) == want, hosts
     assert select.choose(table, "allreduce", 16384, 4, (0, 0, 1, 1)) == "recursive_doubling"
     assert select.choose(table, "allreduce", 1 << 30, 6, (0, 0, 0, 1, 1, 1)) == "hierarchical"
@@ -392,7 +396,7 @@ def test_planner_chooses_hierarchical_on_a_multi_host_group():
     options = ringcomm.Options().resolve()
     assert Planner(0, 4, options, hosts=(0, 0, 1, 1)).choose("allreduce", 1 << 20) == \
         "hierarchical"
-    assert Planner(0, 4, options).choose("allreduce", 1 << 20) == "rabenseifner"
+    assert Planner(0, 4, options).choose("allreduce", 512 << 10) == "rabenseifner"
 
 
 def test_a_tuning_file_default_replaces_the_builtin_size_rows(tmp_path):

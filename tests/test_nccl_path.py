@@ -137,9 +137,10 @@ def test_cpu_tensors_without_mpi_name_the_reason():
     pg.shutdown()
 
 
-def test_a_missing_cupy_names_the_extra_to_install():
-    if nccl._lib is not None:
-        pytest.skip("CuPy with NCCL is installed here")
+def test_a_missing_cupy_names_the_extra_to_install(monkeypatch):
+    # as on a machine without CuPy, whether or not this one has it
+    monkeypatch.setattr(nccl, "_lib", None)
+    monkeypatch.setattr(nccl, "_lib_error", "CuPy is not usable here (ImportError: no cupy)")
     pg = ProcessGroupRingcomm(0, 1, None, timedelta(seconds=5), store=dist.HashStore(),
                               cpu_error="unused", nccl_device_type="cpu")
     with pytest.raises(ValueError, match=r"ringcomm\[cuda12\].*ringcomm\[cuda13\]"):

@@ -17,7 +17,8 @@ from ringcomm.bootstrap import MPI_LAUNCHER_VARS
 
 import ddp.bench
 from ddp.bench.configs import World
-from ddp.bench.constants import (BACKENDS, BUCKET_CAPS, DEFAULT_TARGETS, IMPLS, MODELS, PROG,
+from ddp.bench.constants import (BACKENDS, BUCKET_CAPS, DEFAULT_TARGETS, IMPLS, MODELS,
+                                 PAPER_MODELS, PROG,
                                  QUICK_BUCKET_CAPS, RR_CAPS, RR_CHANNELS, SECTIONS)
 from ddp.bench.experiments import Bench
 from ddp.bench.plots import plot
@@ -33,7 +34,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--sections", default="all",
                    help=f"comma list of {', '.join(SECTIONS)}, or all")
     p.add_argument("--model", default=None,
-                   help="resnet, bert or both (default: both; resnet with --quick)")
+                   help="resnet, bert, mlp (a 9.4M-parameter MLP: 512-2048-2048-2048-10, "
+                        "the short path's DDP measurement), both (resnet and bert) or all "
+                        "(default: both; resnet with --quick)")
     p.add_argument("--impls", default="ours,torch", help="DDP implementations: ours, torch")
     p.add_argument("--backends", default="ringcomm,gloo",
                    help="backends; the first is the default group's, the others come from "
@@ -84,8 +87,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     try:
         a.section_list = names(a.sections, SECTIONS, "section (--sections)")
         model = a.model if a.model is not None else ("resnet" if a.quick else "both")
-        a.model_list = (list(MODELS) if model.strip().lower() == "both"
-                        else names(model, MODELS, "model (--model)"))
+        choice = model.strip().lower()
+        a.model_list = (list(PAPER_MODELS) if choice == "both" else list(MODELS)
+                        if choice == "all" else names(model, MODELS, "model (--model)"))
         a.impl_list = names(a.impls, IMPLS, "DDP implementation (--impls)")
         a.backend_list = names(a.backends, BACKENDS, "backend (--backends)")
     except argparse.ArgumentTypeError as e:

@@ -10,7 +10,9 @@ DEFAULT_TARGETS = str(Path(__file__).resolve().with_name("targets.json"))
 PROG = "bench_ddp.py"
 
 SECTIONS = ("breakdown", "buckets", "scaling", "nosync", "roundrobin")
-MODELS = ("resnet", "bert")
+MODELS = ("resnet", "bert", "mlp")
+#: the paper's two kinds of model (--model both)
+PAPER_MODELS = ("resnet", "bert")
 IMPLS = ("ours", "torch")
 BACKENDS = ("ringcomm", "gloo")
 #: bucket_cap_mb values of the sweep; "all" is a cap larger than the model (one bucket)

@@ -58,7 +58,19 @@ MODEL_SIZES = {
                "quick": dict(widths=(32, 64, 128, 256), classes=100, image=8, batch=8)},
     "bert": {"full": dict(vocab=8192, d=256, layers=2, heads=4, ff=1024, seq=32, batch=4),
              "quick": dict(vocab=4096, d=128, layers=2, heads=4, ff=512, seq=32, batch=8)},
+    "mlp": {"full": dict(widths=(512, 2048, 2048, 2048, 10), batch=32),
+            "quick": dict(widths=(512, 1024, 1024, 10), batch=32)},
 }
+
+
+def mlp(widths: Sequence[int]) -> nn.Module:
+    """Linear layers of the given widths with ReLUs between them."""
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        if i:
+            layers.append(nn.ReLU())
+        layers.append(nn.Linear(a, b))
+    return nn.Sequential(*layers)
 
 
 @dataclasses.dataclass
@@ -74,6 +86,8 @@ class ModelSpec:
         h = self.hp
         if self.name == "resnet":
             return resnet(h["widths"], h["classes"])
+        if self.name == "mlp":
+            return mlp(h["widths"])
         return TinyBert(h["vocab"], h["d"], h["layers"], h["heads"], h["ff"], h["seq"])
 
     def batch(self, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +97,9 @@ class ModelSpec:
         if self.name == "resnet":
             x = torch.randn(h["batch"], 3, h["image"], h["image"], generator=g)
             return x, torch.randint(0, h["classes"], (h["batch"],), generator=g)
+        if self.name == "mlp":
+            x = torch.randn(h["batch"], h["widths"][0], generator=g)
+            return x, torch.randint(0, h["widths"][-1], (h["batch"],), generator=g)
         x = torch.randint(0, h["vocab"], (h["batch"], h["seq"]), generator=g)
         return x, torch.randint(0, h["vocab"], (h["batch"], h["seq"]), generator=g)
 
@@ -97,6 +114,9 @@ class ModelSpec:
             what = (f"ResNet-style CNN: widths {list(h['widths'])}, one residual block each, "
                     f"{h['classes']} classes; input 3x{h['image']}x{h['image']}")
             sample = f"3x{h['image']}x{h['image']} images"
+        elif self.name == "mlp":
+            what = f"MLP: widths {' -> '.join(str(w) for w in h['widths'])}, ReLUs between"
+            sample = f"vectors of {h['widths'][0]}"
         else:
             what = (f"BERT-style encoder: vocabulary {h['vocab']}, d_model {h['d']}, "
                     f"{h['layers']} TransformerEncoderLayers ({h['heads']} heads, ff {h['ff']}), "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 
 from .. import settings
 
@@ -38,34 +39,36 @@ DEFAULT_TUNING: dict[str, dict[str, list]] = {
     # 2(p-1): the fewer steps win while latency dominates; the ring's bandwidth
     # optimality pays for large messages.
     "allreduce": {"default": [[16384, "recursive_doubling"], [65536, "tree"], [None, "ring"]],
-                  # Measured (scripts/compare_collectives.py, docs/benchmarks.md): on two
-                  # ranks one whole-buffer exchange beats the ring up to about 450 KiB.
-                  "2": [[458752, "recursive_doubling"], [None, "ring"]],
-                  # The library's allreduces, where the cost model says they beat the
-                  # built-in row above by more than 10%: scripts/library_tuning.py with
-                  # alpha 54.2 us, beta 0.115 ns/B fitted jointly to the measured ring,
-                  # tree and recursive doubling in docs/data/compare_2ranks.json, gamma
-                  # 0.073 ns/B as measured there (bands in docs/data/library_tuning.json).
+                  # 2 ranks: measured, from MEASURED below
+                  # The library's allreduces where the cost model says they beat the
+                  # built-in row above: scripts/library_tuning.py's bands (in
+                  # docs/data/library_tuning.json), the model fitted jointly to the
+                  # measured ring, tree and recursive doubling of docs/data/compare_2ranks.json.
                   # Rabenseifner sends what the ring sends in 2 log2 p steps instead of
-                  # 2(p-1): on a power of two it wins up to about p MiB ...
-                  "4": _allreduce_rows(3 * MiB),       # model: 45 KiB - 3.4 MiB, x1.29
-                  "8": _allreduce_rows(8 * MiB),       # model: 38 KiB - 8 MiB, x1.69
-                  "16": _allreduce_rows(16 * MiB),     # model: 27 KiB - 16 MiB, x2.2
-                  "32": _allreduce_rows(32 * MiB),     # model: 23 KiB - 32 MiB, x2.9
-                  "64": _allreduce_rows(64 * MiB),     # model: 23 KiB - 64 MiB, x4.1
-                  "128": _allreduce_rows(128 * MiB),   # model: 23 KiB - 128 MiB, x4
-                  # ... elsewhere its fold (a whole-buffer message each way for the
-                  # extra ranks) costs it the larger sizes; there the double tree (log p
-                  # latency, the ring's bytes) beats the ring in a band below its
-                  # bandwidth-optimal sizes on many ranks. Each range's threshold is the
-                  # model's at its smallest world size (it grows with p).
-                  "256": _allreduce_rows(128 * MiB, 352 * MiB),  # 128 MiB; dt 152-362 MiB
-                  ">=5": _allreduce_rows(192 << 10),   # 5: 76-215 KiB
-                  ">=6": _allreduce_rows(512 << 10),   # 6: 76-512 KiB
-                  ">=7": _allreduce_rows(768 << 10),   # 7: 76-861 KiB
+                  # 2(p-1); on a power of two it wins up to several MiB, more with p.
+                  # The rows of 9, 48 and 96 ranks and up are the previous model's (of a
+                  # slower per-message cost: larger bands), the script computing none there.
+                  "4": [[16384, "recursive_doubling"], [741455, "rabenseifner"], [None, "ring"]],
+                  "8": [[16384, "recursive_doubling"], [2965821, "rabenseifner"], [None, "ring"]],
+                  "16": [[16384, "recursive_doubling"], [7053950, "rabenseifner"], [None, "ring"]],
+                  "32": [[16384, "recursive_doubling"], [14107901, "rabenseifner"], [None, "ring"]],
+                  "64": [[16384, "recursive_doubling"], [33554432, "rabenseifner"], [None, "ring"]],
+                  "128": [[16384, "recursive_doubling"], [67108864, "rabenseifner"],
+                           [None, "ring"]],
+                  "256": [[16384, "recursive_doubling"], [134217728, "rabenseifner"],
+                           [None, "ring"]],
+                  ">=5": [[16384, "recursive_doubling"], [65536, "tree"], [None, "ring"]],
+                  ">=6": [[16384, "recursive_doubling"], [65536, "tree"], [110218, "rabenseifner"],
+                           [None, "ring"]],
+                  ">=7": [[16384, "recursive_doubling"], [38968, "tree"], [185364, "rabenseifner"],
+                           [None, "ring"]],
                   ">=9": _allreduce_rows(1 * MiB),     # 9: 76 KiB-1 MiB; 10: -1.2 MiB
-                  ">=12": _allreduce_rows(3 * MiB // 2),  # 12: 76 KiB-1.7 MiB
-                  ">=24": _allreduce_rows(4 * MiB),    # 24: -4 MiB
+                  ">=12": [[16384, "recursive_doubling"], [32768, "tree"],
+                            [440872, "rabenseifner"],
+                            [None, "ring"]],
+                  ">=24": [[16384, "recursive_doubling"], [19484, "tree"],
+                            [1048576, "rabenseifner"],
+                            [None, "ring"]],
                   ">=48": _allreduce_rows(5 * MiB, 16 * MiB),   # 48: -5.7 MiB; dt 6.7-19 MiB
                   ">=96": _allreduce_rows(6 * MiB, 64 * MiB),   # 96: -6.7 MiB; dt 8-90 MiB
                   # Several ranks per host on several hosts: reduce within hosts, only
@@ -78,7 +81,7 @@ DEFAULT_TUNING: dict[str, dict[str, list]] = {
                   "hosts": [[16384, "recursive_doubling"], [None, "hierarchical"]]},
     # A binomial tree sends log2 p copies from the root; a chain sends one per rank.
     "broadcast": {"default": [[262144, "tree"], [None, "ring"]],
-                  "2": [[None, "tree"]], "3": [[None, "tree"]]},
+                  "3": [[None, "tree"]]},  # 2 ranks: measured, from MEASURED below
     "reduce": {"default": [[None, "tree"]]},
     # Bruck: ceil(log2 p) steps against the ring's p-1, the same bytes, plus a copy of
     # the whole output (its rotation). By the model above (alpha 130 us, beta 0.251
@@ -100,6 +103,17 @@ DEFAULT_TUNING: dict[str, dict[str, list]] = {
     # ringcomm.set_algorithm("alltoall", "pairwise").
     "alltoall": {"default": [[None, "linear"]]},
 }
+
+#: the rows for 2 ranks are measured, not modelled: the committed benchmark run's
+#: ``analysis.measured_tuning`` (docs/data/compare_2ranks.json, every algorithm,
+#: native included), written by ``python -m ringcomm.bench --model-from
+#: docs/data/compare_2ranks.json --write-tuning ringcomm/algorithms/measured_2ranks.json``
+MEASURED = Path(__file__).with_name("measured_2ranks.json")
+#: the rows before the measured ones: what auto falls back to where a measured row
+#: names the library's own collective and it cannot take the call (bfloat16 on MPI)
+MODELLED: dict[str, dict[str, list]] = {k: dict(v) for k, v in DEFAULT_TUNING.items()}
+for _coll, _rows in json.loads(MEASURED.read_text()).items():
+    DEFAULT_TUNING[_coll].update(_rows)
 
 _KEY = re.compile(r"default|hosts|\d+|>=\d+")
 

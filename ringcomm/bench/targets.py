@@ -4,8 +4,9 @@ The targets are data, not code: a JSON file (schema :data:`TARGETS_SCHEMA`), by
 default ``targets.json`` next to this module (shipped with the package), another
 one with ``--targets FILE``. Each target names a collective, dtype and op, a size
 range, a metric (``time_us`` or ``busbw``), the columns whose best counts
-(``of``), optionally a column to divide by (``versus``), a bound (``<=``/``>=``)
-and a goal. :func:`load_targets` reads and validates a file;
+(``of``), optionally a column to divide by (``versus``; ``"best"``: the best of
+the columns listed in ``among`` at each size), a bound (``<=``/``>=``) and a
+goal. :func:`load_targets` reads and validates a file;
 :func:`check_targets` compares one run's results with them.
 """
 from __future__ import annotations
@@ -68,6 +69,9 @@ def load_targets(path: str) -> list[dict]:
             raise ValueError(f"{where}: 'of' must list column names")
         if t.get("versus") is not None and not isinstance(t["versus"], str):
             raise ValueError(f"{where}: 'versus' must be a column name or null")
+        if t.get("versus") == "best" and not (isinstance(t.get("among"), list) and t["among"]):
+            raise ValueError(f"{where}: 'versus': 'best' needs 'among', the columns whose "
+                             "best it is")
         if t["goal"] <= 0:
             raise ValueError(f"{where}: goal must be positive (ratios are taken against it), "
                              f"got {t['goal']!r}")
@@ -124,7 +128,12 @@ def check_targets(results: list[dict], p: int, spec: list[dict] | None = None,
             best = (min if lower_better else max)(cands, key=lambda r: r[metric])
             entry = {"size": size, "best": best["column"], "value": best[metric]}
             if versus:
-                other = ok(coll, dt, op, versus, size)
+                if versus == "best":  # the best of the columns the target lists
+                    rivals = [x for x in (ok(coll, dt, op, c, size) for c in t["among"]) if x]
+                    other = (min if lower_better else max)(
+                        rivals, key=lambda r: r[metric]) if rivals else None
+                else:
+                    other = ok(coll, dt, op, versus, size)
                 if not other:
                     missing.append(size)
                     continue

@@ -18,8 +18,9 @@ import numpy as np
 from ringcomm.bench.results import ok_points
 from ringcomm.bench.sizes import ELEMENT_SIZE, REDUCING, format_size
 
-#: ringcomm algorithms that are not ringcomm's own schedules (left out of tuning)
-NOT_SCHEDULES = ("auto", "native")
+#: ringcomm columns left out of tuning: auto is the mix the tuning decides. native
+#: takes part (auto falls back to the built-in choice where MPI cannot reduce a dtype)
+NOT_SCHEDULES = ("auto",)
 
 
 def _ok(v) -> bool:
@@ -116,7 +117,8 @@ def tuning_rows(sizes: Sequence[int], times: Mapping[str, Sequence[float | None]
 
 def measured_tuning(docs: list[dict], tolerance: float) -> dict[str, dict[str, list]]:
     """Tuning rows per collective and world size from the measured ringcomm
-    algorithms (auto and native excluded), in ringcomm's tuning-file shape.
+    algorithms (native and registered ones included, auto excluded), in ringcomm's
+    tuning-file shape.
 
     Uses float/sum timings when present (else the first dtype/op measured); sizes
     are converted to what ``auto`` is asked with (one rank's block for allgather
@@ -126,8 +128,8 @@ def measured_tuning(docs: list[dict], tolerance: float) -> dict[str, dict[str, l
     for doc in docs:
         meta = doc["meta"]
         p = int(meta["world_size"])
-        # ringcomm's own schedules only: auto is their mix, and native is MPI's
-        # collective (which cannot reduce every dtype ringcomm can)
+        # every algorithm ringcomm can run (a user's registered ones with --import);
+        # not auto, which is their mix
         algos = [c["name"] for c in meta["columns"]
                  if c["kind"] == "ringcomm" and c["algo"] not in NOT_SCHEDULES]
         colls = []

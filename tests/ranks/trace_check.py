@@ -30,6 +30,10 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
+    # The lane's progress thread may still be finishing the last bucket's future
+    # callbacks, and a collective issued meanwhile runs there, outside this thread's
+    # profile: a barrier first leaves the lane idle, so the allreduce runs here.
+    dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         dist.all_reduce(torch.ones(100))
     names = {e.key for e in prof.key_averages()}
