@@ -57,7 +57,8 @@ def test_avg_truncates_integers_like_nccl():
 def test_choose_default_table():
     table = select.load_tuning(None)
     assert select.choose(table, "allreduce", 4096, 4) == "recursive_doubling"
-    assert select.choose(table, "allreduce", 40000, 4) == "tree"
+    assert select.choose(table, "allreduce", 40000, 3) == "tree"
+    assert select.choose(table, "allreduce", 40000, 4) == "rabenseifner"
     assert select.choose(table, "allreduce", 64 << 20, 4) == "ring"
     for coll in REGISTRY:
         for nbytes in (0, 1 << 10, 1 << 30):
