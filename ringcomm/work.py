@@ -53,7 +53,7 @@ class Work(BaseWork):
     exception set with ``Future.set_exception`` does not survive the trip through C++.
     Events and futures are made only when someone waits or asks for a future: a
     synchronous call that ran on the caller's thread returns a Work made complete
-    (:meth:`done`, :meth:`failed`).
+    (:class:`Done`, :meth:`failed`).
     """
 
     def __init__(self, op: str, engine: "Any"):
@@ -67,11 +67,6 @@ class Work(BaseWork):
         self._public: torch.futures.Future | None = None
         self._value: Any = None
         self._exc: BaseException | None = None
-
-    @staticmethod
-    def done(op: str, value: Any) -> "Done":
-        """A Work that completed with ``value``."""
-        return Done(op, value, None)
 
     @staticmethod
     def failed(op: str, exc: BaseException) -> "Done":
