@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import weakref
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -230,8 +231,8 @@ class _Program:
         self.scratch = list(scratch)  # held: persistent requests point into it
         self._bindings: collections.OrderedDict = collections.OrderedDict()
         nbuf = plan.nbuffers
-        # local work's regions: caller regions are sliced at every call (holding a view
-        # of the caller's memory would keep it alive), scratch ones once
+        # local work's regions: scratch ones are sliced once, caller ones when the
+        # caller's tensors change (see _local_views)
         used = sorted({v for _, _, local in plan.steps for _, d, s in local for v in (d, s)})
         self._lpos = {v: i for i, v in enumerate(used)}
         self._recipe = []
@@ -248,6 +249,21 @@ class _Program:
         self._whole = (None if self._static or any(k == 1 for k, *_ in self._recipe) else
                        ([x[1] if x[0] == 2 else None for x in self._recipe],
                         [(i, x[1]) for i, x in enumerate(self._recipe) if x[0] == 0]))
+        # otherwise caller buffers are sliced: the last call's slices are kept while the
+        # caller's tensors live (weak references to them: a slice held after they are
+        # gone would keep their memory), so DDP's buckets and FSDP's flat parameters,
+        # passed as the same tensors every time, are sliced once
+        self._callers = sorted({x for k, x, _, _ in self._recipe if k != 2})
+        self._sliced: tuple | None = None
+        me = weakref.ref(self)
+
+        def forget(ref: weakref.ref) -> None:
+            program = me()
+            last = program._sliced if program is not None else None
+            if last is not None and any(r is ref for r, _ in last[0]):
+                program._sliced = None
+
+        self._forget = forget
 
     def _local_views(self, bufs: Sequence) -> list:
         if self._static:
@@ -258,9 +274,20 @@ class _Program:
             for i, b in callers:
                 out[i] = bufs[b]
             return out
-        out = []
-        for kind, x, a, e in self._recipe:
-            out.append(x if kind == 2 else bufs[x] if kind == 0 else bufs[x][a:e])
+        last = self._sliced
+        if last is not None:
+            for (ref, ptr), b in zip(last[0], self._callers):
+                t = bufs[b]
+                if ref() is not t or t.data_ptr() != ptr:
+                    break
+            else:
+                return last[1]
+        # views of detached tensors, whole buffers too: a view keeps its base tensor
+        # alive, and a kept caller tensor would never die
+        out = [x if kind == 2 else bufs[x].detach()[a:e] for kind, x, a, e in self._recipe]
+        forget = self._forget
+        self._sliced = ([(weakref.ref(bufs[b], forget), bufs[b].data_ptr())
+                         for b in self._callers], out)
         return out
 
     def _views(self, bufs: Sequence) -> list:

@@ -231,7 +231,10 @@ class StreamEngine:
         self.streams = streams
         self._describe = describe
         self._lock = threading.Lock()  # one enqueue at a time: NCCL's order is issue order
-        self._state = threading.Condition(threading.Lock())  # pending, error, watchdog
+        # pending, error, watchdog; the enqueue takes the Condition's lock itself (a
+        # Condition's own enter and exit are Python calls, on every collective)
+        self._state_lock = threading.Lock()
+        self._state = threading.Condition(self._state_lock)
         self._pending: collections.deque[StreamWork] = collections.deque()
         self._enqueuing: tuple[str, float, float] | None = None
         self._error: BaseException | None = None
@@ -288,7 +291,7 @@ class StreamEngine:
                 self._enqueuing = None
             work = StreamWork(op, self, done, timeout_s, deadline, value,
                               call.blocking or self._blocking_wait)
-            with self._state:
+            with self._state_lock:
                 self._pending.append(work)
                 if self._watchdog is None:
                     self._watchdog = threading.Thread(

@@ -201,3 +201,46 @@ def test_split_even():
     assert [x.n for x in parts] == [3, 3, 2, 2]
     assert [x.off for x in parts] == [0, 3, 6, 8]
     assert [x.n for x in common.split_even(common.whole(0, 2), 5)] == [1, 1, 0, 0, 0]
+
+
+def test_kept_slices_follow_the_callers_tensors():
+    # a ring allreduce slices the caller's buffer for its local work; the slices are
+    # kept between calls only while they are slices of the tensor passed now
+    p, n = 3, 30
+    plans = [Plan(REGISTRY["allreduce"]["ring"](Context("allreduce", p, r, (n,))))
+             for r in range(p)]
+    programs = [P2PProgram(pl, None, [torch.empty(k) for k in pl.scratch], ops.SUM)
+                for pl in plans]
+    assert programs[0]._callers, "the ring's local work should slice the caller's buffer"
+
+    def run(bufs):
+        def body(tp):
+            pr = programs[tp.rank]
+            pr.tp = tp
+            pr._bindings.clear()  # each run_ranks has new transports
+            pr.run([bufs[tp.rank]])
+        run_ranks(p, body)
+
+    def check(bufs, seed):
+        want = sum(torch.arange(n, dtype=torch.float32) * (r + seed) for r in range(p))
+        assert all(torch.equal(b, want) for b in bufs), seed
+
+    same = [torch.arange(n, dtype=torch.float32) * (r + 1) for r in range(p)]
+    run(same)
+    check(same, 1)
+    for r in range(p):  # the same tensors again: the kept slices are used
+        same[r].copy_(torch.arange(n, dtype=torch.float32) * (r + 2))
+    assert programs[0]._sliced is not None
+    run(same)
+    check(same, 2)
+    for r in range(p):  # the same tensor objects moved to new memory
+        same[r].set_(torch.arange(n, dtype=torch.float32) * (r + 3))
+    run(same)
+    check(same, 3)
+    other = [torch.arange(n, dtype=torch.float32) * (r + 4) for r in range(p)]
+    run(other)
+    check(other, 4)
+    for pr in programs:  # the in-process transport's requests hold their tensors
+        pr._bindings.clear()
+    del other, same  # the caller's tensors are gone: their slices are not kept
+    assert all(pr._sliced is None for pr in programs)
