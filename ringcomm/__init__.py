@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 
 from . import bootstrap, checker, schedule, settings, trace
-from .algorithms import REGISTRY, register_algorithm
+from .algorithms import REGISTRY, expand_choices, register_algorithm, unregister_algorithm
 from .process_group import ProcessGroupRingcomm
 from .settings import Options
 
 __version__ = "0.1.0"
-__all__ = ["Options", "ProcessGroupRingcomm", "register_algorithm", "set_algorithm",
-           "algorithm", "get_group", "REGISTRY", "checker", "schedule", "__version__"]
+__all__ = ["Options", "ProcessGroupRingcomm", "register_algorithm", "unregister_algorithm",
+           "set_algorithm", "algorithm", "get_group", "REGISTRY", "checker", "schedule",
+           "__version__"]
 
 log = logging.getLogger("ringcomm")
 _level = settings.get("RINGCOMM_DEBUG")
@@ -43,6 +44,8 @@ def _create(dist_opts, pg_options) -> ProcessGroupRingcomm:
         raise TypeError(f"ringcomm: pg_options must be ringcomm.Options, got "
                         f"{type(pg_options).__name__}")
     options = (pg_options or Options()).resolve()
+    # names checked before any connection is made
+    options.algorithms = expand_choices(options.algorithms)
     transports, cpu_error, hosts = None, None, ()
     # before MPI starts (importing the MPI transport starts it): its network path
     bootstrap.prepare_network(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,

@@ -18,7 +18,7 @@ It also counts what the cost model needs (:class:`Stats`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -396,3 +396,74 @@ def shapes(collective: str, p: int, k: int):
     even = tuple(seg * k for _ in range(p))
     uneven = tuple(seg * k + (i % 3) - 1 if i % 4 else 0 for i in range(p))
     return [(even, seg), (uneven, seg)]
+
+
+# -- a user's builder, checked before its first use --------------------------------
+#: a user's schedule is checked symbolically at its real shape up to this many
+#: elements over all ranks, at a proportionally smaller shape above it
+CHECK_ELEMENTS = 1 << 18
+
+
+class AlgorithmFailed(RuntimeError):
+    """A user's schedule builder raised (not a wrong schedule: an exception)."""
+
+
+def check_user_schedule(build: Callable, ctx: Context, name: str):
+    """Check a user's builder for this call shape and return this rank's schedule,
+    the very one that was checked (every rank checks the same, so every rank
+    refuses a wrong schedule alike).
+
+    At the real shape: bounds, matching and freedom from deadlock always, contents
+    too up to ``CHECK_ELEMENTS`` elements over all ranks (and 62 ranks); above that
+    the contents are checked at a proportionally smaller shape with the same
+    number of segments per chunk.
+
+    Raises:
+        ScheduleError: (a ValueError) naming the algorithm, step and element at fault.
+        AlgorithmFailed: the builder raised, for some rank's view of this call (every
+            rank builds every rank's schedule, so every rank raises alike).
+    """
+    coll, p, r, lay = ctx.collective, ctx.size, ctx.rank, ctx.layout
+    # The checker needs every rank's view; where a rank knows only its own sizes
+    # (gather/scatter non-roots, alltoall) a consistent global layout stands in;
+    # this rank's part of it is exactly its own layout.
+    if coll in ("gather", "scatter"):
+        own = lay[r]
+        layout = tuple(own if c is None else c for c in lay)
+    elif coll == "alltoall":
+        sends, recvs = lay
+        layout = tuple(tuple(sends[j] if i == r else recvs[i] if j == r else 1
+                             for j in range(p)) for i in range(p))
+    else:
+        layout = lay
+    total = sum(_leaves(layout)) * max(p, 1)
+    small = total <= CHECK_ELEMENTS and p <= MAX_RANKS
+    try:
+        scheds = schedules(build, coll, p, layout, ctx.root, ctx.seg, ctx.hosts)
+        check(build, coll, p, layout, root=ctx.root, seg=ctx.seg, symbolic=small,
+                      built=scheds, hosts=ctx.hosts)
+        if not small and p <= MAX_RANKS:  # same segments per chunk, fewer elements
+            f = -(-total // CHECK_ELEMENTS)
+            check(build, coll, p, _scaled(layout, f), root=ctx.root,
+                          seg=max(1, ctx.seg // f), hosts=ctx.hosts)
+    except ScheduleError as e:
+        raise ScheduleError(f"ringcomm: algorithm {name!r} is wrong: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a user's code may raise anything
+        raise AlgorithmFailed(f"algorithm {name!r} raised {type(e).__name__}: {e} while "
+                              f"building its {coll} schedule for {p} ranks, layout "
+                              f"{layout}") from e
+    return scheds[r]
+
+
+def _leaves(layout) -> list[int]:
+    out = []
+    for x in layout:
+        if isinstance(x, tuple):
+            out.extend(_leaves(x))
+        elif x is not None:
+            out.append(x)
+    return out
+
+
+def _scaled(layout, f: int):
+    return tuple(_scaled(x, f) if isinstance(x, tuple) else -(-x // f) for x in layout)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from .transport import Transport, TransportAborted, TransportTimeout
-from .work import Done, Work
+from .work import Done, Work, collective_error
 
 log = logging.getLogger("ringcomm")
 
@@ -291,21 +291,14 @@ class Engine:
 
     def _wrap(self, op: str, e: BaseException, timeout_s: float) -> BaseException:
         where = f"{self._describe()}, rank {self.tp.rank} of {self.tp.size}"
-        if isinstance(e, TransportTimeout):
-            # "timed out ... timeout" : the words torch's own tests look for (gloo's too)
-            msg = (f"ringcomm {op} timed out after {timeout_s:g}s, the timeout of this "
-                   f"collective ({where}) {e}. Every rank "
-                   "must call the same collectives in the same order with matching sizes; "
-                   "the group is unusable now.")
-        elif isinstance(e, TransportAborted):
-            msg = f"ringcomm {op} was interrupted ({where}): {e}"
-        elif isinstance(e, dist.DistBackendError) and str(e).startswith("ringcomm"):
+        if isinstance(e, TransportAborted):
+            err = dist.DistBackendError(f"ringcomm {op} was interrupted ({where}): {e}")
+            err.__cause__ = e
+            return err
+        if isinstance(e, dist.DistBackendError) and str(e).startswith("ringcomm"):
             return e
-        else:
-            msg = f"ringcomm {op} failed ({where}): {type(e).__name__}: {e}"
-        err = dist.DistBackendError(msg)
-        err.__cause__ = e
-        return err
+        return collective_error(op, where, e, timeout_s, isinstance(e, TransportTimeout),
+                                f" {e}")
 
     def shutdown(self, wait_s: float = 5.0, interrupt: str | None = None) -> None:
         """Stop the progress thread; queued collectives fail. With ``interrupt``, the

@@ -2,7 +2,7 @@
 
 A :class:`Plan` is a schedule compiled once per call shape: regions numbered,
 and the dependencies the point-to-point executor needs. A *program* is a plan
-prepared for one channel and reduce op, with its scratch; for each set of
+prepared for one link and reduce op, with its scratch; for each set of
 caller buffer addresses it keeps a *binding*: the step lists with every
 message made ready to issue, so a repeated call does only the messages and the
 local work. Three kinds:
@@ -553,13 +553,13 @@ class GroupProgram(_Program):
 
 
 class NativeProgram:
-    """The channel library's own ``collective`` (algorithm ``native``) for one call
-    shape (:meth:`ringcomm.transport.Channel.native_init`)."""
+    """The link library's own ``collective`` (algorithm ``native``) for one call
+    shape (:meth:`ringcomm.transport.Link.native_init`)."""
 
-    def __init__(self, channel, collective: str, layout: tuple, dtype: torch.dtype, op,
+    def __init__(self, link, collective: str, layout: tuple, dtype: torch.dtype, op,
                  root: int):
-        self.channel = channel
-        self._call = channel.native_init(collective, layout, dtype, op, root)
+        self.link = link
+        self._call = link.native_init(collective, layout, dtype, op, root)
 
     def run(self, bufs: Sequence[torch.Tensor | None]) -> None:
         nc = self._call
@@ -567,7 +567,7 @@ class NativeProgram:
             nc.start(bufs)
             nc.finish(bufs)
         except BaseException:
-            self.channel.abandon(nc.handles(), keep=list(bufs))
+            self.link.abandon(nc.handles(), keep=list(bufs))
             raise
 
     def close(self) -> None:

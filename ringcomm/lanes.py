@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from .transport import Channel, Transport
+from .transport import Link, Transport
 
 
 class _Turn(threading.local):
@@ -28,7 +28,7 @@ class Lane:
 
     __slots__ = ("tp", "engine", "key", "token", "on_stream", "channel")
 
-    def __init__(self, tp: Channel, engine: Any, on_stream: bool, channel: int = 0):
+    def __init__(self, tp: Link, engine: Any, on_stream: bool, channel: int = 0):
         self.tp = tp
         self.engine = engine
         self.key = str(tp.device)

@@ -17,10 +17,12 @@ import torch.distributed as dist
 
 from . import requests, trace
 from .algorithms import check_choice
-from .checks import Inputs
+from .arguments import Inputs
 from .engine import Engine
 from .lanes import Lane, Lanes
-from .plans import AlgorithmFailed, Planner
+from .checker import AlgorithmFailed
+from .fingerprints import Fingerprints
+from .plans import Planner
 from .requests import Calls
 from .settings import Options, get
 from .transport import Transport
@@ -93,6 +95,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self.inputs = Inputs(rank, size, nccl_device_type)
         resolved = (options or Options()).resolve()
         self.planner = Planner(rank, size, resolved, hosts)
+        self.fingerprints = Fingerprints(self.planner)
         #: RINGCOMM_DEBUG=DETAIL: every call is compared across ranks before it runs
         self.detail = get("RINGCOMM_DEBUG") == "DETAIL"
         channels = resolved.num_channels

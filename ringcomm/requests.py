@@ -27,9 +27,10 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from . import algorithms, ops, trace
-from .checks import Inputs, options
+from .arguments import Inputs, options
 from .lanes import Lane, Lanes
-from .plans import Planner, dtype_code
+from .fingerprints import Fingerprints, dtype_code
+from .plans import Planner
 
 _Tensor = torch.Tensor
 _strided = torch.strided
@@ -48,6 +49,7 @@ class Group(Protocol):
     calls: "Calls"
     #: ``RINGCOMM_DEBUG=DETAIL``: compare every call across ranks before running it
     detail: bool
+    fingerprints: Fingerprints
     #: collectives called so far, and the default time limit of each
     seq: int
     timeout_s: float
@@ -112,7 +114,7 @@ class Call:
 
     def same_call(self, op: str, fields: list[int]) -> None:
         """``RINGCOMM_DEBUG=DETAIL``: every rank runs the same call."""
-        self.g.planner.same_call(self.lane, op, fields)
+        self.g.fingerprints.compare(self.lane, op, fields)
 
     def close(self) -> None:
         for p in self.programs:
@@ -270,7 +272,8 @@ class _AllreduceCoalesced(Call):
     def execute(self, ts: list, tensors: list) -> list:
         for run, flat, offs, op in self.parts:
             if self.detail:
-                self.same_call("allreduce_coalesced", [flat.numel(), int(op)])
+                self.same_call("allreduce_coalesced",
+                               [flat.numel(), int(op), dtype_code(flat.dtype)])
             if not flat.numel():
                 continue
             for i, view in offs:
@@ -310,7 +313,7 @@ class _Reduce(Call):
         self.root, self.me, self.size, self.op = root, g.inputs.rank, g.inputs.size, op
         self.work = None if self.me == root else torch.empty(t.numel(), dtype=t.dtype,
                                                              device=t.device)
-        self.fields = [t.numel(), int(op), root]
+        self.fields = [t.numel(), int(op), root, dtype_code(t.dtype)]
 
     def execute(self, t: torch.Tensor, tensors: list) -> list:
         if self.detail:
@@ -370,7 +373,7 @@ class _ReduceScatter(Call):
     def execute(self, jobs: list, value: Any) -> Any:
         for (out, ins), (run, work, chunks, n) in zip(jobs, self.jobs):
             if self.detail:
-                self.same_call(self.name, [n, int(self.op)])
+                self.same_call(self.name, [n, int(self.op), dtype_code(out.dtype)])
             if work.numel():
                 torch.cat([i.reshape(-1) for i in ins], out=work)
             with _flat(out, copy_in=False) as flat:
@@ -443,7 +446,7 @@ class _Broadcast(Call):
                                      root=root)
         super().__init__(g, lane, "broadcast", [prepared])
         self.run = self.programs[0].run
-        self.fields = [t.numel(), root]
+        self.fields = [t.numel(), root, dtype_code(t.dtype)]
 
     def execute(self, t: torch.Tensor, tensors: list) -> list:
         if self.detail:
@@ -484,7 +487,7 @@ class _Allgather(Call):
     def execute(self, parts: list, value: Any) -> Any:
         for run, (outs, t) in zip(self.runs, parts):
             if self.detail:
-                self.same_call(self.fields_op, [t.numel()])
+                self.same_call(self.fields_op, [t.numel(), dtype_code(t.dtype)])
             with contextlib.ExitStack() as stack:
                 flats = [_bytes(stack.enter_context(_flat(o, copy_in=False))) for o in outs]
                 run([*flats, _bytes(t.reshape(-1).contiguous())])
@@ -542,7 +545,7 @@ class _GatherInto(Call):
         p = self.p
         for (out, inp), run in zip(pairs, self.runs):
             if self.detail:
-                self.same_call("all_gather_into_tensor", [inp.numel()])
+                self.same_call("all_gather_into_tensor", [inp.numel(), dtype_code(inp.dtype)])
             with _flat(out, copy_in=False) as flat:
                 if flat.numel():
                     src = _bytes(inp.reshape(-1).contiguous())  # any strides, copied if must
@@ -601,7 +604,8 @@ class _Rooted(Call):
 
     def execute(self, t: torch.Tensor, chunks: list | None, value: Any) -> Any:
         if self.detail:
-            self.same_call("gather" if self.to_root else "scatter", self.fields)
+            self.same_call("gather" if self.to_root else "scatter",
+                           [*self.fields, dtype_code(t.dtype)])
         inward = not self.to_root  # scatter's chunks are read, gather's written
         with contextlib.ExitStack() as stack:
             mine = _bytes(stack.enter_context(_flat(t, copy_in=self.to_root)))
@@ -656,7 +660,8 @@ class _AllToAll(Call):
     def execute(self, sends: list, recvs: list, value: Any) -> Any:
         """``sends``/``recvs``: per rank a tensor, or (tensor, start, end) rows of one."""
         if self.detail:
-            self.same_call(self.op, [])
+            first = sends[0][0] if isinstance(sends[0], tuple) else sends[0]
+            self.same_call(self.op, [dtype_code(first.dtype)])
         with contextlib.ExitStack() as stack:
             out = [_bytes(_part(stack, x, True)) for x in sends]
             out += [_bytes(_part(stack, x, False)) for x in recvs]
@@ -689,7 +694,7 @@ class _AllToAllSingle(_AllToAll):
     def execute(self, output: torch.Tensor, input: torch.Tensor, sends: list, recvs: list,
                 value: Any) -> Any:
         if self.detail:
-            self.same_call(self.op, [])
+            self.same_call(self.op, [dtype_code(input.dtype)])
         with _flat(input) as src, _flat(output, copy_in=False) as dst:
             self.run([*(_bytes(src[a:b]) for a, b in sends),
                       *(_bytes(dst[a:b]) for a, b in recvs)])

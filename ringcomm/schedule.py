@@ -115,11 +115,6 @@ class Context:
             out[h].append(r)
         return out
 
-    def segments(self, off: int, n: int) -> list[tuple[int, int]]:
-        """``(offset, length)`` pieces of at most ``seg`` elements covering ``n``
-        elements from ``off``; none when ``n`` is 0."""
-        return [(rg.off, rg.n) for rg in pieces(Region(0, off, n), self.seg)]
-
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:

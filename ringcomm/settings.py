@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any, Callable, Mapping
 
 _TRUE = ("1", "true", "yes", "on")
@@ -86,10 +87,26 @@ def _level(raw: str) -> str:
     return up
 
 
-def _algorithms(raw: str) -> dict[str, str]:
-    from .algorithms import parse_choices  # the registry knows the names
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 
-    return parse_choices(raw)
+
+def _algorithms(raw: str) -> dict[str, str]:
+    """``RINGCOMM_ALGO``'s syntax: comma-separated ``collective=name`` items and at most
+    one bare ``name`` (every collective that has it: key ``"*"``). The names are
+    checked against the registry by the planner (:func:`ringcomm.algorithms.expand_choices`)."""
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in raw.split(","))):
+        coll, eq, name = (s.strip() for s in item.partition("="))
+        if not eq:
+            coll, name = "*", coll
+            if "*" in out:
+                raise ValueError(f"expected one algorithm name for every collective, got "
+                                 f"{out['*']!r} and {name!r} (name the collectives: "
+                                 f"`allreduce=ring,broadcast=tree`)")
+        if not (_NAME.fullmatch(name) and (coll == "*" or _NAME.fullmatch(coll))):
+            raise ValueError(f"expected `name` or `collective=name` items, got {item!r}")
+        out[coll] = name
+    return out
 
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
@@ -165,8 +182,9 @@ class Options:
     entry whose ``option`` names the field), then to that variable's default.
 
     Attributes:
-        algorithms: collective -> algorithm name (e.g. ``{"allreduce": "ring"}``);
-            these entries win over ``RINGCOMM_ALGO``'s.
+        algorithms: collective -> algorithm name (e.g. ``{"allreduce": "ring"}``;
+            key ``"*"``: every collective that has that algorithm); these entries
+            win over ``RINGCOMM_ALGO``'s.
         segment_bytes: pipeline segment size in bytes.
         tuning_file: JSON tuning table for ``auto``.
         num_channels: communicators of the group (K MPI communicators, or K NCCL
@@ -185,16 +203,12 @@ class Options:
     def resolve(self, environ: Mapping[str, str] | None = None) -> "Options":
         """A copy with every field decided: from this object, else from the
         environment, else the default (``algorithms`` merges the variable's choices
-        under this object's).
+        under this object's; the names are the planner's to check).
 
         Raises:
             ValueError: a field or variable holds a bad value; the message names it.
         """
         algos = {**get("RINGCOMM_ALGO", environ), **self.algorithms}
-        from .algorithms import check_choice
-
-        for coll, name in algos.items():
-            check_choice(coll, name)
         tuning = self.tuning_file or get("RINGCOMM_TUNING", environ)
         return Options(algorithms=algos,
                        segment_bytes=self._count("segment_bytes", environ, "bytes"),

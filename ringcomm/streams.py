@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from . import settings
-from .work import BaseWork
+from .pacing import Backoff
+from .work import BaseWork, collective_error
 
 _work_init = dist.Work.__init__
 _monotonic = time.monotonic
@@ -190,13 +191,12 @@ class StreamWork(BaseWork):
 
     def _block(self, limit: float) -> None:
         deadline = time.monotonic() + limit if limit > 0 else float("inf")
-        nap = 20e-6
+        pace = Backoff()
         while not self.is_completed():
             if time.monotonic() > deadline:
                 raise dist.DistBackendError(
                     f"ringcomm {self._op}: Work.wait timed out after {limit:.3f}s")
-            time.sleep(nap)
-            nap = min(nap * 2, 1e-3)
+            pace.pause()
 
     def get_future(self) -> torch.futures.Future:
         """A CUDA-aware future holding the outputs: waiting on it, or a ``then``
@@ -320,15 +320,9 @@ class StreamEngine:
             if self._error is None:
                 where = (f"{self._describe()}, rank {self.tp.rank} of {self.tp.size}, "
                          f"{self.tp.device}")
-                if isinstance(cause, TimeoutError):
-                    msg = (f"ringcomm {op} timed out after {timeout_s:g}s, the timeout of this "
-                           f"collective ({where}); the NCCL "
-                           "communicator was aborted. Every rank must call the same "
-                           "collectives in the same order with matching sizes.")
-                else:
-                    msg = f"ringcomm {op} failed ({where}): {type(cause).__name__}: {cause}"
-                err = dist.DistBackendError(msg)
-                err.__cause__ = cause
+                err = collective_error(op, where, cause, timeout_s,
+                                       isinstance(cause, TimeoutError),
+                                       "; the NCCL communicator was aborted")
                 self._error = err
                 for w in self._pending:
                     if not w.is_completed():

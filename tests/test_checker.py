@@ -10,7 +10,7 @@ import torch
 from ringcomm import checker, ops
 from ringcomm.algorithms import ring
 from ringcomm.executors import GroupProgram, Plan
-from ringcomm.plans import check_user_schedule as _check_user_schedule
+from ringcomm.checker import check_user_schedule as _check_user_schedule
 from ringcomm.schedule import Builder, Context, Copy, Reduce, Region, ScheduleError
 from ringcomm.simulator import SimFabric, SimulatorError
 from ringcomm.testing import run_schedule
@@ -187,9 +187,10 @@ def test_stats_count_rounds_and_bytes():
     assert (s.rounds, s.sent_max, s.reduced_max, s.busiest) == (6, 600, 300, 600)
 
 
-def test_p2p_executor_sums_under_simulated_and_threaded_runs():
+@pytest.mark.parametrize("executor", ["threads", "nccl-sim"])
+def test_a_users_schedule_sums_on_both_executors(executor):
     bufs = [[torch.arange(6.0) * (r + 1)] for r in range(2)]
-    run_schedule(swap_sum, "allreduce", 2, (6,), bufs, op=ops.SUM)
+    run_schedule(swap_sum, "allreduce", 2, (6,), bufs, op=ops.SUM, executor=executor)
     assert all(torch.equal(b[0], torch.arange(6.0) * 3) for b in bufs)
 
 

@@ -5,6 +5,7 @@ renderings of their JSON; the architecture's worked path matches the code."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import subprocess
 import sys
@@ -177,14 +178,17 @@ def test_architecture_worked_path_names_what_the_code_does():
     import re
 
     from ringcomm.algorithms import select
-    from ringcomm.process_group import METHODS
+    from ringcomm import process_group
+    from ringcomm.process_group import ProcessGroupRingcomm
 
     text = (ROOT / "docs" / "architecture.md").read_text()
     path = text[text.index("## Worked path"):]
     path = path[:path.index("\n## ", 1)]
     chosen = select.choose(select.load_tuning(None), "allreduce", 4096, 2)
     assert f"`{chosen}`" in path and f'"allreduce[{chosen}]"' in path, chosen
-    assert METHODS["allreduce"].__name__ == "allreduce"
+    # the path it describes: torch's allreduce goes to the short path, not the generic one
+    assert ProcessGroupRingcomm.allreduce is not process_group._generic_allreduce
+    assert "allreduce_prepared" in inspect.getsource(ProcessGroupRingcomm.allreduce)
     for module, name in (("requests", "allreduce"), ("requests", "allreduce_prepared"),
                          ("requests", "_Allreduce"), ("plans", "Planner"), ("lanes", "Lanes"),
                          ("engine", "Engine"), ("executors", "P2PProgram"),

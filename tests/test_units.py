@@ -3,15 +3,17 @@ file, options, registration and launcher detection."""
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import ringcomm
-from ringcomm import bootstrap, ops
+from ringcomm import algorithms, bootstrap, ops
 from ringcomm.algorithms import REGISTRY, register_algorithm, select
-from ringcomm.algorithms import parse_choices as _parse_algo_env
+from ringcomm import settings
+from ringcomm.algorithms import expand_choices
 
 R = dist.ReduceOp
 
@@ -25,6 +27,16 @@ def test_pg_options_of_another_type_are_refused_by_ringcomm():
     # ringcomm's own check, ahead of anything that needs a running job
     with pytest.raises(TypeError, match="pg_options must be ringcomm.Options, got dict"):
         ringcomm._create(object(), {"algorithms": {"allreduce": "ring"}})
+
+
+def test_unknown_algorithm_names_are_refused_before_connecting(monkeypatch):
+    # dist_opts is a bare object: reaching the network would fail otherwise
+    monkeypatch.setenv("RINGCOMM_ALGO", "warp")
+    with pytest.raises(ValueError, match="no collective has an algorithm 'warp'"):
+        ringcomm._create(object(), None)
+    monkeypatch.delenv("RINGCOMM_ALGO")
+    with pytest.raises(ValueError, match="no allreduce algorithm 'warp'"):
+        ringcomm._create(object(), ringcomm.Options(algorithms={"allreduce": "warp"}))
 
 
 @pytest.mark.parametrize("op", [R.BAND, R.BOR, R.BXOR])
@@ -72,11 +84,17 @@ def test_tuning_file(tmp_path, monkeypatch):
     table = select.load_tuning(str(f))
     assert select.choose(table, "allreduce", 50, 2) == "ring"
     assert select.choose(table, "allreduce", 5000, 2) == "tree"
-    # rows for other world sizes stay the defaults
-    assert select.choose(table, "allreduce", 50, 4) == select.choose(select.load_tuning(None),
-                                                                     "allreduce", 50, 4)
+    # every other row stays the built-in one: other world sizes, other collectives
+    builtin = select.load_tuning(None)
+    assert {k: v for k, v in table["allreduce"].items() if k != "2"} == {
+        k: v for k, v in builtin["allreduce"].items() if k != "2"}
+    assert all(table[c] == builtin[c] for c in builtin if c != "allreduce")
+    assert builtin["allreduce"].get("2") != table["allreduce"]["2"]
+    # RINGCOMM_TUNING reaches the table through the group's resolved options
     monkeypatch.setenv("RINGCOMM_TUNING", str(f))
-    assert select.choose(select.load_tuning(), "allreduce", 50, 2) == "ring"
+    from ringcomm.plans import Planner
+    assert Planner(0, 2, ringcomm.Options().resolve()).choose("allreduce", 50) == "ring"
+    assert Planner(0, 2, ringcomm.Options().resolve()).choose("allreduce", 5000) == "tree"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"allreduce": {"2": [["x", 3]]}}))
     with pytest.raises(ValueError, match="bad.json"):
@@ -89,21 +107,39 @@ def test_tuning_file(tmp_path, monkeypatch):
         select.load_tuning(str(tmp_path / "missing.json"))
 
 
+def _parse_algo_env(text: str) -> dict:
+    # settings parse the syntax, the registry checks and expands the names
+    return expand_choices(settings.get("RINGCOMM_ALGO", {"RINGCOMM_ALGO": text}))
+
+
 def test_algo_env_parsing():
     assert _parse_algo_env("ring")["allreduce"] == "ring"
     assert _parse_algo_env("ring")["broadcast"] == "ring"
     assert "barrier" not in _parse_algo_env("ring")
     assert _parse_algo_env("allreduce=tree, broadcast=ring") == {"allreduce": "tree",
                                                                  "broadcast": "ring"}
-    with pytest.raises(ValueError, match="bogus"):
+    # a named collective wins over the bare name, wherever it is written
+    assert _parse_algo_env("allreduce=tree,ring")["allreduce"] == "tree"
+    assert _parse_algo_env("ring,allreduce=tree")["broadcast"] == "ring"
+    with pytest.raises(ValueError, match="no collective has an algorithm 'bogus'"):
         _parse_algo_env("bogus")
+    with pytest.raises(ValueError, match="no allreduce algorithm 'warp'"):
+        _parse_algo_env("allreduce=warp")
+    with pytest.raises(ValueError, match="unknown collective 'allsmash'"):
+        _parse_algo_env("allsmash=ring")
+    with pytest.raises(ValueError, match="no allreduce algorithm 'warp'"):
+        expand_choices(ringcomm.Options(algorithms={"allreduce": "warp"}).resolve({}).algorithms)
 
 
 def test_register_algorithm():
-    from ringcomm.algorithms import tree
+    from ringcomm.algorithms import TRUSTED, tree
 
+    before = ({c: dict(a) for c, a in REGISTRY.items()}, set(TRUSTED))
+    generation = algorithms.generation
     register_algorithm("allreduce", "mine_for_test", tree.allreduce)
     try:
+        assert algorithms.generation == generation + 1  # prepared calls are not found again
+        assert ("allreduce", "mine_for_test") not in TRUSTED  # checked on first use
         assert REGISTRY["allreduce"]["mine_for_test"] is tree.allreduce
         with pytest.raises(ValueError, match="exists"):
             register_algorithm("allreduce", "mine_for_test", tree.allreduce)
@@ -115,7 +151,15 @@ def test_register_algorithm():
         with pytest.raises(ValueError, match="not callable"):
             register_algorithm("allreduce", "y", 42)
     finally:
-        del REGISTRY["allreduce"]["mine_for_test"]
+        ringcomm.unregister_algorithm("allreduce", "mine_for_test")
+    assert ({c: dict(a) for c, a in REGISTRY.items()}, set(TRUSTED)) == before
+    assert algorithms.generation == generation + 2
+    with pytest.raises(ValueError, match="no allreduce algorithm 'mine_for_test'"):
+        ringcomm.unregister_algorithm("allreduce", "mine_for_test")
+    with pytest.raises(ValueError, match="built in"):
+        ringcomm.unregister_algorithm("allreduce", "ring")
+    with pytest.raises(ValueError, match="auto's built-in tuning"):
+        ringcomm.unregister_algorithm("allreduce", "rabenseifner")
 
 
 def test_launcher_detection(monkeypatch):
@@ -130,5 +174,10 @@ def test_launcher_detection(monkeypatch):
 
 
 def test_get_group_requires_ringcomm():
-    with pytest.raises((ValueError, RuntimeError)):
-        ringcomm.get_group()
+    # ringcomm's own check: a group that exists but is not ringcomm's
+    store = dist.HashStore()
+    gloo = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=10))
+    with pytest.raises(ValueError, match="is not a ringcomm process group"):
+        ringcomm.get_group(gloo)
+    with pytest.raises(ValueError, match="is not a ringcomm process group"):
+        ringcomm.set_algorithm("allreduce", "ring", group=gloo)

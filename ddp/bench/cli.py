@@ -12,8 +12,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 import ringcomm  # noqa: F401  (registers the backend; under mpiexec it fills in RANK etc.)
-from ringcomm.bench.cli import Parser, free_port, names
-from ringcomm.bootstrap import MPI_LAUNCHER_VARS
+from ringcomm.bench.cli import Parser, launch_alone, names
 
 import ddp.bench
 from ddp.bench.configs import World
@@ -147,15 +146,10 @@ def _numbers(text: str, kind: type, flag: str, low: float) -> list:
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     """Run the benchmark; returns 0, 1 (verification failed or an error), 2 (bad flags)."""
     args = parse_args(argv, prog)
-    launched = any(v in os.environ for v in (*MPI_LAUNCHER_VARS, "TORCHELASTIC_RUN_ID", "RANK"))
-    if not launched:
+    if launch_alone():
         print("bench_ddp: note: no launcher found; running 1 rank (world size 1). Launch with "
               "`mpiexec -n 2 python -m ddp.bench` or `torchrun --nproc-per-node 2 -m "
               "ddp.bench` to compare across ranks.", file=sys.stderr)
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group(args.backend_list[0],
                             timeout=datetime.timedelta(seconds=args.timeout))
     rc = 0

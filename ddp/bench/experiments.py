@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import sys
 from typing import Any, Callable
@@ -16,7 +15,7 @@ import ringcomm
 from ringcomm import trace
 from ringcomm.bench.session import cpu_model, loadavg, mpi_library, version_of
 from ringcomm.bench.timing import Progress
-from ringcomm.bootstrap import MPI_LAUNCHER_VARS
+from ringcomm.bench.cli import launcher
 
 from ddp.bench import tracing
 from ddp.bench.configs import Config, Replica, World
@@ -394,15 +393,14 @@ class Bench:
             models[spec.name] = {**spec.describe(spec.build()), "hyperparameters":
                                  {k: list(v) if isinstance(v, tuple) else v
                                   for k, v in spec.hp.items()}}
-        launcher = ("torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else
-                    "mpiexec" if any(v in os.environ for v in MPI_LAUNCHER_VARS) else "none")
+        started_by = launcher()
         try:
             mpi = mpi_library()
         except Exception as e:  # noqa: BLE001 - informative only
             mpi = f"unknown ({e})"
         return {
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "world_size": w.size, "launcher": launcher, "cores": w.cores,
+            "world_size": w.size, "launcher": started_by, "cores": w.cores,
             "hosts": {h: w.hosts.count(h) for h in dict.fromkeys(w.hosts)}, "links": w.links,
             "torch_threads_per_rank": w.threads, "oversubscribed": w.oversubscribed(),
             "cpu": cpu_model(),

@@ -10,7 +10,7 @@ proves a user's builder right on the first use of each call shape.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 from ..schedule import BUFFERS
 from . import barrier, linear, recursive_doubling, ring, tree
@@ -100,6 +100,31 @@ def register_algorithm(collective: str, name: str, build: Callable, *,
     generation += 1
 
 
+def unregister_algorithm(collective: str, name: str) -> None:
+    """Remove algorithm ``name`` that :func:`register_algorithm` added for
+    ``collective``; calls prepared with it are never found again (a group whose
+    choice it still is must choose again before its next call of ``collective``).
+
+    Raises:
+        ValueError: unknown collective or name, or a built-in algorithm.
+    """
+    global generation
+    if collective not in REGISTRY or name not in REGISTRY[collective]:
+        raise ValueError(f"ringcomm.unregister_algorithm: no {collective} algorithm {name!r}")
+    if (collective, name) in BUILTIN:
+        raise ValueError(f"ringcomm.unregister_algorithm: {collective} algorithm {name!r} "
+                         "is built in")
+    from . import select  # here: select's tables name registered algorithms
+
+    if any(algo == name for rows in select.DEFAULT_TUNING.get(collective, {}).values()
+           for _, algo in rows):
+        raise ValueError(f"ringcomm.unregister_algorithm: {collective} algorithm {name!r} "
+                         "is in auto's built-in tuning")
+    del REGISTRY[collective][name]
+    TRUSTED.discard((collective, name))
+    generation += 1
+
+
 def names(collective: str) -> list[str]:
     """Algorithms available for ``collective`` (``auto`` included)."""
     return ["auto", *REGISTRY[collective]]
@@ -114,25 +139,27 @@ def check_choice(collective: str, name: str) -> None:
                          f"{names(collective)}")
 
 
-def parse_choices(text: str) -> dict[str, str]:
-    """``RINGCOMM_ALGO``'s form: ``ring`` (every collective that has a ``ring``) or
-    ``allreduce=ring,broadcast=tree`` -> ``{collective: name}``.
+def expand_choices(choices: Mapping[str, str]) -> dict[str, str]:
+    """Algorithm choices as ``RINGCOMM_ALGO`` and :class:`ringcomm.Options` give
+    them (key ``"*"``: every collective that has that algorithm; a named collective
+    wins over it) -> ``{collective: name}``, every name checked.
 
     Raises:
         ValueError: an unknown collective or algorithm name.
     """
     out: dict[str, str] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        if "=" in item:
-            coll, name = (s.strip() for s in item.split("=", 1))
+    star = choices.get("*")
+    if star is not None:
+        if star != "auto" and not any(star in a for a in REGISTRY.values()):
+            raise ValueError(f"ringcomm: no collective has an algorithm {star!r} "
+                             f"(RINGCOMM_ALGO or Options.algorithms)")
+        out.update({c: star for c, algos in REGISTRY.items() if star in algos or star == "auto"})
+    for coll, name in choices.items():
+        if coll != "*":
             check_choice(coll, name)
             out[coll] = name
-            continue
-        if item != "auto" and not any(item in a for a in REGISTRY.values()):
-            raise ValueError(f"no collective has an algorithm {item!r}")
-        out.update({c: item for c, algos in REGISTRY.items() if item in algos or item == "auto"})
     return out
 
 
-__all__ = ["REGISTRY", "NATIVE", "BUFFERS", "register_algorithm", "names", "check_choice",
-           "parse_choices"]
+__all__ = ["REGISTRY", "NATIVE", "BUFFERS", "register_algorithm", "unregister_algorithm",
+           "names", "check_choice", "expand_choices"]

@@ -9,8 +9,6 @@ import logging
 import re
 from pathlib import Path
 
-from .. import settings
-
 log = logging.getLogger("ringcomm")
 
 MiB = 1 << 20
@@ -120,7 +118,8 @@ _KEY = re.compile(r"default|hosts|\d+|>=\d+")
 
 def load_tuning(path: str | None = None) -> dict[str, dict[str, list]]:
     """The tuning table: DEFAULT_TUNING overlaid with the JSON file at ``path``
-    (or ``$RINGCOMM_TUNING``), key by key; a file that sets a collective's
+    (None: none; the planner passes ``RINGCOMM_TUNING``'s, resolved by
+    :class:`ringcomm.Options`), key by key; a file that sets a collective's
     ``"default"`` replaces all the built-in rows of that collective but ``"hosts"``
     (the built-in world-size rows refine the built-in default, not the file's).
 
@@ -130,7 +129,6 @@ def load_tuning(path: str | None = None) -> dict[str, dict[str, list]]:
     from . import REGISTRY  # here: algorithms/__init__ imports this module's neighbours
 
     table = {k: dict(v) for k, v in DEFAULT_TUNING.items()}
-    path = path or settings.get("RINGCOMM_TUNING")
     if not path:
         return table
     try:

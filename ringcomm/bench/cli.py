@@ -275,15 +275,9 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     args = parse_args(argv, prog)
     if args.model_from:
         return main_offline(args)
-    launched = any(v in os.environ for v in (*MPI_LAUNCHER_VARS, "TORCHELASTIC_RUN_ID", "RANK"))
-    if not launched:
+    if launch_alone():
         print("compare_collectives: note: no launcher found; running 1 rank. To compare "
               "collectives, " + LAUNCH_HINT, file=sys.stderr)
-    if not launched:
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
     host_id_per_rank()
     opts = ringcomm.Options(segment_bytes=args.segment_bytes, tuning_file=args.tuning,
                             num_channels=args.channels)
@@ -347,3 +341,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launcher() -> str:
+    """What started this process: ``"torchrun"``, ``"mpiexec"`` or ``"none"``."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun"
+    return "mpiexec" if any(v in os.environ for v in MPI_LAUNCHER_VARS) else "none"
+
+
+def launch_alone() -> bool:
+    """With no launcher and no ``RANK`` set by hand: set the environment for a group
+    of one rank and return True; otherwise False (the launcher's environment)."""
+    if launcher() != "none" or "RANK" in os.environ:
+        return False
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    return True

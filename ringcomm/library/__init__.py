@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ringcomm import register_algorithm
+from ringcomm.algorithms import register_algorithm
 
 from . import bruck, double_tree, hierarchical, pairwise, rabenseifner
 

@@ -26,12 +26,21 @@ from __future__ import annotations
 
 from typing import Callable
 
-import ringcomm
+from ringcomm.algorithms import REGISTRY, select
 from ringcomm.schedule import Builder, Context, Schedule
 
-#: across hosts, recursive doubling up to this many elements and the ring above: the
-#: 2-rank crossover of the measured tuning (``select.py``: 448 KiB = 114688 float32s)
-SMALL_ELEMENTS = 114688
+
+def _small_elements() -> int:
+    """The float32 elements of the largest message the built-in 2-rank allreduce
+    tuning (``select.py``, from the committed measurements) gives to recursive
+    doubling: the leaders' exchange is a 2-rank exchange per step."""
+    rows = select.DEFAULT_TUNING["allreduce"].get("2", [])
+    return max((upto for upto, algo in rows if algo == "recursive_doubling" and upto),
+               default=0) // 4
+
+
+#: across hosts, recursive doubling up to this many elements and the ring above
+SMALL_ELEMENTS = _small_elements()
 
 Build = Callable[[Context], Schedule]
 
@@ -41,7 +50,7 @@ def _lookup(collective: str, inter: "str | Build") -> Build:
     replaced registration is followed), or the builder itself."""
     if callable(inter):
         return inter
-    algos = ringcomm.REGISTRY[collective]
+    algos = REGISTRY[collective]
     build = algos.get(inter)
     if build is None or not callable(build):
         builders = sorted(name for name, f in algos.items() if callable(f))

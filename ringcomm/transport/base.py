@@ -1,6 +1,6 @@
 """What the process group needs from the layer below, for one device.
 
-:class:`Channel`: rank, size, device, scratch buffers and the library's own
+:class:`Link`: rank, size, device, scratch buffers and the library's own
 collectives. Two kinds, both driven by :mod:`ringcomm.executors` and driving
 nothing themselves:
 
@@ -63,10 +63,10 @@ def packed(chunks: Sequence[torch.Tensor]) -> tuple[int, list[int], list[int]] |
     return base, counts, displs
 
 
-class Channel(abc.ABC):
+class Link(abc.ABC):
     """One group's link between ``size`` ranks on one device; this process is ``rank``.
 
-    A channel is driven: the executors of :mod:`ringcomm.executors` call it, and it
+    A link is driven: the executors of :mod:`ringcomm.executors` call it, and it
     calls nothing above it.
     """
 
@@ -108,7 +108,7 @@ class Channel(abc.ABC):
     # -- local work ----------------------------------------------------------
     def scratch(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A work buffer of ``numel`` elements, distinct per ``slot``, shared by the
-        collectives of this channel (they run one at a time).
+        collectives of this link (they run one at a time).
 
         A prepared call holds the view it got, so its persistent requests stay valid
         when a larger call regrows the slot; slots grow to powers of two, so the
@@ -124,10 +124,10 @@ class Channel(abc.ABC):
         return buf[:nbytes].view(dtype)
 
     def close(self) -> None:
-        """Release communicators. The channel is unusable afterwards."""
+        """Release communicators. The link is unusable afterwards."""
 
 
-class Transport(Channel):
+class Transport(Link):
     """Point-to-point messaging among ``size`` ranks; this process is ``rank``.
 
     A schedule's messages are persistent requests (:meth:`send_init`,
@@ -197,24 +197,24 @@ class Transport(Channel):
         self.end()
 
     # -- user point-to-point (dist.send / dist.recv) ----------------------------
-    # A channel of its own, apart from collectives, so user tags never mix with
+    # A communicator of its own, apart from collectives, so user tags never mix with
     # collective traffic, and not bound to the running collective's deadline.
     def p2p_isend(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
         """Start a user send (``dist.isend``)."""
-        raise NotImplementedError(f"{type(self).__name__} has no point-to-point channel")
+        raise NotImplementedError(f"{type(self).__name__} has no user messages")
 
     def p2p_irecv(self, buf: torch.Tensor, peer: int | None, tag: int) -> Handle:
         """Start a user receive; ``peer=None`` receives from any rank."""
-        raise NotImplementedError(f"{type(self).__name__} has no point-to-point channel")
+        raise NotImplementedError(f"{type(self).__name__} has no user messages")
 
     def p2p_wait(self, handle: Handle, deadline: float) -> bool:
         """Wait for a user send/receive until ``deadline`` (time.monotonic);
         False if it is still pending then."""
-        raise NotImplementedError(f"{type(self).__name__} has no point-to-point channel")
+        raise NotImplementedError(f"{type(self).__name__} has no user messages")
 
     def p2p_done(self, handle: Handle) -> bool:
         """True once the user send/receive completed (does not block)."""
-        raise NotImplementedError(f"{type(self).__name__} has no point-to-point channel")
+        raise NotImplementedError(f"{type(self).__name__} has no user messages")
 
     def p2p_cancel(self, handle: Handle) -> None:
         """Give up on a pending user receive (its buffer stays referenced)."""

@@ -17,7 +17,6 @@ healthy transfer, and only then naps with exponential backoff up to
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 from typing import Sequence
@@ -25,12 +24,12 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
-from .. import settings
+from .. import ops, settings
+from ..pacing import Backoff
 from .base import Handle, Transport, TransportAborted, TransportTimeout, packed
 
 _monotonic = time.monotonic
 _INF = float("inf")
-_yield = os.sched_yield
 _fromaddress = MPI.buffer.fromaddress
 _BYTE = MPI.BYTE
 # One thread in MPI at a time, process-wide. MPI_THREAD_MULTIPLE is requested, but
@@ -52,20 +51,12 @@ def poll(test, deadline: float, spin_s: float, max_sleep_s: float, stop=None) ->
     ``stop()`` returns True (then False)."""
     if test():
         return True
-    start = _monotonic()
-    busy_until, spin_until = start + _BUSY_S, start + spin_s
-    nap = 20e-6
+    pace = Backoff(_BUSY_S, spin_s, max_sleep_s)
     while not test():
         now = _monotonic()
         if now >= deadline or (stop is not None and stop()):
             return False
-        if now < busy_until:
-            continue
-        if now < spin_until:
-            _yield()  # lets co-located ranks run when cores are oversubscribed
-        else:
-            time.sleep(nap)
-            nap = min(nap * 2, max_sleep_s)
+        pace.pause(now)
     return True
 
 
@@ -82,8 +73,7 @@ def complete(reqs: list, statuses: list, deadline: float, spin_s: float,
     are known complete.
     """
     n, i = len(reqs), done
-    start = None
-    nap = 20e-6
+    pace = None
     while True:
         with _mpi_lock:
             for _ in range(_BATCH):
@@ -94,17 +84,11 @@ def complete(reqs: list, statuses: list, deadline: float, spin_s: float,
         if idle is not None:
             idle()
         now = _monotonic()
-        if start is None:
-            start = now
         if now >= deadline or (stop is not None and stop()):
             return False
-        if now - start < _BUSY_S:
-            continue
-        if now - start < spin_s:
-            _yield()  # lets co-located ranks run when cores are oversubscribed
-        else:
-            time.sleep(nap)
-            nap = min(nap * 2, max_sleep_s)
+        if pace is None:  # made only once the first tests found work left
+            pace = Backoff(_BUSY_S, spin_s, max_sleep_s, start=now)
+        pace.pause(now)
 
 
 # -- MPI's own collectives: the "native" algorithm ------------------------------------
@@ -121,10 +105,6 @@ _MPI_OPS = {"SUM": "SUM", "AVG": "SUM", "PRODUCT": "PROD", "MIN": "MIN", "MAX": 
 # bool travels as bytes 0/1: torch's sum/max of bools is "or", product/min is "and"
 _BOOL_OPS = {"SUM": "BOR", "AVG": "BOR", "MAX": "BOR", "BOR": "BOR", "PRODUCT": "BAND",
              "MIN": "BAND", "BAND": "BAND", "BXOR": "BXOR"}
-
-
-def _op_name(op) -> str:
-    return str(op).rsplit(".", 1)[-1]
 
 
 def _vector(chunks: list, fill: bool) -> tuple[list, torch.Tensor | None]:
@@ -514,7 +494,7 @@ class MPITransport(Transport):
             raise ValueError(f"ringcomm: MPI has no native {collective!r}")
         mop = mtype = None
         if collective in ("allreduce", "reduce", "reduce_scatter"):
-            mop = getattr(MPI, (_BOOL_OPS if dtype == torch.bool else _MPI_OPS)[_op_name(op)])
+            mop = getattr(MPI, (_BOOL_OPS if dtype == torch.bool else _MPI_OPS)[ops.op_name(op)])
             mtype = getattr(MPI, _MPI_TYPES[dtype])
         return _NativeCall(self, collective, mop, mtype, root, dtype.itemsize)
 

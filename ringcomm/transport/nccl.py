@@ -22,7 +22,8 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
-from .base import Channel, packed
+from ..pacing import Backoff
+from .base import Link, packed
 
 #: what to install when CuPy or NCCL is missing
 EXTRAS_HINT = ("pip install 'ringcomm[cuda12]' (CUDA 12) or 'ringcomm[cuda13]' (CUDA 13), "
@@ -38,7 +39,7 @@ OP_CODES = {ops.SUM.value: 0, ops.AVG.value: 0, ops.PRODUCT.value: 1, ops.MAX.va
             ops.MIN.value: 3}
 #: collectives NCCL has (torch's NCCL backend builds the others from send/recv,
 #: as ringcomm's own algorithms do)
-NATIVE = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+NCCL_COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
 
 
 class NcclUnavailable(RuntimeError):
@@ -120,7 +121,7 @@ def connect(lib: Any, store: Any, prefix: str, rank: int, size: int, timeout_s: 
     arrived = f"{prefix}/arrived"
     store.add(arrived, 1)
     deadline = time.monotonic() + timeout_s
-    nap = 1e-3
+    pace = Backoff(max_nap_s=0.05, first_nap_s=1e-3)
     while True:
         count = store.add(arrived, 0)
         if count >= size:
@@ -129,14 +130,13 @@ def connect(lib: Any, store: Any, prefix: str, rank: int, size: int, timeout_s: 
             raise RuntimeError(f"ringcomm: creating the NCCL communicator {prefix!r}: only "
                                f"{count} of {size} ranks arrived within {timeout_s:g}s (every "
                                "rank must make the same first CUDA call on this group)")
-        time.sleep(nap)
-        nap = min(nap * 2, 0.05)
+        pace.pause()
     uid = decode_id(store.get(key))
     with device_context():
         return lib.NcclCommunicator(size, uid, rank)
 
 
-class NcclTransport(Channel):
+class NcclTransport(Link):
     """One NCCL communicator of a group, on one device, enqueuing on one stream.
 
     Implements :class:`ringcomm.executors.GroupComm`, so
@@ -201,10 +201,11 @@ class NcclTransport(Channel):
 
     # -- NCCL's own collectives ---------------------------------------------------
     def check_native(self, collective: str, dtype: torch.dtype, op: Any) -> None:
-        if collective not in NATIVE:
+        if collective not in NCCL_COLLECTIVES:
             raise ValueError(f"ringcomm {collective}: NCCL has no {collective} of its own "
                              f"(torch's NCCL backend builds it from send/recv, as ringcomm's "
-                             f"own algorithms do); 'native' exists for {', '.join(NATIVE)}")
+                             f"own algorithms do); 'native' exists for "
+                             f"{', '.join(NCCL_COLLECTIVES)}")
         if collective in ("allreduce", "reduce", "reduce_scatter"):
             if dtype not in DTYPE_CODES:
                 raise ValueError(f"ringcomm {collective}: algorithm 'native' (NCCL's own) cannot "

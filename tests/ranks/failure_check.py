@@ -5,8 +5,9 @@ Modes:
             naming the op and their rank within the group timeout — from the progress
             thread through Work.wait() and through the future — and later calls must
             fail fast.
-  mismatch  ranks call allreduce with different sizes under RINGCOMM_DEBUG=DETAIL; every
-            rank must get an error naming the mismatch.
+  mismatch  ranks call allreduce with different sizes, then broadcast with different
+            dtypes, under RINGCOMM_DEBUG=DETAIL; every rank must get an error naming
+            the mismatch.
   abort     rank 0 never joins an allreduce; rank 1 aborts its group, rank 2 shuts it
             down, half a second in: the running collective must end within a second
             (the group timeout is a minute), and later calls must fail at once.
@@ -81,6 +82,11 @@ def main(mode: str) -> None:
     elif mode == "mismatch":
         n = 10 if rank == 0 else 20
         expect_error(c, "size mismatch", lambda: dist.all_reduce(torch.ones(n)), "mismatch")
+        # the same sizes in another dtype: every collective's fingerprint holds its dtype
+        fresh = dist.new_group(backend="ringcomm")
+        t = torch.ones(8, dtype=torch.float32 if rank == 0 else torch.int32)
+        expect_error(c, "dtype mismatch", lambda: dist.broadcast(t, src=0, group=fresh),
+                     "mismatch", "broadcast")
     elif mode == "short":
         # Rank 1 sends fewer elements than the root expects: MPI itself would accept
         # the short message and leave stale data; ringcomm must say so.

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringcomm import checks
-from ringcomm.checks import Inputs
+from ringcomm import arguments
+from ringcomm.arguments import Inputs
 from ringcomm.process_group import METHODS, ProcessGroupRingcomm
 
 # rank 1 of 3; "cpu" runs over NCCL here, so the contiguity rule applies to CPU tensors
@@ -30,15 +30,15 @@ def test_every_collective_torch_can_call_is_in_the_table():
 
 
 def test_options_accepts_what_torch_bindings_accept():
-    assert isinstance(checks.options(None, dist.AllreduceOptions), dist.AllreduceOptions)
+    assert isinstance(arguments.options(None, dist.AllreduceOptions), dist.AllreduceOptions)
     o = dist.BroadcastOptions()
-    assert checks.options(o, dist.BroadcastOptions) is o
-    assert checks.options(dist.ReduceOp.MAX, dist.AllreduceOptions).reduceOp == dist.ReduceOp.MAX
-    assert checks.options(2, dist.ReduceOptions).rootRank == 2
+    assert arguments.options(o, dist.BroadcastOptions) is o
+    assert arguments.options(dist.ReduceOp.MAX, dist.AllreduceOptions).reduceOp == dist.ReduceOp.MAX
+    assert arguments.options(2, dist.ReduceOptions).rootRank == 2
     with pytest.raises(TypeError, match="expected AllreduceOptions, got str"):
-        checks.options("sum", dist.AllreduceOptions)
+        arguments.options("sum", dist.AllreduceOptions)
     with pytest.raises(TypeError, match="expected BarrierOptions, got int"):
-        checks.options(3, dist.BarrierOptions)
+        arguments.options(3, dist.BarrierOptions)
 
 
 # (what is wrong, the call, the exception type, a needle of its message)

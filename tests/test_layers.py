@@ -1,0 +1,174 @@
+"""Imports run one way: every import in ``ringcomm/`` and ``ddp/`` (function-level
+ones included) goes to the module's own layer or to one the layer may use.
+
+The layers, bottom up, as docs/architecture.md draws them:
+
+* bottom: settings, reduce ops, the schedule model and the trace (a recorder
+  every layer may call); they import nothing of ringcomm above them;
+* transport: point-to-point only, driven and driving nothing;
+* builders: the algorithms and the library, pure schedule builders (the schedule
+  model, ops and the registry);
+* schedules: the checker, NCCL's rules, the simulator and the executors;
+* runtime: engines, streams and Work, never the front;
+* launch: bootstrap and the network;
+* front: the process group and what serves it (requests, argument checks, plans,
+  lanes);
+* top: the package's public surface, the demo, testing helpers and the benchmark;
+* ``ddp/`` uses ``torch.distributed`` and ``ringcomm.trace`` only; ``ddp.bench``
+  also ringcomm's public surface and its benchmark.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: layer -> the module prefixes in it (a prefix covers its submodules)
+LAYERS = {
+    "bottom": ("ringcomm.settings", "ringcomm.ops", "ringcomm.schedule", "ringcomm.trace",
+               "ringcomm.pacing"),
+    "transport": ("ringcomm.transport",),
+    "builders": ("ringcomm.algorithms", "ringcomm.library"),
+    "schedules": ("ringcomm.checker", "ringcomm.nccl_rules", "ringcomm.simulator",
+                  "ringcomm.executors"),
+    "runtime": ("ringcomm.engine", "ringcomm.streams", "ringcomm.work"),
+    "launch": ("ringcomm.bootstrap", "ringcomm.network"),
+    "front": ("ringcomm.process_group", "ringcomm.requests", "ringcomm.arguments",
+              "ringcomm.fingerprints",
+              "ringcomm.plans", "ringcomm.lanes"),
+    "top": ("ringcomm.demo", "ringcomm.testing", "ringcomm.fake_nccl", "ringcomm.bench",
+            "ringcomm"),
+    "ddp.bench": ("ddp.bench",),
+    "ddp": ("ddp",),
+}
+#: layer -> the layers it may import, besides its own
+MAY_USE = {
+    "bottom": (),
+    "transport": ("bottom",),
+    "builders": (),  # and only the schedule model and ops of the bottom: BUILDER_BOTTOM
+    "schedules": ("bottom",),
+    "runtime": ("bottom", "transport"),
+    "launch": ("bottom",),
+    "front": ("bottom", "transport", "builders", "schedules", "runtime", "launch"),
+    "top": ("bottom", "transport", "builders", "schedules", "runtime", "launch", "front"),
+    "ddp": (),  # and ringcomm.trace: DDP_RINGCOMM
+    "ddp.bench": ("ddp",),
+}
+BUILDER_BOTTOM = ("ringcomm.schedule", "ringcomm.ops")
+DDP_RINGCOMM = ("ringcomm.trace",)
+#: what ddp.bench may use of ringcomm: the public surface (the package itself),
+#: the trace and the benchmark
+DDP_BENCH_RINGCOMM = ("ringcomm.trace", "ringcomm.bench")
+
+
+def _covers(prefix: str, module: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def layer_of(module: str) -> str:
+    """The layer of a ringcomm or ddp module (the longest prefix that covers it)."""
+    best = max((p for ps in LAYERS.values() for p in ps if _covers(p, module)),
+               key=len, default=None)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+    return next(name for name, ps in LAYERS.items() if best in ps)
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports(module: str, source: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, module) of every ringcomm or ddp import in ``source``: ``from X import
+    y`` counts as X.y where that is a module, else as X."""
+    package = module if is_package else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            targets = [f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base
+                       for a in node.names]
+        else:
+            continue
+        out += [(node.lineno, t) for t in targets if t.split(".")[0] in ("ringcomm", "ddp")]
+    return out
+
+
+def allowed(importer: str, target: str) -> bool:
+    mine, theirs = layer_of(importer), layer_of(target)
+    if mine == "builders":
+        return theirs == "builders" or any(_covers(p, target) for p in BUILDER_BOTTOM)
+    if mine == "ddp":
+        return theirs == "ddp" or any(_covers(p, target) for p in DDP_RINGCOMM)
+    if mine == "ddp.bench":
+        return (theirs in ("ddp", "ddp.bench") or target == "ringcomm"
+                or any(_covers(p, target) for p in DDP_BENCH_RINGCOMM))
+    return theirs == mine or theirs in MAY_USE[mine]
+
+
+def module_name(path: Path) -> tuple[str, bool]:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        return ".".join(parts[:-1]), True
+    return ".".join(parts), False
+
+
+def violations(files: list[Path]) -> list[str]:
+    out = []
+    for path in files:
+        module, is_package = module_name(path)
+        for line, target in imports(module, path.read_text(), is_package):
+            if not allowed(module, target):
+                out.append(f"{path.relative_to(ROOT)}:{line}: {module} ({layer_of(module)}) "
+                           f"imports {target} ({layer_of(target)})")
+    return out
+
+
+def _sources() -> list[Path]:
+    return sorted(p for d in ("ringcomm", "ddp") for p in (ROOT / d).rglob("*.py"))
+
+
+def test_imports_run_one_way():
+    found = violations(_sources())
+    assert not found, "imports against the layers:\n" + "\n".join(found)
+
+
+def test_every_module_is_in_a_layer():
+    for path in _sources():
+        layer_of(module_name(path)[0])
+
+
+def test_the_rules_catch_what_they_forbid(tmp_path, monkeypatch):
+    # the check itself can fail: imports against the layers, written as the code would
+    cases = {
+        "ringcomm/transport/mpi.py": "from ..executors import Plan\n",
+        "ringcomm/settings.py": "def f():\n    from .algorithms import REGISTRY\n",
+        "ringcomm/algorithms/ring.py": "from .. import settings\n",
+        "ringcomm/engine.py": "from .requests import Call\n",
+        "ddp/reducer.py": "from ringcomm import process_group\n",
+        "ddp/bench/cli.py": "from ringcomm.bootstrap import MPI_LAUNCHER_VARS\n",
+    }
+    for rel, text in cases.items():
+        module, is_package = module_name(ROOT / rel)
+        found = [t for _, t in imports(module, text, is_package) if not allowed(module, t)]
+        assert found, f"{rel}: {text!r} should be refused"
+    fine = {
+        "ringcomm/transport/mpi.py": "from .. import settings\nfrom .base import Handle\n",
+        "ringcomm/library/bruck.py": "from ringcomm.schedule import Builder\n",
+        "ringcomm/plans.py": "from .executors import Plan\nfrom .algorithms import REGISTRY\n",
+        "ddp/reducer.py": "from ringcomm import trace\n",
+        "ddp/bench/cli.py": "import ringcomm\nfrom ringcomm.bench.cli import Parser\n",
+    }
+    for rel, text in fine.items():
+        module, is_package = module_name(ROOT / rel)
+        found = [t for _, t in imports(module, text, is_package) if not allowed(module, t)]
+        assert not found, f"{rel}: {text!r} should be allowed, refused {found}"
