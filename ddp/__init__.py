@@ -7,9 +7,9 @@ allreduce starts while backward is still running; see ``docs/ddp.md``.
 """
 from __future__ import annotations
 
-from . import comm_hooks
-from .comm_hooks import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from .data_parallel import DistributedDataParallel
+from ddp import comm_hooks
+from ddp.comm_hooks import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from ddp.data_parallel import DistributedDataParallel
 
 __all__ = ["DistributedDataParallel", "GradBucket", "allreduce_hook", "fp16_compress_hook",
            "bf16_compress_hook", "comm_hooks"]

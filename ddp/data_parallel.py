@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp.buckets import FIRST_BUCKET_CAP_BYTES, MB
+from ddp.comm_hooks import CommHook
+from ddp.reducer import Reducer
 from ringcomm import trace
-
-from .buckets import FIRST_BUCKET_CAP_BYTES, MB
-from .comm_hooks import CommHook
-from .reducer import Reducer
 
 __all__ = ["DistributedDataParallel", "describe_mismatch"]
 

@@ -34,11 +34,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from ddp.buckets import (Bucket, complete_order, compute_bucket_assignment, make_buckets,
+                         reverse_order)
+from ddp.comm_hooks import CommHook, GradBucket, allreduce_hook, allreduce_sum
 from ringcomm import trace
-
-from .buckets import (Bucket, complete_order, compute_bucket_assignment, make_buckets,
-                      reverse_order)
-from .comm_hooks import CommHook, GradBucket, allreduce_hook, allreduce_sum
 
 log = logging.getLogger("ddp")
 

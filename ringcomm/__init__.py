@@ -16,10 +16,12 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from . import bootstrap, checker, schedule, settings, trace
-from .algorithms import REGISTRY, expand_choices, register_algorithm, unregister_algorithm
-from .process_group import ProcessGroupRingcomm
-from .settings import Options
+from ringcomm import schedule, settings, trace
+from ringcomm.algorithms import REGISTRY, expand_choices, register_algorithm, unregister_algorithm
+from ringcomm.front.process_group import ProcessGroupRingcomm
+from ringcomm.launch import bootstrap
+from ringcomm.schedules import checker
+from ringcomm.settings import Options
 
 __version__ = "0.1.0"
 __all__ = ["Options", "ProcessGroupRingcomm", "register_algorithm", "unregister_algorithm",
@@ -51,7 +53,7 @@ def _create(dist_opts, pg_options) -> ProcessGroupRingcomm:
     bootstrap.prepare_network(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
                               dist_opts.timeout)
     try:
-        from .transport.mpi import MPITransport
+        from ringcomm.transport.mpi import MPITransport
     except (ImportError, RuntimeError, OSError) as e:
         # A GPU-only machine may lack the MPI library: CUDA tensors still run over
         # NCCL, CPU tensors get this reason.
@@ -126,4 +128,4 @@ atexit.register(_shutdown_all)
 
 # The algorithm library registers itself through the public register_algorithm
 # (defined above), as a user's code would; last, so it sees a complete package.
-from . import library  # noqa: E402,F401
+from ringcomm import library  # noqa: E402,F401

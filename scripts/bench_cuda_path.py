@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import ringcomm
 from ringcomm.bench.columns import register_null_backend
-from ringcomm.process_group import ProcessGroupRingcomm
+from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.testing import FakeNccl
 
 BACKEND = "rcrecord"

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from ringcomm import requests
+from ringcomm.front import requests
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if p != 2:
         raise SystemExit("bench_layers: run it on exactly 2 ranks")
     pg = ringcomm.get_group()
-    world = ringcomm.bootstrap.world_comm()
+    world = ringcomm.launch.bootstrap.world_comm()
     n = a.bytes // 4
     t, s = torch.ones(n), torch.empty(n)
     peer = 1 - rank

@@ -142,7 +142,7 @@ def cuda_path_cases() -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from ringcomm.process_group import ProcessGroupRingcomm
+    from ringcomm.front.process_group import ProcessGroupRingcomm
     from ringcomm.testing import FakeNccl, nccl_groups
 
     cases: list[dict] = []

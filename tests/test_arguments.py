@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringcomm import arguments
-from ringcomm.arguments import Inputs
-from ringcomm.process_group import METHODS, ProcessGroupRingcomm
+from ringcomm.front import arguments
+from ringcomm.front.arguments import Inputs
+from ringcomm.front.process_group import METHODS, ProcessGroupRingcomm
 
 # rank 1 of 3; "cpu" runs over NCCL here, so the contiguity rule applies to CPU tensors
 G = Inputs(rank=1, size=3, nccl_type="cpu")

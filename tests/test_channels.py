@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from ringcomm.process_group import ProcessGroupRingcomm
+from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.testing import FakeNccl, _on_threads, check_collectives, nccl_groups
-from ringcomm.transport.local import LocalFabric
+from ringcomm.testing.local import LocalFabric
 
 from conftest import assert_checks, mpirun, torchrun
 

@@ -7,12 +7,13 @@ import threading
 import pytest
 import torch
 
-from ringcomm import checker, ops
+from ringcomm.schedules import checker
+from ringcomm import ops
 from ringcomm.algorithms import ring
-from ringcomm.executors import GroupProgram, Plan
-from ringcomm.checker import check_user_schedule as _check_user_schedule
+from ringcomm.schedules.executors import GroupProgram, Plan
+from ringcomm.schedules.checker import check_user_schedule as _check_user_schedule
 from ringcomm.schedule import Builder, Context, Copy, Reduce, Region, ScheduleError
-from ringcomm.simulator import SimFabric, SimulatorError
+from ringcomm.schedules.simulator import SimFabric, SimulatorError
 from ringcomm.testing import run_schedule
 
 

@@ -330,8 +330,8 @@ def test_auto_falls_back_from_native_where_mpi_cannot_take_the_call(tmp_path):
 
     from ringcomm import Options
     from ringcomm.algorithms import select
-    from ringcomm.process_group import ProcessGroupRingcomm
-    from ringcomm.transport.local import LocalFabric, LocalTransport
+    from ringcomm.front.process_group import ProcessGroupRingcomm
+    from ringcomm.testing.local import LocalFabric, LocalTransport
 
     class LikeMPI(LocalTransport):
         """Native collectives for every dtype but bfloat16, as MPI."""

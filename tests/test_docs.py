@@ -178,8 +178,8 @@ def test_architecture_worked_path_names_what_the_code_does():
     import re
 
     from ringcomm.algorithms import select
-    from ringcomm import process_group
-    from ringcomm.process_group import ProcessGroupRingcomm
+    from ringcomm.front import process_group
+    from ringcomm.front.process_group import ProcessGroupRingcomm
 
     text = (ROOT / "docs" / "architecture.md").read_text()
     path = text[text.index("## Worked path"):]
@@ -189,12 +189,13 @@ def test_architecture_worked_path_names_what_the_code_does():
     # the path it describes: torch's allreduce goes to the short path, not the generic one
     assert ProcessGroupRingcomm.allreduce is not process_group._generic_allreduce
     assert "allreduce_prepared" in inspect.getsource(ProcessGroupRingcomm.allreduce)
-    for module, name in (("requests", "allreduce"), ("requests", "allreduce_prepared"),
-                         ("requests", "_Allreduce"), ("plans", "Planner"), ("lanes", "Lanes"),
-                         ("engine", "Engine"), ("executors", "P2PProgram"),
-                         ("ops", "finalize_"), ("work", "Done"),
-                         ("transport.mpi", "MPITransport")):
-        assert f"{module.split('.')[-1]}.py" in path or f"{module}" in path, module
+    for module, name in (("front.requests", "allreduce"),
+                         ("front.requests", "allreduce_prepared"),
+                         ("front.requests", "_Allreduce"), ("front.plans", "Planner"),
+                         ("front.lanes", "Lanes"), ("runtime.engine", "Engine"),
+                         ("schedules.executors", "P2PProgram"), ("ops", "finalize_"),
+                         ("runtime.work", "Done"), ("transport.mpi", "MPITransport")):
+        assert f"{module.replace('.', '/')}.py" in path or f"{module}" in path, module
         assert hasattr(importlib.import_module(f"ringcomm.{module}"), name), (module, name)
     for method in re.findall(r"`transport\.(\w+)\(", path):
         from ringcomm.transport.mpi import MPITransport

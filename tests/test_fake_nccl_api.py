@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from ringcomm.fake_nccl import FakeNccl, _FakeComm, _RecordingComm
+from ringcomm.testing.fake_nccl import FakeNccl, _FakeComm, _RecordingComm
 from ringcomm.transport import nccl as transport
 
 

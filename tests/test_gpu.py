@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringcomm.process_group import ProcessGroupRingcomm
+from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.testing import check_collectives
 from ringcomm.transport import nccl
 

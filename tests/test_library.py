@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import ringcomm
-from ringcomm import checker, ops
+from ringcomm.schedules import checker
+from ringcomm import ops
 from ringcomm.algorithms import BUILTIN, REGISTRY, TRUSTED, select
 from ringcomm.library import ALGORITHMS, double_tree, hierarchical
 from ringcomm.schedule import (Builder, Context, Reduce, Region, ScheduleError, binomial_tree,
@@ -307,6 +308,8 @@ def test_library_imports_only_public_names():
     for path in sorted(root.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0:
+                if node.module == "ringcomm.library":  # its own modules
+                    continue
                 if node.module.startswith("ringcomm"):
                     names = {a.name for a in node.names}
                     assert names <= PUBLIC.get(node.module, set()), (path.name, node.module,
@@ -330,7 +333,7 @@ def test_registered_like_a_users_algorithm_and_tuning_names_only_registered_ones
 def test_first_use_check_refuses_nothing_at_realistic_shapes():
     # what the planner runs on the first call of each shape: the real shape without
     # contents, the contents at a smaller shape with as many segments per chunk
-    from ringcomm.checker import check_user_schedule
+    from ringcomm.schedules.checker import check_user_schedule
 
     seg = (2 << 20) // 4  # the default 2 MiB segments of float32
     for (coll, name), build in ALGORITHMS.items():
@@ -393,7 +396,7 @@ def test_auto_follows_the_library_rows():
 
 
 def test_planner_chooses_hierarchical_on_a_multi_host_group():
-    from ringcomm.plans import Planner
+    from ringcomm.front.plans import Planner
 
     options = ringcomm.Options().resolve()
     assert Planner(0, 4, options, hosts=(0, 0, 1, 1)).choose("allreduce", 1 << 20) == \
@@ -445,7 +448,7 @@ def test_verify_false_trusts_a_builder_and_verify_true_checks_it():
     """The first use of a checked builder builds every rank's schedule (to check
     them); a trusted one builds only this rank's."""
     import ringcomm
-    from ringcomm.plans import Planner
+    from ringcomm.front.plans import Planner
 
     calls = []
 

@@ -29,7 +29,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import RANKS, ROOT, _env, assert_checks
-from ringcomm import network
+from ringcomm.launch import network
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import nshosts  # noqa: E402

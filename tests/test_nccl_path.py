@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from ringcomm.process_group import ProcessGroupRingcomm
+from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.testing import FakeNccl, check_collectives, nccl_groups
 from ringcomm.transport import nccl
 
@@ -46,7 +46,7 @@ def test_the_oracle_check_catches_a_wrong_result():
             def off_by_one(send, recv, count, dtype, op, stream):
                 real(send, recv, count, dtype, op, stream)
                 if count and dtype == 7:  # float32
-                    from ringcomm.fake_nccl import memory_at as _memory
+                    from ringcomm.testing.fake_nccl import memory_at as _memory
                     _memory(recv, count, dtype).add_(1)
             comm.allReduce = off_by_one
             return comm

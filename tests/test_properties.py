@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringcomm.algorithms import REGISTRY
-from ringcomm.process_group import ProcessGroupRingcomm
-from ringcomm.transport.local import LocalFabric
+from ringcomm.front.process_group import ProcessGroupRingcomm
+from ringcomm.testing.local import LocalFabric
 
 settings.register_profile("default", max_examples=200, deadline=None, database=None,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -9,10 +9,11 @@ import threading
 import pytest
 import torch
 
-from ringcomm import checker, ops
+from ringcomm.schedules import checker
+from ringcomm import ops
 from ringcomm.algorithms import BUILTIN as SHIPPED
 from ringcomm.algorithms import NATIVE, REGISTRY, common
-from ringcomm.executors import P2PProgram, Plan
+from ringcomm.schedules.executors import P2PProgram, Plan
 from ringcomm.schedule import Context
 from ringcomm.testing import run_ranks, run_schedule
 

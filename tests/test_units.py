@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from ringcomm import algorithms, bootstrap, ops
+from ringcomm import algorithms, ops
+from ringcomm.launch import bootstrap
 from ringcomm.algorithms import REGISTRY, register_algorithm, select
 from ringcomm import settings
 from ringcomm.algorithms import expand_choices
@@ -92,7 +93,7 @@ def test_tuning_file(tmp_path, monkeypatch):
     assert builtin["allreduce"].get("2") != table["allreduce"]["2"]
     # RINGCOMM_TUNING reaches the table through the group's resolved options
     monkeypatch.setenv("RINGCOMM_TUNING", str(f))
-    from ringcomm.plans import Planner
+    from ringcomm.front.plans import Planner
     assert Planner(0, 2, ringcomm.Options().resolve()).choose("allreduce", 50) == "ring"
     assert Planner(0, 2, ringcomm.Options().resolve()).choose("allreduce", 5000) == "tree"
     bad = tmp_path / "bad.json"

@@ -8,7 +8,7 @@ every rank. The messages grow to p/2 bytes in the last round: still tiny.
 """
 from __future__ import annotations
 
-from ..schedule import Builder, Context, Copy, Region, Schedule
+from ringcomm.schedule import Builder, Context, Copy, Region, Schedule
 
 
 def dissemination(ctx: Context) -> Schedule:

@@ -7,9 +7,10 @@ short names for them and the few helpers only the built-ins use.
 """
 from __future__ import annotations
 
-from ..schedule import WINDOW, Context, Region, split_even
-from ..schedule import binomial_tree as binomial
-from ..schedule import pieces as _pieces
+from ringcomm.schedule import WINDOW, Context, Region
+from ringcomm.schedule import binomial_tree as binomial
+from ringcomm.schedule import pieces as _pieces
+from ringcomm.schedule import split_even
 
 __all__ = ["WINDOW", "split_even", "binomial", "piece", "pieces", "count_pieces", "whole",
            "chain"]

@@ -7,8 +7,8 @@ all-to-all does). Latency grows with p at the root of gather/scatter.
 """
 from __future__ import annotations
 
-from ..schedule import Builder, Context, Copy, Schedule
-from .common import whole
+from ringcomm.algorithms.common import whole
+from ringcomm.schedule import Builder, Context, Copy, Schedule
 
 
 def gather(ctx: Context) -> Schedule:

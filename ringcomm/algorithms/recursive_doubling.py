@@ -10,8 +10,8 @@ with bit-identical results.
 """
 from __future__ import annotations
 
-from ..schedule import Builder, Context, Reduce, Schedule
-from .common import whole
+from ringcomm.algorithms.common import whole
+from ringcomm.schedule import Builder, Context, Reduce, Schedule
 
 
 def allreduce(ctx: Context) -> Schedule:

@@ -9,9 +9,9 @@ moves segment ``k`` of ring step ``s``. Under NCCL every rank runs step
 """
 from __future__ import annotations
 
-from ..schedule import Builder, Context, Copy, Reduce, Region, Schedule
-from .common import WINDOW, chain, count_pieces, piece, split_even, whole
-from .tree import broadcast_steps
+from ringcomm.algorithms.common import WINDOW, chain, count_pieces, piece, split_even, whole
+from ringcomm.algorithms.tree import broadcast_steps
+from ringcomm.schedule import Builder, Context, Copy, Reduce, Region, Schedule
 
 
 def reduce_scatter_steps(b: Builder, chunks: list[Region]) -> None:

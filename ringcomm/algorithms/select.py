@@ -126,7 +126,8 @@ def load_tuning(path: str | None = None) -> dict[str, dict[str, list]]:
     Raises:
         ValueError: the file is unreadable or not of the expected shape.
     """
-    from . import REGISTRY  # here: algorithms/__init__ imports this module's neighbours
+    from ringcomm.algorithms import \
+        REGISTRY  # here: algorithms/__init__ imports this module's neighbours
 
     table = {k: dict(v) for k, v in DEFAULT_TUNING.items()}
     if not path:

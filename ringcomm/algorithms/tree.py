@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..schedule import Builder, Context, Reduce, Region, Schedule
-from .common import WINDOW, binomial, pieces, whole
+from ringcomm.algorithms.common import WINDOW, binomial, pieces, whole
+from ringcomm.schedule import Builder, Context, Reduce, Region, Schedule
 
 Topology = Callable[[int, int, int], "tuple[int | None, list[int]]"]
 

@@ -233,7 +233,7 @@ def mpi_comm(p: int) -> Any:
         return MPI.COMM_WORLD.Dup()
     # torchrun: every process is an MPI singleton that ringcomm joined into one
     # communicator for its world group.
-    comm = ringcomm.bootstrap.world_comm()
+    comm = ringcomm.launch.bootstrap.world_comm()
     if comm is None or comm.Get_size() != p:
         raise RuntimeError("compare_collectives: cannot find an MPI communicator spanning "
                            f"the {p} ranks (MPI.COMM_WORLD has "

@@ -14,7 +14,7 @@ algorithm               collective    steps (p ranks, k segments per message)
 
 They are registered with ``verify=False``: like the built-ins they are proved by
 the test suite (``tests/test_library.py`` checks them with
-:func:`ringcomm.checker.check` over world sizes, layouts and host layouts, and
+:func:`ringcomm.schedules.checker.check` over world sizes, layouts and host layouts, and
 runs them under both executors and against gloo), so they skip the first-use
 check, which at 256 ranks costs up to 2 s per all-to-all shape. A user's algorithm
 registered without ``verify=False`` is checked at first use. ``auto`` picks them
@@ -26,8 +26,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ringcomm.algorithms import register_algorithm
-
-from . import bruck, double_tree, hierarchical, pairwise, rabenseifner
+from ringcomm.library import bruck, double_tree, hierarchical, pairwise, rabenseifner
 
 #: (collective, name) -> builder, for every algorithm this package registers
 ALGORITHMS: dict[tuple[str, str], Callable] = {

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from .. import settings
+from ringcomm import settings
 
 #: the recorder in use, or None (the one flag every hook tests)
 _rec: "Recorder | None" = None

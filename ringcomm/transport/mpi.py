@@ -24,9 +24,9 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
-from .. import ops, settings
-from ..pacing import Backoff
-from .base import Handle, Transport, TransportAborted, TransportTimeout, packed
+from ringcomm import ops, settings
+from ringcomm.pacing import Backoff
+from ringcomm.transport.base import Handle, Transport, TransportAborted, TransportTimeout, packed
 
 _monotonic = time.monotonic
 _INF = float("inf")

@@ -6,9 +6,9 @@ with every CuPy version. Point-to-point messages travel as bytes; only NCCL's
 own collectives (algorithm ``native``) need the element type.
 
 Everything here only *enqueues* work on a stream. Each schedule step is one
-``groupStart()``/``groupEnd()`` pair (:func:`ringcomm.executors.run_grouped`),
+``groupStart()``/``groupEnd()`` pair (:func:`ringcomm.schedules.executors.run_grouped`),
 local reductions are torch ops issued on the same stream, and waiting, time
-limits and errors belong to :class:`ringcomm.streams.StreamEngine`.
+limits and errors belong to :class:`ringcomm.runtime.streams.StreamEngine`.
 
 CuPy is imported on first use only: ``import ringcomm`` works without it, and a
 CUDA tensor without it gets an error naming the extra to install.
@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import torch
 
-from .. import ops
-from ..pacing import Backoff
-from .base import Link, packed
+from ringcomm import ops
+from ringcomm.pacing import Backoff
+from ringcomm.transport.base import Link, packed
 
 #: what to install when CuPy or NCCL is missing
 EXTRAS_HINT = ("pip install 'ringcomm[cuda12]' (CUDA 12) or 'ringcomm[cuda13]' (CUDA 13), "
@@ -139,8 +139,8 @@ def connect(lib: Any, store: Any, prefix: str, rank: int, size: int, timeout_s: 
 class NcclTransport(Link):
     """One NCCL communicator of a group, on one device, enqueuing on one stream.
 
-    Implements :class:`ringcomm.executors.GroupComm`, so
-    :class:`~ringcomm.executors.GroupProgram` drives it; the stream engine makes
+    Implements :class:`ringcomm.schedules.executors.GroupComm`, so
+    :class:`~ringcomm.schedules.executors.GroupProgram` drives it; the stream engine makes
     ``stream`` current around every call, so the local reductions (torch ops, which
     the program calls directly: ``local_work_inline``) land on it too.
 

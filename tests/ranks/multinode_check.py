@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ringcomm
-from ringcomm import network
+from ringcomm.launch import network
 from ddp import DistributedDataParallel as OurDDP
 from _ddp_common import Classifier, done, init, train_classifier
 

@@ -30,9 +30,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import settings
-from .pacing import Backoff
-from .work import BaseWork, collective_error
+from ringcomm import settings
+from ringcomm.pacing import Backoff
+from ringcomm.runtime.work import BaseWork, collective_error
 
 _work_init = dist.Work.__init__
 _monotonic = time.monotonic
@@ -255,7 +255,7 @@ class StreamEngine:
     def submit(self, call: Any, args: Sequence, async_op: bool = True,
                timeout_s: float = 0.0) -> StreamWork:
         """Enqueue ``call.execute(*args)`` (it issues the whole collective) and return
-        its Work: the same interface as :meth:`ringcomm.engine.Engine.submit`.
+        its Work: the same interface as :meth:`ringcomm.runtime.engine.Engine.submit`.
 
         Args:
             call: a prepared call: ``name``, ``execute``, ``touched(args)`` (the tensors

@@ -31,8 +31,8 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from .transport import Transport, TransportAborted, TransportTimeout
-from .work import Done, Work, collective_error
+from ringcomm.runtime.work import Done, Work, collective_error
+from ringcomm.transport import Transport, TransportAborted, TransportTimeout
 
 log = logging.getLogger("ringcomm")
 

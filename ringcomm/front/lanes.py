@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from .transport import Link, Transport
+from ringcomm.transport import Link, Transport
 
 
 class _Turn(threading.local):
@@ -68,7 +68,7 @@ class Lanes:
             # is unusable, whichever channel it ran on
             lane.engine.on_failure = self.mark_broken
         # the channel the next collective runs on (see :meth:`turn_to`), per thread: a
-        # future callback's collective takes its own lane's (ringcomm.engine)
+        # future callback's collective takes its own lane's (ringcomm.runtime.engine)
         self._turn = _Turn()
         self.nccl_type = nccl_type
         self._cpu_error = cpu_error
@@ -162,7 +162,7 @@ class Lanes:
             return True
         if not torch.cuda.is_available():
             return False
-        from .transport import nccl
+        from ringcomm.transport import nccl
         try:
             self._nccl_lib = nccl.load()
         except nccl.NcclUnavailable:
@@ -198,7 +198,7 @@ class Lanes:
 
     def _library(self, op: str) -> Any:
         if self._nccl_lib is None:
-            from .transport import nccl
+            from ringcomm.transport import nccl
             try:
                 self._nccl_lib = nccl.load()
             except nccl.NcclUnavailable as e:
@@ -226,8 +226,8 @@ class Lanes:
 
     def _new_nccl_lane(self, lib: Any, device: torch.device, prefix: str, rank: int,
                        size: int) -> Lane:
-        from .streams import StreamEngine, streams_for
-        from .transport.nccl import NcclTransport, connect
+        from ringcomm.runtime.streams import StreamEngine, streams_for
+        from ringcomm.transport.nccl import NcclTransport, connect
 
         if self._store is None:
             raise ValueError("ringcomm: this group has no store to set up NCCL communicators")

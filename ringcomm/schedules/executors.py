@@ -17,7 +17,7 @@ local work. Three kinds:
 * :class:`GroupProgram`, over an NCCL-like communicator (:class:`GroupComm`):
   each step is one group (group start, its sends and receives, group end), its
   local work follows on the same stream. This is the only order NCCL allows;
-  :mod:`ringcomm.simulator` provides a communicator that enforces NCCL's rules
+  :mod:`ringcomm.schedules.simulator` provides a communicator that enforces NCCL's rules
   on CPU tensors, the CUDA transport the real one.
 * :class:`NativeProgram`: the transport library's own collective (``native``).
 """
@@ -30,8 +30,8 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from . import ops, trace
-from .schedule import Reduce, Region, Schedule, buffer_lengths
+from ringcomm import ops, trace
+from ringcomm.schedule import Reduce, Region, Schedule, buffer_lengths
 
 #: receives the point-to-point executor keeps posted ahead of the step it waits on
 RECV_AHEAD = 64

@@ -4,14 +4,14 @@ passes to it. The lane's engine runs ``call.execute(*args)``.
 
 A prepared call (:class:`Call`) is made on the first call of a shape (group,
 lane, collective, dtype, sizes, op, root, algorithm): every argument check, the
-algorithm's choice and its program (:mod:`ringcomm.executors`: the compiled
+algorithm's choice and its program (:mod:`ringcomm.schedules.executors`: the compiled
 schedule, scratch, persistent requests) are done then, once. A later call of
 the shape finds it by a key made of what defines the shape, checks only what
 the key cannot vouch for (the tensor's type and layout, its contiguity, the
 sizes of list entries), and runs.
 
 Each function takes the group first and then torch's arguments, in the order
-torch's ``ProcessGroup`` methods take them; ``ringcomm.process_group.METHODS``
+torch's ``ProcessGroup`` methods take them; ``ringcomm.front.process_group.METHODS``
 maps torch's method names (aliases included) to them.
 
 Every argument is checked before the lane is chosen: the first CUDA call of a
@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-from . import algorithms, ops, trace
-from .arguments import Inputs, options
-from .lanes import Lane, Lanes
-from .fingerprints import Fingerprints, dtype_code
-from .plans import Planner
+from ringcomm import algorithms, ops, trace
+from ringcomm.front.arguments import Inputs, options
+from ringcomm.front.fingerprints import Fingerprints, dtype_code
+from ringcomm.front.lanes import Lane, Lanes
+from ringcomm.front.plans import Planner
 
 _Tensor = torch.Tensor
 _strided = torch.strided

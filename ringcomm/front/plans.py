@@ -1,10 +1,10 @@
 """From a call's shape to something that runs: which algorithm (the group's
 choice, or ``auto``'s), its compiled schedule (cached per call shape, and for a
 user's algorithm checked before first use), and the program that runs it on a
-lane (:mod:`ringcomm.executors`), and the group's epoch (message tags). A user's
-builder is checked by :func:`ringcomm.checker.check_user_schedule`; the
+lane (:mod:`ringcomm.schedules.executors`), and the group's epoch (message tags). A user's
+builder is checked by :func:`ringcomm.schedules.checker.check_user_schedule`; the
 ``RINGCOMM_DEBUG=DETAIL`` comparison of every rank's call is
-:mod:`ringcomm.fingerprints`.
+:mod:`ringcomm.front.fingerprints`.
 """
 from __future__ import annotations
 
@@ -15,15 +15,16 @@ from typing import Any, Callable
 
 import torch
 
-from . import algorithms
-from .algorithms import NATIVE, REGISTRY, expand_choices, select
-from .algorithms import names as algorithm_names
-from .executors import GroupProgram, NativeProgram, P2PProgram, Plan
-from .lanes import Lane
-from .checker import check_user_schedule
-from .schedule import Context
-from .settings import Options
-from .transport import Link, Transport
+from ringcomm import algorithms
+from ringcomm.algorithms import NATIVE, REGISTRY, expand_choices
+from ringcomm.algorithms import names as algorithm_names
+from ringcomm.algorithms import select
+from ringcomm.front.lanes import Lane
+from ringcomm.schedule import Context
+from ringcomm.schedules.checker import check_user_schedule
+from ringcomm.schedules.executors import GroupProgram, NativeProgram, P2PProgram, Plan
+from ringcomm.settings import Options
+from ringcomm.transport import Link, Transport
 
 log = logging.getLogger("ringcomm")
 

@@ -25,7 +25,8 @@ import sys
 import threading
 from datetime import timedelta
 
-from . import network, settings
+from ringcomm import settings
+from ringcomm.launch import network
 
 log = logging.getLogger("ringcomm")
 
@@ -145,7 +146,7 @@ def mpi_started() -> bool:
 def prepare_network(store, rank: int, size: int, timeout: timedelta) -> None:
     """Before a group's communicator is built from singletons (torchrun): meet the
     group's ranks through ``store`` and choose the network path MPI will use
-    (:mod:`ringcomm.network`). Nothing to do under mpiexec or once the world
+    (:mod:`ringcomm.launch.network`). Nothing to do under mpiexec or once the world
     communicator exists: MPI is wired up then."""
     if launched_by_mpi() or _world is not None:
         return

@@ -1,5 +1,5 @@
 """The ringcomm ProcessGroup: a table from torch's method names to the request
-builders of :mod:`ringcomm.requests`, plus what belongs to the group itself:
+builders of :mod:`ringcomm.front.requests`, plus what belongs to the group itself:
 its identity, its algorithm choices, point-to-point messages and its end.
 
 A torch call ``pg.allreduce([t], opts)`` goes ``METHODS["allreduce"]`` ->
@@ -15,18 +15,19 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import requests, trace
-from .algorithms import check_choice
-from .arguments import Inputs
-from .engine import Engine
-from .lanes import Lane, Lanes
-from .checker import AlgorithmFailed
-from .fingerprints import Fingerprints
-from .plans import Planner
-from .requests import Calls
-from .settings import Options, get
-from .transport import Transport
-from .work import P2PWork
+from ringcomm import trace
+from ringcomm.algorithms import check_choice
+from ringcomm.front import requests
+from ringcomm.front.arguments import Inputs
+from ringcomm.front.fingerprints import Fingerprints
+from ringcomm.front.lanes import Lane, Lanes
+from ringcomm.front.plans import Planner
+from ringcomm.front.requests import Calls
+from ringcomm.runtime.engine import Engine
+from ringcomm.runtime.work import P2PWork
+from ringcomm.schedules.checker import AlgorithmFailed
+from ringcomm.settings import Options, get
+from ringcomm.transport import Transport
 
 __all__ = ["ProcessGroupRingcomm", "Options", "METHODS"]
 
@@ -111,7 +112,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                            nccl_type=nccl_device_type, channels=channels)
         #: collectives called so far, refused ones included (see :func:`_method`)
         self.seq = 0
-        #: the prepared calls, by shape (:mod:`ringcomm.requests`)
+        #: the prepared calls, by shape (:mod:`ringcomm.front.requests`)
         self.calls = Calls()
 
     # -- identity -------------------------------------------------------------
@@ -281,12 +282,12 @@ def _method(torch_name: str, build: Callable[..., tuple]) -> Callable[..., dist.
 
     Every call is numbered; the number picks the channel (``Options.num_channels``).
     A call refused on this rank (bad input) starts a new epoch of the group's
-    message tags (:meth:`ringcomm.plans.Planner.refused`): if it was refused on
+    message tags (:meth:`ringcomm.front.plans.Planner.refused`): if it was refused on
     some ranks only, those ranks' next collective carries other tags than the
     others' current one, so the mismatch ends in a clear timeout instead of two
     different collectives silently exchanging data. A collective issued by a future
     callback on a lane's progress thread runs on that lane at once and takes no
-    number (:mod:`ringcomm.engine`).
+    number (:mod:`ringcomm.runtime.engine`).
     """
     def method(self: ProcessGroupRingcomm, *args: Any, **kwargs: Any) -> dist.Work:
         lanes = self.lanes

@@ -12,9 +12,9 @@ import zlib
 
 import torch
 
-from .algorithms import ring as _ring
-from .lanes import Lane
-from .plans import Planner, program
+from ringcomm.algorithms import ring as _ring
+from ringcomm.front.lanes import Lane
+from ringcomm.front.plans import Planner, program
 
 #: the operation's name in this many bytes, then this many int64 fields
 NAME_BYTES, FINGERPRINT_FIELDS = 32, 5

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .base import Handle, Transport, TransportAborted, TransportTimeout
+from ringcomm.transport.base import Handle, Transport, TransportAborted, TransportTimeout
 
 
 class _Req:

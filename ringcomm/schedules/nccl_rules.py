@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable
 
-from .schedule import ScheduleError
+from ringcomm.schedule import ScheduleError
 
 
 class _Op:

@@ -29,7 +29,7 @@ import socket
 import struct
 from datetime import timedelta
 
-from . import settings
+from ringcomm import settings
 
 log = logging.getLogger("ringcomm")
 

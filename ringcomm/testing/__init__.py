@@ -11,7 +11,7 @@ launcher, any world size.
 
 * :func:`run_ranks` calls any function with a point-to-point transport per rank.
 * :func:`nccl_groups` runs process groups whose CPU tensors take the NCCL path,
-  over :class:`~ringcomm.fake_nccl.FakeNccl` (also importable from here).
+  over :class:`~ringcomm.testing.fake_nccl.FakeNccl` (also importable from here).
 * :func:`check_collectives` checks every collective of a group against a
   single-process oracle.
 """
@@ -22,14 +22,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import ops
-from .checker import local_layout
-from .executors import GroupProgram, P2PProgram, Plan
-from .schedule import Context
-from .simulator import SimFabric
-from .transport.base import Transport
-from .transport.local import LocalFabric
-from .fake_nccl import FakeNccl
+from ringcomm import ops
+from ringcomm.schedule import Context
+from ringcomm.schedules.checker import local_layout
+from ringcomm.schedules.executors import GroupProgram, P2PProgram, Plan
+from ringcomm.schedules.simulator import SimFabric
+from ringcomm.testing.fake_nccl import FakeNccl
+from ringcomm.testing.local import LocalFabric
+from ringcomm.transport.base import Transport
 
 EXECUTORS = ("threads", "nccl-sim")
 
@@ -87,7 +87,7 @@ def run_schedule(build: Callable, collective: str, size: int, layout: tuple,
     """Run schedule builder ``build`` for ``collective`` on ``size`` in-process ranks.
 
     Args:
-        layout: the global layout (as :func:`ringcomm.checker.check` takes it).
+        layout: the global layout (as :func:`ringcomm.schedules.checker.check` takes it).
         bufs: per rank, the caller's 1-D buffers in the collective's order
             (``ringcomm.schedule.BUFFERS``); results are written into them.
         op: the reduce op (a ``ReduceOp.RedOpType``) of reducing collectives.
@@ -97,7 +97,7 @@ def run_schedule(build: Callable, collective: str, size: int, layout: tuple,
         hosts: the host of every rank (:class:`ringcomm.schedule.Context`); empty: one host.
     Raises:
         RuntimeError: a rank failed or timed out (threads).
-        ringcomm.simulator.SimulatorError: the schedule cannot complete under NCCL's rules.
+        ringcomm.schedules.simulator.SimulatorError: the schedule cannot complete under NCCL's rules.
     """
     plans = [Plan(build(Context(collective, size, r, local_layout(collective, layout, r, root),
                                 root, seg, tuple(hosts)))) for r in range(size)]
@@ -131,7 +131,7 @@ def nccl_groups(size: int, fn: Callable[[Any], Any], *, lib: FakeNccl | None = N
 
     import torch.distributed as dist
 
-    from .process_group import ProcessGroupRingcomm
+    from ringcomm.front.process_group import ProcessGroupRingcomm
 
     lib = lib or FakeNccl()
     store = dist.HashStore()
@@ -197,7 +197,7 @@ def check_collectives(pg: Any, device: torch.device | str, *,
     """
     import torch.distributed as dist
 
-    from .algorithms import REGISTRY
+    from ringcomm.algorithms import REGISTRY
 
     device = torch.device(device)
     p, me = pg.size(), pg.rank()

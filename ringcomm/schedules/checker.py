@@ -4,7 +4,7 @@ For one call shape, :func:`check` builds every rank's schedule and proves:
 
 * every region lies inside a buffer that exists on that rank, and a step never
   receives into memory it sends from or receives into twice;
-* the steps run to the end under NCCL's group rules (:mod:`ringcomm.nccl_rules`):
+* the steps run to the end under NCCL's group rules (:mod:`ringcomm.schedules.nccl_rules`):
   every send has a receive of the same size on the peer, and no cycle of steps
   waits on itself;
 * a symbolic run ends with the right contents: every element carries the
@@ -22,9 +22,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .nccl_rules import Rules
-from .schedule import (REDUCING, BuildFn, Context, Copy, Reduce, Region, Schedule,
-                       ScheduleError, buffer_lengths)
+from ringcomm.schedule import (REDUCING, BuildFn, Context, Copy, Reduce, Region, Schedule,
+                               ScheduleError, buffer_lengths)
+from ringcomm.schedules.nccl_rules import Rules
 
 _UNDEF = -1
 _BIG = 1 << 40  # element ids: logical part * _BIG + element index

@@ -13,18 +13,19 @@ from typing import Any
 
 import torch
 
-from .simulator import SimFabric
-from .transport.nccl import DTYPE_CODES
+from ringcomm.schedules.simulator import SimFabric
+from ringcomm.transport.nccl import DTYPE_CODES
+
 
 class FakeNccl:
     """A stand-in for ``cupy.cuda.nccl`` over CPU memory, for running ringcomm's
     NCCL path (communicator set-up through the store, pointers, byte counts, type
     codes, groups, NCCL's own collectives, aborts) where there is no GPU.
 
-    Messages follow NCCL's rules through :class:`ringcomm.simulator.SimFabric`:
+    Messages follow NCCL's rules through :class:`ringcomm.schedules.simulator.SimFabric`:
     ``groupEnd()`` returns once the group completed (as if the stream were
     synchronised after each group), so a schedule that would hang on a GPU ends in
-    :class:`ringcomm.simulator.SimulatorError` naming the cycle. NCCL's own
+    :class:`ringcomm.schedules.simulator.SimulatorError` naming the cycle. NCCL's own
     collectives are lowered to messages to every peer plus a local reduction.
 
     Pass it as ``nccl=`` to :class:`ringcomm.ProcessGroupRingcomm` with

@@ -1,0 +1,2 @@
+"""How a job starts: launchers, MPI worlds and communicators (``bootstrap``) and
+the network path across hosts (``network``)."""
