@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from ringcomm.front import requests
+from ringcomm.front import reductions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ringcomm.set_algorithm("allreduce", a.algo)
     opts = dist.AllreduceOptions()
     opts.asyncOp = False
-    call, args = requests.allreduce(pg, [t], opts)
+    call, args = reductions.allreduce(pg, [t], opts)
     program, lane = call.programs[0], call.lane
     tp, engine = lane.tp, lane.engine
     fa = MPI.buffer.fromaddress

@@ -10,7 +10,8 @@ import torch
 from ringcomm.schedules import checker
 from ringcomm import ops
 from ringcomm.algorithms import ring
-from ringcomm.schedules.executors import GroupProgram, Plan
+from ringcomm.schedules.executors import GroupProgram
+from ringcomm.schedules.plan import Plan
 from ringcomm.schedules.checker import check_user_schedule as _check_user_schedule
 from ringcomm.schedule import Builder, Context, Copy, Reduce, Region, ScheduleError
 from ringcomm.schedules.simulator import SimFabric, SimulatorError

@@ -189,9 +189,9 @@ def test_architecture_worked_path_names_what_the_code_does():
     # the path it describes: torch's allreduce goes to the short path, not the generic one
     assert ProcessGroupRingcomm.allreduce is not process_group._generic_allreduce
     assert "allreduce_prepared" in inspect.getsource(ProcessGroupRingcomm.allreduce)
-    for module, name in (("front.requests", "allreduce"),
-                         ("front.requests", "allreduce_prepared"),
-                         ("front.requests", "_Allreduce"), ("front.plans", "Planner"),
+    for module, name in (("front.reductions", "allreduce"),
+                         ("front.reductions", "allreduce_prepared"),
+                         ("front.reductions", "_Allreduce"), ("front.plans", "Planner"),
                          ("front.lanes", "Lanes"), ("runtime.engine", "Engine"),
                          ("schedules.executors", "P2PProgram"), ("ops", "finalize_"),
                          ("runtime.work", "Done"), ("transport.mpi", "MPITransport")):

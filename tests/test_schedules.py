@@ -13,7 +13,8 @@ from ringcomm.schedules import checker
 from ringcomm import ops
 from ringcomm.algorithms import BUILTIN as SHIPPED
 from ringcomm.algorithms import NATIVE, REGISTRY, common
-from ringcomm.schedules.executors import P2PProgram, Plan
+from ringcomm.schedules.executors import P2PProgram
+from ringcomm.schedules.plan import Plan
 from ringcomm.schedule import Context
 from ringcomm.testing import run_ranks, run_schedule
 

@@ -1,4 +1,5 @@
-"""The front: torch's ProcessGroup methods, checked (``arguments``), made into
-prepared calls (``requests``) on a lane (``lanes``), with their algorithm and
-program (``plans``) and, under ``RINGCOMM_DEBUG=DETAIL``, compared across ranks
-(``fingerprints``). ``process_group`` is the group torch sees."""
+"""The front: torch's ProcessGroup methods (``process_group``, the group torch
+sees), their arguments checked (``arguments``) and made into prepared calls
+(``reductions``, ``movement``; what they share: ``requests``) on a lane
+(``lanes``), with their algorithm and program (``plans``) and, under
+``RINGCOMM_DEBUG=DETAIL``, compared across ranks (``fingerprints``)."""

@@ -22,7 +22,8 @@ from ringcomm.algorithms import select
 from ringcomm.front.lanes import Lane
 from ringcomm.schedule import Context
 from ringcomm.schedules.checker import check_user_schedule
-from ringcomm.schedules.executors import GroupProgram, NativeProgram, P2PProgram, Plan
+from ringcomm.schedules.executors import GroupProgram, NativeProgram, P2PProgram
+from ringcomm.schedules.plan import Plan
 from ringcomm.settings import Options
 from ringcomm.transport import Link, Transport
 

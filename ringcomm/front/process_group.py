@@ -1,9 +1,11 @@
 """The ringcomm ProcessGroup: a table from torch's method names to the request
-builders of :mod:`ringcomm.front.requests`, plus what belongs to the group itself:
+builders of :mod:`ringcomm.front.reductions` and :mod:`ringcomm.front.movement`
+(what they share: :mod:`ringcomm.front.requests`), plus what belongs to the group
+itself:
 its identity, its algorithm choices, point-to-point messages and its end.
 
 A torch call ``pg.allreduce([t], opts)`` goes ``METHODS["allreduce"]`` ->
-``requests.allreduce(pg, [t], opts)``, which finds the prepared call of the
+``reductions.allreduce(pg, [t], opts)``, which finds the prepared call of the
 call's shape (made on its first call: checks, lane, algorithm, program) ->
 the lane's engine, which runs it (or queues it) and returns torch's ``Work``.
 """
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 from ringcomm import trace
 from ringcomm.algorithms import check_choice
-from ringcomm.front import requests
+from ringcomm.front import movement, reductions, requests
 from ringcomm.front.arguments import Inputs
 from ringcomm.front.fingerprints import Fingerprints
 from ringcomm.front.lanes import Lane, Lanes
@@ -33,27 +35,27 @@ __all__ = ["ProcessGroupRingcomm", "Options", "METHODS"]
 
 #: torch's ProcessGroup method name -> the request builder that serves it
 METHODS: dict[str, Callable[..., tuple]] = {
-    "allreduce": requests.allreduce,
-    "allreduce_coalesced": requests.allreduce_coalesced,
-    "reduce": requests.reduce,
-    "broadcast": requests.broadcast,
-    "allgather": requests.allgather,
-    "allgather_coalesced": requests.allgather_coalesced,
-    "all_gather_single": requests.all_gather_into_tensor,
-    "_allgather_base": requests.all_gather_into_tensor,
-    "allgather_into_tensor_coalesced": requests.allgather_into_tensor_coalesced,
-    "all_gather_single_coalesced": requests.allgather_into_tensor_coalesced,
-    "gather": requests.gather,
-    "scatter": requests.scatter,
-    "reduce_scatter": requests.reduce_scatter,
-    "reduce_scatter_single": requests.reduce_scatter_tensor,
-    "_reduce_scatter_base": requests.reduce_scatter_tensor,
-    "reduce_scatter_tensor_coalesced": requests.reduce_scatter_tensor_coalesced,
-    "reduce_scatter_single_coalesced": requests.reduce_scatter_tensor_coalesced,
-    "alltoall": requests.all_to_all,
-    "alltoall_base": requests.all_to_all_single,
-    "all_to_all_single": requests.all_to_all_single,
-    "barrier": requests.barrier,
+    "allreduce": reductions.allreduce,
+    "allreduce_coalesced": reductions.allreduce_coalesced,
+    "reduce": reductions.reduce,
+    "broadcast": movement.broadcast,
+    "allgather": movement.allgather,
+    "allgather_coalesced": movement.allgather_coalesced,
+    "all_gather_single": movement.all_gather_into_tensor,
+    "_allgather_base": movement.all_gather_into_tensor,
+    "allgather_into_tensor_coalesced": movement.allgather_into_tensor_coalesced,
+    "all_gather_single_coalesced": movement.allgather_into_tensor_coalesced,
+    "gather": movement.gather,
+    "scatter": movement.scatter,
+    "reduce_scatter": reductions.reduce_scatter,
+    "reduce_scatter_single": reductions.reduce_scatter_tensor,
+    "_reduce_scatter_base": reductions.reduce_scatter_tensor,
+    "reduce_scatter_tensor_coalesced": reductions.reduce_scatter_tensor_coalesced,
+    "reduce_scatter_single_coalesced": reductions.reduce_scatter_tensor_coalesced,
+    "alltoall": movement.all_to_all,
+    "alltoall_base": movement.all_to_all_single,
+    "all_to_all_single": movement.all_to_all_single,
+    "barrier": movement.barrier,
 }
 
 
@@ -338,11 +340,11 @@ def _allreduce(self: ProcessGroupRingcomm, tensors: list[torch.Tensor],
                opts: Any = None) -> dist.Work:
     # the short path for the collective every training step calls (its key, its
     # lookup and the engine, with nothing between); any other call goes the generic way
-    work = requests.allreduce_prepared(self, tensors, opts)
+    work = reductions.allreduce_prepared(self, tensors, opts)
     return work if work is not None else _generic_allreduce(self, tensors, opts)
 
 
-_allreduce.__doc__ = requests.allreduce.__doc__
+_allreduce.__doc__ = reductions.allreduce.__doc__
 _allreduce.__name__ = "allreduce"
 _allreduce.__qualname__ = "ProcessGroupRingcomm.allreduce"
 ProcessGroupRingcomm.allreduce = _allreduce

@@ -25,7 +25,8 @@ import torch
 from ringcomm import ops
 from ringcomm.schedule import Context
 from ringcomm.schedules.checker import local_layout
-from ringcomm.schedules.executors import GroupProgram, P2PProgram, Plan
+from ringcomm.schedules.executors import GroupProgram, P2PProgram
+from ringcomm.schedules.plan import Plan
 from ringcomm.schedules.simulator import SimFabric
 from ringcomm.testing.fake_nccl import FakeNccl
 from ringcomm.testing.local import LocalFabric

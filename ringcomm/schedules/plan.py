@@ -1,0 +1,187 @@
+"""A schedule (:mod:`ringcomm.schedule`) compiled once per call shape, for the
+executors (:mod:`ringcomm.schedules.executors`): regions numbered, and the
+dependencies the point-to-point executor needs to post receives ahead and send
+as soon as data is final, in schedule order.
+"""
+from __future__ import annotations
+
+import bisect
+
+from ringcomm import trace
+from ringcomm.schedule import Reduce, Region, Schedule, buffer_lengths
+
+#: receives the point-to-point executor keeps posted ahead of the step it waits on
+RECV_AHEAD = 64
+
+
+class _Spans:
+    """Who last touched each part of one buffer, as disjoint spans:
+    ``[start, end, last_write_step, last_local_read_step, sends_reading_since]``."""
+
+    def __init__(self, n: int):
+        self.starts = [0]
+        self.spans = [[0, max(n, 1), -1, -1, []]]
+
+    def cover(self, a: int, e: int) -> list:
+        """The spans exactly covering ``[a, e)`` (splitting at its ends)."""
+        if e <= a:
+            return []
+        self._split(a)
+        self._split(e)
+        i = bisect.bisect_left(self.starts, a)
+        j = bisect.bisect_left(self.starts, e)
+        return self.spans[i:j]
+
+    def _split(self, x: int) -> None:
+        i = bisect.bisect_right(self.starts, x) - 1
+        if i < 0:
+            return
+        s = self.spans[i]
+        if s[0] < x < s[1]:
+            t = [x, s[1], s[2], s[3], list(s[4])]
+            s[1] = x
+            self.spans.insert(i + 1, t)
+            self.starts.insert(i + 1, x)
+
+
+class Plan:
+    """A schedule compiled for execution (built once per call shape, then cached).
+
+    Attributes:
+        schedule: the schedule.
+        regions: the distinct regions, indexed by the per-step lists below.
+        steps: per step ``(sends, recvs, local)``: ``[(peer, region index)]`` twice and
+            ``[(is_reduce, dst index, src index)]``.
+    """
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        ctx = schedule.ctx
+        lens = buffer_lengths(ctx)
+        self.lengths = [*lens, *schedule.scratch]
+        self.nbuffers = schedule.nbuffers
+        self.scratch = schedule.scratch
+        index: dict[Region, int] = {}
+        self.regions: list[tuple[int, int, int, bool]] = []
+
+        def ridx(rg: Region) -> int:
+            i = index.get(rg)
+            if i is None:
+                i = index[rg] = len(self.regions)
+                whole = rg.off == 0 and rg.n == (self.lengths[rg.buf] or 0)
+                self.regions.append((rg.buf, rg.off, rg.off + rg.n, whole))
+            return i
+
+        self.steps = []
+        for st in schedule.steps:
+            self.steps.append((
+                [(x.peer, ridx(x.region)) for x in st.sends],
+                [(x.peer, ridx(x.region)) for x in st.recvs],
+                [(isinstance(op, Reduce), ridx(op.dst), ridx(op.src)) for op in st.local]))
+        self._dependencies()
+
+    def _dependencies(self) -> None:
+        """For the point-to-point executor: when each send may go out and each
+        receive be posted (as a count of retired steps), and which sends must have
+        completed before a receive or a step's local work overwrites their data."""
+        spans = [_Spans(n or 0) for n in self.lengths]
+        send_ready, recv_ready, recv_waits = [], [], []
+        self.step_send_waits = []
+        self.step_recvs = []
+        self.send_list, self.recv_list = [], []
+        for i, (sends, recvs, local) in enumerate(self.steps):
+            for peer, v in sends:
+                buf, a, e, _ = self.regions[v]
+                j = len(self.send_list)
+                ready = 0
+                for sp in spans[buf].cover(a, e):
+                    ready = max(ready, sp[2] + 1)
+                    sp[4].append(j)
+                send_ready.append(ready)
+                self.send_list.append((peer, v))
+            mine = []
+            for peer, v in recvs:
+                buf, a, e, _ = self.regions[v]
+                ready, waits = 0, set()
+                for sp in spans[buf].cover(a, e):
+                    ready = max(ready, sp[2] + 1, sp[3] + 1)
+                    waits.update(sp[4])
+                    sp[2], sp[3], sp[4] = i, -1, []
+                mine.append(len(self.recv_list))
+                recv_ready.append(ready)
+                recv_waits.append(sorted(waits))
+                self.recv_list.append((peer, v))
+            self.step_recvs.append(mine)
+            waits = set()
+            for _, d, s in local:
+                sbuf, sa, se, _ = self.regions[s]
+                for sp in spans[sbuf].cover(sa, se):
+                    sp[3] = max(sp[3], i)
+                dbuf, da, de, _ = self.regions[d]
+                for sp in spans[dbuf].cover(da, de):
+                    waits.update(sp[4])
+                    sp[2], sp[3], sp[4] = i, -1, []
+            self.step_send_waits.append(sorted(waits))
+        self.recv_waits = recv_waits
+        n = len(self.steps)
+        # Sends go out in order: before retiring step i, every send of the longest
+        # prefix whose data is final by then.
+        self.send_upto = _prefix_upto(send_ready, n)
+        # Receives are posted in order, at most RECV_AHEAD beyond the current step's,
+        # and never ahead where they would first have to wait for a send.
+        first_of_step = []
+        k = 0
+        for i in range(n):
+            first_of_step.append(k)
+            k += len(self.step_recvs[i])
+        recv_step = [i for i in range(n) for _ in self.step_recvs[i]]
+        upto, best, j = [], 0, 0
+        for i in range(n):
+            must = first_of_step[i] + len(self.step_recvs[i])
+            while (j < len(recv_ready) and recv_ready[j] <= i
+                   and j < first_of_step[i] + RECV_AHEAD
+                   and (not recv_waits[j] or recv_step[j] <= i)):
+                j += 1
+            best = max(best, j, must)
+            upto.append(best)
+        self.recv_upto = upto
+        #: sends no step waits for: run_p2p waits for them at the end
+        waited = {k for ws in self.step_send_waits for k in ws}
+        waited.update(k for ws in self.recv_waits for k in ws)
+        self.tail_sends = [k for k in range(len(self.send_list)) if k not in waited]
+        #: per step, what run_p2p needs, in one tuple
+        self.p2p_steps = [(self.send_upto[i], self.recv_upto[i], self.step_recvs[i],
+                           self.step_send_waits[i], st[2]) for i, st in enumerate(self.steps)]
+
+    @property
+    def peers(self) -> list[int]:
+        """The ranks this rank exchanges messages with."""
+        return sorted({peer for peer, _ in self.send_list} | {peer for peer, _ in self.recv_list})
+
+    def trace_step(self, i: int, start_us: float) -> float:
+        """Record step ``i`` (from ``start_us`` to now) in the trace, with its
+        messages as ``[peer, elements]``; return now."""
+        sends, recvs, _ = self.steps[i]
+        end = trace.now()
+        trace.complete(f"step {i}", "step", start_us, end,
+                       sends=[[p, self._elements(v)] for p, v in sends],
+                       recvs=[[p, self._elements(v)] for p, v in recvs])
+        return end
+
+    def _elements(self, v: int) -> int:
+        _, a, e, _ = self.regions[v]
+        return e - a
+
+
+def _prefix_upto(ready: list[int], nsteps: int) -> list[int]:
+    """``upto[i]``: length of the longest prefix of ``ready`` whose values are <= i."""
+    out, m, j = [], -1, 0
+    pm = []
+    for r in ready:
+        m = max(m, r)
+        pm.append(m)
+    for i in range(nsteps):
+        while j < len(pm) and pm[j] <= i:
+            j += 1
+        out.append(j)
+    return out
