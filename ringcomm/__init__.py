@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ringcomm import schedule, settings, trace
 from ringcomm.algorithms import REGISTRY, expand_choices, register_algorithm, unregister_algorithm
 from ringcomm.front.process_group import ProcessGroupRingcomm
-from ringcomm.launch import bootstrap
+from ringcomm.launch import bootstrap, slurm
 from ringcomm.schedules import checker
 from ringcomm.settings import Options
 
@@ -121,6 +121,8 @@ def algorithm(name: str, collective: str = "allreduce", group=None) -> Iterator[
 
 if bootstrap.launched_by_mpi():
     bootstrap.setup_env_from_mpi()
+elif slurm.launched_by_slurm():  # srun without an MPI plugin: read as torchrun's
+    slurm.setup_env()
 
 dist.Backend.register_backend("ringcomm", _create, extended_api=True, devices=["cpu", "cuda"])
 trace.start_from_environment()

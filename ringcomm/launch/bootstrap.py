@@ -1,6 +1,6 @@
 """Launcher detection and the MPI communicators behind each process group.
 
-Two ways to start a job, one script:
+Three ways to start a job, one script:
 
 * ``mpiexec -n N python script.py``: MPI already connects the processes. On
   ``import ringcomm`` we fill in RANK / WORLD_SIZE / LOCAL_RANK and a
@@ -11,6 +11,9 @@ Two ways to start a job, one script:
   ranks 1..N-1 connect one at a time, in rank order, and each new
   intercommunicator is merged, giving one intracommunicator whose ranks equal
   torch's.
+
+* ``srun`` without an MPI plugin: the job's SLURM_* variables are read as
+  torchrun's (:mod:`ringcomm.launch.slurm`), then as under torchrun.
 
 Subgroups are carved from the world communicator with ``Comm.Create_group``,
 which only the group's members call (as torch only calls the backend creator
@@ -26,7 +29,7 @@ import threading
 from datetime import timedelta
 
 from ringcomm import settings
-from ringcomm.launch import network
+from ringcomm.launch import network, slurm
 
 log = logging.getLogger("ringcomm")
 
@@ -107,7 +110,8 @@ def host_key(world_rank: int, local_size: int = 0) -> str:
 
     ``local_size`` > 0 (``RINGCOMM_LOCAL_SIZE``) puts consecutive blocks of that many
     world ranks on one host. Otherwise the launcher says: MPI's shared-memory split
-    under mpiexec, the node (agent) rank under torchrun; else the host name.
+    under mpiexec, the node (agent) rank under torchrun, ``SLURM_NODEID`` under
+    srun; else the host name.
     """
     if local_size > 0:
         return f"block-{world_rank // local_size}"
@@ -115,6 +119,9 @@ def host_key(world_rank: int, local_size: int = 0) -> str:
         return f"mpi-node-{_mpi_node}"
     if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("GROUP_RANK"):
         return f"torchrun-node-{os.environ['GROUP_RANK']}"
+    node = slurm.node_id()
+    if node is not None:
+        return f"slurm-node-{node}"
     return f"host-{socket.gethostname()}"
 
 
