@@ -83,7 +83,7 @@ def _srun_like(nodes: list[int], timeout: float = 120) -> str:
                     "SLURM_NODEID": str(node),
                     "SLURM_STEP_TASKS_PER_NODE": ",".join(map(str, per_node)),
                     "SLURM_STEP_NODELIST": "localhost",
-                    "RINGCOMM_TEST_NODES": ",".join(map(str, nodes))})
+                    "TEST_SLURM_NODES": ",".join(map(str, nodes))})
         for k in list(env):
             if k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA")):
                 env.pop(k)

@@ -34,7 +34,7 @@ def main() -> None:
         dist.all_reduce(s, group=sub)
         c.check(torch.equal(s, torch.full((4,), 2.0 if p > 1 else 1.0)), f"subgroup {s}")
     # hosts as Slurm numbers its nodes
-    nodes = [int(x) for x in os.environ["RINGCOMM_TEST_NODES"].split(",")]
+    nodes = [int(x) for x in os.environ["TEST_SLURM_NODES"].split(",")]
     hosts = ringcomm.get_group().planner.hosts
     first: dict[int, int] = {}
     want = tuple(first.setdefault(n, len(first)) for n in nodes) if len(set(nodes)) > 1 else ()
