@@ -174,7 +174,8 @@ def cuda_path_cases() -> list[dict]:
     nccl_groups(2, refusals)
     no_cupy = ProcessGroupRingcomm(0, 1, None, timedelta(seconds=5), store=dist.HashStore(),
                                    cpu_error="unused", nccl_device_type="cpu")
-    note("CUDA tensor without CuPy", lambda: no_cupy.allreduce([torch.ones(2)]))
+    note("CUDA tensor where CuPy cannot run it (no CuPy, or no usable GPU)",
+         lambda: no_cupy.allreduce([torch.ones(2)]))
     no_cupy.shutdown()
 
     def late_peer(pg):

@@ -239,10 +239,19 @@ def test_kept_slices_follow_the_callers_tensors():
         same[r].set_(torch.arange(n, dtype=torch.float32) * (r + 3))
     run(same)
     check(same, 3)
+    # a flat view made at every call of a stable 2-D tensor: its base keeps the slices
+    grid = [(torch.arange(n, dtype=torch.float32) * (r + 5)).view(5, 6) for r in range(p)]
+    run([g.view(-1) for g in grid])
+    kept = programs[0]._sliced
+    for r in range(p):
+        grid[r].copy_((torch.arange(n, dtype=torch.float32) * (r + 6)).view(5, 6))
+    run([g.view(-1) for g in grid])
+    assert programs[0]._sliced is kept, "a new flat view of the same tensor re-sliced"
+    check([g.view(-1) for g in grid], 6)
     other = [torch.arange(n, dtype=torch.float32) * (r + 4) for r in range(p)]
     run(other)
     check(other, 4)
     for pr in programs:  # the in-process transport's requests hold their tensors
         pr._bindings.clear()
-    del other, same  # the caller's tensors are gone: their slices are not kept
+    del other, same, grid  # the caller's tensors are gone: their slices are not kept
     assert all(pr._sliced is None for pr in programs)

@@ -15,9 +15,12 @@ torchrun's variables are. A batch script itself (no step) is not a launch.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Mapping
+
+log = logging.getLogger("ringcomm")
 
 #: the base of the port derived from the job (MASTER_PORT unset): ports from here up
 PORT_BASE = 20000
@@ -142,9 +145,6 @@ def setup_env() -> None:
     """In an ``srun`` task: export :func:`torch_env`'s variables (RANK and WORLD_SIZE
     replace any set by hand, with a warning, as under mpiexec; MASTER_ADDR and
     MASTER_PORT set by hand are kept)."""
-    import logging
-
-    log = logging.getLogger("ringcomm")
     for key, value in torch_env(os.environ).items():
         old = os.environ.get(key)
         if key in ("RANK", "WORLD_SIZE") and old is not None and old != value:

@@ -39,6 +39,15 @@ BINDINGS = 4
 TAG_SPAN = 1 << 16
 
 
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a caller's buffer stands for: its base when it is a view (a flat
+    ``view(-1)`` made at every call of a 2-D tensor), so kept slices still match.
+    A buffer is at a fixed address with the program's fixed size: the same owner
+    and address mean the same memory."""
+    base = t._base
+    return t if base is None else base
+
+
 def _key(bufs: Sequence[torch.Tensor | None]) -> Any:
     """The binding key of the caller's buffers: their addresses."""
     if len(bufs) == 1:
@@ -74,9 +83,9 @@ class _Program:
                        ([x[1] if x[0] == 2 else None for x in self._recipe],
                         [(i, x[1]) for i, x in enumerate(self._recipe) if x[0] == 0]))
         # otherwise caller buffers are sliced: the last call's slices are kept while the
-        # caller's tensors live (weak references to them: a slice held after they are
-        # gone would keep their memory), so DDP's buckets and FSDP's flat parameters,
-        # passed as the same tensors every time, are sliced once
+        # caller's tensors, or the tensors they are views of, live (weak references to
+        # them: a slice held after they are gone would keep their memory), so DDP's
+        # buckets, FSDP's flat parameters and any tensor passed again are sliced once
         self._callers = sorted({x for k, x, _, _ in self._recipe if k != 2})
         self._sliced: tuple | None = None
         me = weakref.ref(self)
@@ -102,7 +111,7 @@ class _Program:
         if last is not None:
             for (ref, ptr), b in zip(last[0], self._callers):
                 t = bufs[b]
-                if ref() is not t or t.data_ptr() != ptr:
+                if ref() is not _owner(t) or t.data_ptr() != ptr:
                     break
             else:
                 return last[1]
@@ -110,7 +119,7 @@ class _Program:
         # alive, and a kept caller tensor would never die
         out = [x if kind == 2 else bufs[x].detach()[a:e] for kind, x, a, e in self._recipe]
         forget = self._forget
-        self._sliced = ([(weakref.ref(bufs[b], forget), bufs[b].data_ptr())
+        self._sliced = ([(weakref.ref(_owner(bufs[b]), forget), bufs[b].data_ptr())
                          for b in self._callers], out)
         return out
 

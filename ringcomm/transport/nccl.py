@@ -113,7 +113,8 @@ def connect(lib: Any, store: Any, prefix: str, rank: int, size: int, timeout_s: 
     rank that never comes is reported here instead.
 
     Raises:
-        RuntimeError: not every rank arrived in time (names how many did).
+        RuntimeError: not every rank arrived in time (names how many did), or NCCL
+            could not create the communicator (names the group and the cause).
     """
     key = f"{prefix}/uid"
     if rank == 0:
@@ -132,8 +133,13 @@ def connect(lib: Any, store: Any, prefix: str, rank: int, size: int, timeout_s: 
                                "rank must make the same first CUDA call on this group)")
         pace.pause()
     uid = decode_id(store.get(key))
-    with device_context():
-        return lib.NcclCommunicator(size, uid, rank)
+    try:
+        with device_context():
+            return lib.NcclCommunicator(size, uid, rank)
+    except Exception as e:  # noqa: BLE001 - NCCL's and CUDA's errors, named with the group
+        raise RuntimeError(f"ringcomm: creating the NCCL communicator {prefix!r} (rank {rank} "
+                           f"of {size}) failed: {type(e).__name__}: {e}. Is CUDA usable here "
+                           "(a GPU visible, its driver loaded, NCCL able to use it)?") from e
 
 
 class NcclTransport(Link):
