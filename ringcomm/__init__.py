@@ -119,7 +119,9 @@ def algorithm(name: str, collective: str = "allreduce", group=None) -> Iterator[
         pg.set_algorithm(collective, old)
 
 
-if bootstrap.launched_by_mpi():
+if slurm.leave_pmix_if_unusable():  # srun --mpi=pmix, an MPI library without PMIx
+    slurm.setup_env()
+elif bootstrap.launched_by_mpi():
     bootstrap.setup_env_from_mpi()
 elif slurm.launched_by_slurm():  # srun without an MPI plugin: read as torchrun's
     slurm.setup_env()

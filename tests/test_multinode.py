@@ -103,11 +103,6 @@ def test_torchrun_three_hosts_network_ddp_and_subgroups(hosts):
     assert_checks("".join(o for _, o in outs), "multinode_check torchrun 3 hosts x 1", 3)
 
 
-def test_torchrun_two_hosts_collectives_check(hosts):
-    outs = torchrun_hosts(hosts, 2, 1, "collectives_check.py")
-    assert_checks("".join(o for _, o in outs), "collectives_check torchrun 2 hosts x 1", 2)
-
-
 def test_torchrun_two_hosts_of_two_ranks_hierarchical(hosts):
     outs = torchrun_hosts(hosts, 2, 2, "library_check.py", "--hosts", "0,0,1,1", "--quick")
     assert_checks("".join(o for _, o in outs), "library_check torchrun 2 hosts x 2", 4)
@@ -122,6 +117,8 @@ def test_mpiexec_two_hosts_network_ddp_and_subgroups(hosts):
 
 
 def test_mpiexec_two_hosts_collectives_check(hosts):
+    """Every collective across hosts; torchrun's singletons across hosts run
+    multinode_check's collectives above and under Slurm (tests/test_slurm_cluster.py)."""
     out = mpiexec_hosts(hosts, 2, 2, "collectives_check.py")
     assert_checks(out, "collectives_check mpiexec 2 hosts x 1", 2)
 

@@ -3,7 +3,6 @@ torchrun's. Parsing against Slurm's documented forms, the precedence of the
 launchers, and real multi-process jobs described by SLURM_* variables only."""
 from __future__ import annotations
 
-import os
 import random
 import re
 import subprocess
@@ -72,6 +71,24 @@ def test_which_launcher_wins():
     assert slurm.node_id(TASK) == "1" and slurm.node_id({}) is None
 
 
+MPICH_WHEEL = """MPICH Version:      4.3.2
+MPICH Device:       ch4:ucx ofi
+MPICH configure:    --with-device=ch4:ucx,ofi --with-pm=hydra:gforker
+"""
+
+
+def test_pmix_is_used_only_by_an_mpi_library_that_speaks_it():
+    pmix = {**TASK, "PMIX_RANK": "0", "PMIX_NAMESPACE": "slurm.pmix.1.0"}
+    assert slurm.pmix_only(pmix)
+    # other launchers' variables (pmi2, mpiexec inside a step, torchrun) win
+    for extra in ({"PMI_FD": "11"}, {"OMPI_COMM_WORLD_SIZE": "2"}, {"TORCHELASTIC_RUN_ID": "x"}):
+        assert not slurm.pmix_only({**pmix, **extra}), extra
+    assert not slurm.pmix_only({k: v for k, v in pmix.items() if k != "SLURM_STEP_ID"})
+    assert not slurm.speaks_pmix(MPICH_WHEEL)
+    assert slurm.speaks_pmix(MPICH_WHEEL.replace("gforker", "gforker --with-pmix=/usr"))
+    assert slurm.speaks_pmix("Open MPI v5.0.3, package: Open MPI ...")
+
+
 def _srun_like(nodes: list[int], timeout: float = 120) -> str:
     """Start one process per task with only SLURM_* variables describing the job."""
     n, job = len(nodes), str(random.randrange(1 << 20))
@@ -106,7 +123,8 @@ def _srun_like(nodes: list[int], timeout: float = 120) -> str:
     return "".join(outs)
 
 
-@pytest.mark.parametrize("nodes", [[0, 0], [0, 0, 1]], ids=["one node", "two nodes"])
-def test_a_job_described_by_slurm_alone_runs(nodes):
+def test_a_job_described_by_slurm_alone_runs():
+    """Without a Slurm here too (tests/test_slurm_cluster.py runs real jobs)."""
+    nodes = [0, 0, 1]
     out = _srun_like(nodes)
     assert_checks(out, f"slurm_check n={len(nodes)} nodes={len(set(nodes))}", len(nodes))

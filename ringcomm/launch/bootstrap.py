@@ -53,6 +53,16 @@ def launched_by_mpi() -> bool:
     return any(v in os.environ for v in MPI_LAUNCHER_VARS)
 
 
+def mpi():
+    """mpi4py's ``MPI`` module, MPI started (under ``srun --mpi=pmix`` ringcomm may
+    have imported it unstarted: :func:`ringcomm.launch.slurm.leave_pmix_if_unusable`)."""
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    return MPI
+
+
 def world_comm():
     """The MPI intracommunicator over torch's world ranks, ranked like torch
     (``MPI.COMM_WORLD`` under mpiexec, the joined singletons under torchrun); None
@@ -78,7 +88,7 @@ def setup_env_from_mpi() -> None:
     forced = network.chosen_iface()
     if forced is not None:  # before MPI starts, so that MPI uses it too
         network.apply(forced, spans_hosts=False, set_netmod=False)
-    from mpi4py import MPI
+    MPI = mpi()
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
@@ -200,7 +210,7 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
 
     Every rank has met the others in :func:`prepare_network`, so each MPI connect
     and accept below is bounded by ``RINGCOMM_CONNECT_TIMEOUT``."""
-    from mpi4py import MPI
+    MPI = mpi()
 
     if size == 1:
         return MPI.COMM_SELF.Dup()
@@ -249,7 +259,7 @@ def group_comm(store, rank: int, size: int, global_ranks: list[int], timeout: ti
     Raises:
         RuntimeError: MPI's world does not match torch's.
     """
-    from mpi4py import MPI
+    MPI = mpi()
 
     global _world
     with _lock:

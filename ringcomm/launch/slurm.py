@@ -9,15 +9,24 @@ torchrun's are read, so ``init_process_group("ringcomm")`` needs no arguments:
   ``SLURM_JOB_NODELIST``), MASTER_PORT = a port every rank derives from the job
   and step ids; either is kept if the user set it.
 
-``srun --mpi=pmi2`` (or PMIx) gives MPI the whole job: then MPI's world is used
+``srun --mpi=pmi2`` gives MPI the whole job: then MPI's world is used
 (:func:`ringcomm.launch.bootstrap.launched_by_mpi`), and under ``srun torchrun``
 torchrun's variables are. A batch script itself (no step) is not a launch.
+
+``srun --mpi=pmix`` (many clusters' default) gives MPI the job only if the MPI
+library speaks PMIx: Open MPI does, MPICH only when configured with PMIx, and the
+``mpich`` wheel is not, so its ``MPI_Init`` fails under PMIx ("launcher not
+compatible with PMI1 client"). :func:`leave_pmix_if_unusable` finds that out
+before MPI starts; then ringcomm hides the ``PMIX_*`` variables from MPI (each
+task becomes a singleton) and reads the job from Slurm's variables, as under
+plain ``srun``.
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
+import sys
 from typing import Mapping
 
 log = logging.getLogger("ringcomm")
@@ -39,6 +48,59 @@ def launched_by_slurm(environ: Mapping[str, str] | None = None) -> bool:
         return False
     return "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and (
         "SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env)
+
+
+#: variables of launchers whose MPI world is the job whatever PMIx says
+_NOT_PMIX_ONLY = ("PMI_RANK", "PMI_FD", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE",
+                  "MV2_COMM_WORLD_SIZE")
+#: the PMIx variables hidden from an MPI library that cannot use them (name -> value)
+hidden_pmix: dict[str, str] = {}
+
+
+def pmix_only(environ: Mapping[str, str] | None = None) -> bool:
+    """True in a task of an ``srun --mpi=pmix`` step: PMIx describes the job and no
+    other MPI launcher does."""
+    env = os.environ if environ is None else environ
+    return ("PMIX_RANK" in env and "SLURM_STEP_ID" in env and "TORCHELASTIC_RUN_ID" not in env
+            and not any(v in env for v in _NOT_PMIX_ONLY))
+
+
+def speaks_pmix(library_version: str) -> bool:
+    """Whether an MPI library (``MPI.Get_library_version()``'s text) joins a PMIx
+    job: MPICH only when configured with PMIx, others (Open MPI) always."""
+    if "MPICH" not in library_version:
+        return True
+    configure = next((line for line in library_version.splitlines()
+                      if "configure" in line.lower()), "")
+    return "pmix" in configure.lower()
+
+
+def leave_pmix_if_unusable() -> bool:
+    """Under ``srun --mpi=pmix`` with an MPI library that cannot use PMIx: hide the
+    ``PMIX_*`` variables (kept in :data:`hidden_pmix`) so that MPI starts as a
+    singleton, and return True (the task is then a plain Slurm launch).
+
+    The library is asked before MPI starts: mpi4py is imported without initializing
+    MPI (its finalizer stays on), and :func:`ringcomm.launch.bootstrap.mpi` starts it
+    when ringcomm first needs it, after choosing the network path.
+    """
+    if not pmix_only() or "mpi4py.MPI" in sys.modules:
+        return False
+    import mpi4py
+
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = True
+    from mpi4py import MPI
+
+    version = MPI.Get_library_version()
+    if speaks_pmix(version):
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)  # as mpi4py would have, at import
+        return False
+    for key in [k for k in os.environ if k.startswith("PMIX_")]:
+        hidden_pmix[key] = os.environ.pop(key)
+    log.info("ringcomm: srun --mpi=pmix, but %s cannot use PMIx: reading the job from "
+             "Slurm's variables", version.splitlines()[0].strip())
+    return True
 
 
 def expand_nodelist(text: str) -> list[str]:
