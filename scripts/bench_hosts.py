@@ -13,7 +13,9 @@ gloo; links measured first):
   default UCX sees namespace hosts as one machine and moves their messages
   through shared memory, bypassing the shaped link);
 * the same under torchrun with unshaped links (a veth pair is as fast as memory);
-* 2 hosts x 1 rank, 1 Gbit/s: one link, ringcomm against MPI and gloo on it;
+* 2 hosts x 1 rank, 1 Gbit/s, under torchrun and under mpiexec: one link,
+  ringcomm against MPI and gloo on it (each rank gets both cores' worth of torch
+  threads, as the benchmark gives a rank per host);
 * ``--ddp FILE``: also the DDP paper's latency breakdown (``scripts/bench_ddp.py
   --sections breakdown``) on 2 hosts x 1 rank over the 1 Gbit/s link, where
   overlapping the allreduce with backward has a slow link to hide.
@@ -34,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import nshosts  # noqa: E402
 
-BENCH = ["-m", "ringcomm.bench", "-b", "4", "-e", "16M", "-f", "8",
+BENCH = ["-m", "ringcomm.bench", "-b", "4", "-e", "16M", "-f", "4",
          "--algos", "ring,tree,recursive_doubling,rabenseifner,hierarchical,auto",
          "--peers", "mpi,gloo", "--no-model"]
 
@@ -45,6 +47,8 @@ SETUPS = {
                                                      "FI_PROVIDER": "tcp"}),
     "torchrun 2x2 unshaped": ("torchrun", 2, 2, None, {}),
     "torchrun 2x1 1gbit": ("torchrun", 2, 1, "1gbit", {}),
+    "mpiexec 2x1 1gbit": ("mpiexec", 2, 1, "1gbit", {"MPIR_CVAR_CH4_NETMOD": "ofi",
+                                                     "FI_PROVIDER": "tcp"}),
 }
 
 

@@ -67,6 +67,39 @@ def test_avg_truncates_integers_like_nccl():
     assert f.item() == 1.5
 
 
+@pytest.mark.parametrize("n", [5, ops.PARALLEL_FROM + 1, 3 * ops.PARALLEL_FROM + 17])
+def test_local_work_kept_on_the_calling_thread_equals_torchs_ops(n, monkeypatch):
+    """serial_reducer / serial_copy against torch's own ops (the oracle), every op and
+    dtype, below and above the size torch would split over threads, with two threads."""
+    monkeypatch.setattr(ops, "_threads", lambda: 2)
+    g = torch.Generator().manual_seed(n)
+    for op in (ops.SUM, ops.AVG, ops.PRODUCT, ops.MIN, ops.MAX, ops.BAND, ops.BOR, ops.BXOR):
+        for dtype in sorted(ops.REDUCE_DTYPES, key=str):
+            if (op in (ops.BAND, ops.BOR, ops.BXOR) and dtype.is_floating_point) or (
+                    op == ops.AVG and dtype == torch.bool):
+                continue
+            if dtype.is_floating_point:
+                a, b = (torch.randn(n, generator=g).mul(1e4).to(dtype) for _ in range(2))
+                a[:3] = torch.tensor([float("inf"), float("nan"), -0.0]).to(dtype)
+            elif dtype == torch.bool:
+                a, b = (torch.randint(0, 2, (n,), generator=g).bool() for _ in range(2))
+            else:
+                info = torch.iinfo(dtype)
+                a, b = (torch.randint(info.min, info.max, (n,), generator=g, dtype=dtype)
+                        for _ in range(2))
+            want = a.clone()
+            ops.reducer(op)(want, b)
+            got = a.clone()
+            ops.serial_reducer(op)(got, b)
+            assert torch.equal(got, want) or (dtype.is_floating_point and torch.allclose(
+                got, want, equal_nan=True, rtol=0, atol=0)), (op, dtype, n)
+    for dtype in (torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.complex64):
+        src = torch.randn(n, generator=g).to(dtype)
+        dst = torch.zeros(n, dtype=dtype)
+        ops.serial_copy(dst, src)
+        assert torch.equal(dst, src), dtype
+
+
 def test_choose_default_table():
     table = select.load_tuning(None)
     assert select.choose(table, "allreduce", 4096, 4) == "recursive_doubling"

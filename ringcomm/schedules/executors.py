@@ -169,7 +169,8 @@ class P2PProgram(_Program):
     def __init__(self, plan: Plan, tp, scratch: Sequence[torch.Tensor], op, epoch: int = 0):
         super().__init__(plan, scratch)
         self.tp = tp
-        self._reduce = ops.reducer(op) if op is not None else None
+        # the local work between messages stays on this thread (ringcomm.ops)
+        self._reduce = ops.serial_reducer(op) if op is not None else None
         self._base = epoch * TAG_SPAN
 
     def _bind(self, bufs: Sequence) -> tuple:
@@ -189,7 +190,7 @@ class P2PProgram(_Program):
         rreq = [tp.recv_init(views[v], peer, tag("r", peer)) for peer, v in plan.recv_list]
         batch, rw = tp.batch, plan.recv_waits
         steps, ns, nr = [], 0, 0
-        lpos, reduce_, copy_ = self._lpos, self._reduce, torch.Tensor.copy_
+        lpos, reduce_, copy_ = self._lpos, self._reduce, ops.serial_copy
         for i, (send_upto, recv_upto, mine, send_waits, local) in enumerate(plan.p2p_steps):
             actions: list = []
             # receives that wait for no send go first: posted before the matching send
