@@ -115,9 +115,10 @@ def test_stale_paper_doc_is_detected(tmp_path, run_doc_numbers):
 
 
 def test_stale_multinode_doc_is_detected(tmp_path, run_doc_numbers):
-    # docs/multi-node.md's blocks: the measured crossover and the runs across hosts
+    # docs/multi-node.md's blocks: the measured crossover, the cross-host target and
+    # the runs across hosts
     doc = tmp_path / "multi-node.md"
-    names = ("multinode-crossover", "multinode-runs", "multinode-ddp")
+    names = ("multinode-crossover", "multinode-target", "multinode-runs", "multinode-ddp")
     doc.write_text("".join(f"x\n<!-- generated:{n} begin -->\n| 4 KiB | 1 us |\n"
                            f"<!-- generated:{n} end -->\n" for n in names))
     cmd = ["--multinode", str(doc), "--paper", "none"]
@@ -127,6 +128,7 @@ def test_stale_multinode_doc_is_detected(tmp_path, run_doc_numbers):
     text = doc.read_text()
     assert "| 4 KiB | 1 us |" not in text
     assert "hierarchical's time over the fastest flat algorithm" in text
+    assert "| torchrun 2x1 1gbit |" in text and "| mpiexec 2x1 1gbit |" in text
     assert "Links: within node0:" in text and "node0 <-> node1:" in text
     assert "| size | ring | tree | recursive_doubling | rabenseifner | hierarchical |" in text
     assert "docs/data/multinode.json" in text and "bench_ddp_2hosts.json" in text
