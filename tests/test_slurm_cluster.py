@@ -127,3 +127,33 @@ def test_a_rank_that_cannot_reach_the_others_fails_in_time_naming_the_hosts(clus
     for fact in ("rank 0 on node0, rank 1 on node1", "MASTER_ADDR=node0",
                  "MPIR_CVAR_CH4_NETMOD=ucx", "RINGCOMM_IFACE=<interface>"):
         assert fact in out, f"the error lacks {fact!r}:\n{out[-6000:]}"
+
+
+def test_one_host_cluster_from_the_command_line(tmp_path):
+    """`localslurm.py up` with this machine as the one node: its last line, evaluated,
+    points srun at the cluster; a second `up` is refused; `down` removes it all.
+    (ringcomm's steps on one node: the --mpi=pmix test above.)"""
+    why = localslurm.unavailable()
+    if why:
+        pytest.skip(f"no Slurm cluster here: {why}")
+    script, where = str(ROOT / "scripts" / "localslurm.py"), str(tmp_path / "cluster")
+    up = subprocess.run([sys.executable, script, "--dir", where, "up", "--cpus", "4"],
+                        capture_output=True, text=True, timeout=60)
+    assert up.returncode == 0, up.stderr
+    try:
+        last = up.stdout.strip().splitlines()[-1]
+        assert last == f"export SLURM_CONF={where}/slurm.conf", up.stdout
+        again = subprocess.run([sys.executable, script, "--dir", where, "up"],
+                               capture_output=True, text=True, timeout=60)
+        assert again.returncode == 1 and "already up" in again.stderr
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI"))}
+        p = subprocess.run(["srun", "-n", "3", "sh", "-c", 'echo "task $SLURM_PROCID"'],
+                           env={**env, "SLURM_CONF": last.split("=", 1)[1]},
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert sorted(p.stdout.split("\n")[:-1]) == ["task 0", "task 1", "task 2"], p.stdout
+    finally:
+        down = subprocess.run([sys.executable, script, "--dir", where, "down"],
+                              capture_output=True, text=True, timeout=60)
+    assert down.returncode == 0, down.stderr
+    assert not os.path.exists(where)

@@ -134,10 +134,11 @@ def main() -> None:
     for group, gname, extra in ((None, "world", [5000]), (small_seg, "seg64", [300])):
         for algo in ("auto", *BUILTIN_ALLREDUCE):
             ringcomm.set_algorithm("allreduce", algo, group=group)
-            # past 3 ranks the tiny segments get SUM on three dtypes: the op x dtype
-            # matrix does not depend on the segment size, and 5 oversubscribed ranks
-            # make every collective cost
-            wide = gname == "world" or p <= 3
+            # past 2 ranks the tiny segments get SUM on three dtypes: the op x dtype
+            # matrix does not depend on the segment size (1 and 2 ranks run it, and
+            # the world group at every size), and oversubscribed ranks make every
+            # collective cost
+            wide = gname == "world" or p <= 2
             for opname, op in (OPS if wide else {"SUM": OPS["SUM"]}).items():
                 for dtype in (DTYPES if wide else (torch.float32, torch.bfloat16, torch.int64)):
                     if not valid(opname, dtype):
