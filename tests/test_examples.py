@@ -15,6 +15,12 @@ def test_train_example(launch):
     assert len(losses) == 2 and losses[1] < losses[0], out
 
 
+#: torch 2.13's gloo, as the default group under mpiexec, aborts about one exit in
+#: five after destroy_process_group (seen without ringcomm imported too: a C++ thread
+#: destroyed while joinable); the run's output is complete by then
+TORCH_GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 def _losses(out: str) -> list[float]:
     return [float(line.split("loss ")[1].split()[0]) for line in out.splitlines()
             if line.startswith("epoch")]
@@ -27,8 +33,11 @@ def test_loss_curves_agree_across_ddps_and_backends(tmp_path):
     runs = {}
     for impl, backend in (("ours", "ringcomm"), ("torch", "gloo")):
         extra = ["--trace", str(tmp_path / "t.json")] if impl == "ours" else []
-        out = mpirun(2, "examples/train.py", "--epochs", "3", "--steps", "4", "--ddp", impl,
-                     "--backend", backend, *extra, timeout=120).stdout
+        proc = mpirun(2, "examples/train.py", "--epochs", "3", "--steps", "4", "--ddp", impl,
+                      "--backend", backend, *extra, timeout=120, check=backend != "gloo")
+        out = proc.stdout
+        if proc.returncode:  # only the gloo oracle may end so, and only after its work
+            assert TORCH_GLOO_EXIT_ABORT in proc.stderr + out, out + proc.stderr
         assert "replicas identical" in out, out
         runs[impl, backend] = _losses(out)
     ref = runs["torch", "gloo"]
