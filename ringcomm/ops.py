@@ -9,10 +9,8 @@ do. From :data:`PARALLEL_FROM` elements on, torch spreads an elementwise op over
 its intra-op threads, which then spin for a while after it: with more ranks on a
 host than cores per rank (mpiexec and srun leave torch one thread per core in
 every rank), they take the cores that other ranks, and the network progress of
-this one, need. Measured on two namespace hosts sharing two cores, a 1 Gbit/s
-link between them: a 256 KiB recursive-doubling allreduce took 8.0 ms with
-torch's ``add_`` between the messages, 2.2 ms (the link's time, as MPI's own and
-gloo's) with the serial one.
+this one, need (docs/multi-node.md: across hosts over a slow link, such ops made
+each exchange take several times the link's time).
 """
 from __future__ import annotations
 

@@ -243,8 +243,12 @@ SlurmdLogFile={r}/slurmd-%n.log
     def _wait_idle(self, timeout: float) -> None:
         deadline, states = time.monotonic() + timeout, ""
         while time.monotonic() < deadline:
-            r = subprocess.run(self.command(["sinfo", "-h", "-N", "-o", "%N %T"]),
-                               env={**os.environ, **self.env}, capture_output=True, text=True)
+            try:
+                r = subprocess.run(self.command(["sinfo", "-h", "-N", "-o", "%N %T"]),
+                                   env={**os.environ, **self.env}, capture_output=True,
+                                   text=True, timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
             states = r.stdout.strip() or r.stderr.strip()
             lines = [ln.split() for ln in r.stdout.splitlines()]
             if r.returncode == 0 and len(lines) == len(self.nodes) and all(
