@@ -97,17 +97,20 @@ def mpiexec_hosts(hosts, nhosts: int, n: int, program: str, *args: str,
     return out
 
 
+@pytest.mark.cluster
 def test_torchrun_three_hosts_network_ddp_and_subgroups(hosts):
     outs = torchrun_hosts(hosts, 3, 1, "multinode_check.py", "--hosts", "0,1,2",
                           "--netmod", "ofi")
     assert_checks("".join(o for _, o in outs), "multinode_check torchrun 3 hosts x 1", 3)
 
 
+@pytest.mark.cluster
 def test_torchrun_two_hosts_of_two_ranks_hierarchical(hosts):
     outs = torchrun_hosts(hosts, 2, 2, "library_check.py", "--hosts", "0,0,1,1", "--quick")
     assert_checks("".join(o for _, o in outs), "library_check torchrun 2 hosts x 2", 4)
 
 
+@pytest.mark.cluster
 def test_mpiexec_two_hosts_network_ddp_and_subgroups(hosts):
     """With RINGCOMM_IFACE: applied before MPI starts (UCX_NET_DEVICES), MASTER_ADDR is
     that interface's address."""
@@ -116,6 +119,7 @@ def test_mpiexec_two_hosts_network_ddp_and_subgroups(hosts):
     assert_checks(out, "multinode_check mpiexec 2 hosts n=3", 3)
 
 
+@pytest.mark.cluster
 def test_mpiexec_two_hosts_collectives_check(hosts):
     """Every collective across hosts; torchrun's singletons across hosts run
     multinode_check's collectives above and under Slurm (tests/test_slurm_cluster.py)."""
@@ -123,6 +127,7 @@ def test_mpiexec_two_hosts_collectives_check(hosts):
     assert_checks(out, "collectives_check mpiexec 2 hosts x 1", 2)
 
 
+@pytest.mark.cluster
 def test_the_benchmark_across_hosts_reports_its_links(hosts, tmp_path):
     """compare_collectives on 2 hosts x 2 ranks: links within each host and between
     them, measured first and printed above the tables; results checked (-c)."""
@@ -143,6 +148,7 @@ def test_the_benchmark_across_hosts_reports_its_links(hosts, tmp_path):
         == {(4096, "recursive_doubling"), (65536, "hierarchical")}
 
 
+@pytest.mark.cluster
 def test_a_network_path_that_cannot_connect_fails_in_time_naming_what_to_check(hosts):
     start = time.monotonic()
     outs = torchrun_hosts(hosts, 2, 1, "multinode_check.py", "--hosts", "0,1", "--netmod", "ofi",

@@ -33,6 +33,9 @@ import localslurm  # noqa: E402
 _ports = itertools.count(29700)
 
 
+# make test-cluster runs these (with tests/test_multinode.py's jobs across hosts)
+pytestmark = pytest.mark.cluster
+
 @pytest.fixture(scope="module")
 def cluster():
     why = localslurm.unavailable(hosts=2)
