@@ -25,7 +25,7 @@ from ringcomm.settings import Options
 
 __version__ = "0.1.0"
 __all__ = ["Options", "ProcessGroupRingcomm", "register_algorithm", "unregister_algorithm",
-           "set_algorithm", "algorithm", "get_group", "REGISTRY", "checker", "schedule",
+           "register_msccl", "set_algorithm", "algorithm", "get_group", "REGISTRY", "checker", "schedule",
            "__version__"]
 
 log = logging.getLogger("ringcomm")
@@ -133,3 +133,6 @@ atexit.register(_shutdown_all)
 # The algorithm library registers itself through the public register_algorithm
 # (defined above), as a user's code would; last, so it sees a complete package.
 from ringcomm import library  # noqa: E402,F401
+from ringcomm import msccl  # noqa: E402
+
+register_msccl = msccl.register

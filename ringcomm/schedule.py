@@ -47,6 +47,12 @@ class ScheduleError(ValueError):
     """A schedule is malformed, would deadlock, or computes the wrong result."""
 
 
+class ShapeNotServed(ScheduleError):
+    """A builder does not serve this call shape (a world size or element count its
+    algorithm is not written for): raised by the builder, it refuses the call on every
+    rank, before anything is sent, naming what would be served."""
+
+
 class Region(NamedTuple):
     """``length`` elements of buffer ``buf`` from element ``off``."""
     buf: int

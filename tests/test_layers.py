@@ -34,7 +34,7 @@ LAYERS = {
     "runtime": ("ringcomm.runtime",),
     "launch": ("ringcomm.launch",),
     "front": ("ringcomm.front",),
-    "top": ("ringcomm.demo", "ringcomm.testing", "ringcomm.bench", "ringcomm"),
+    "top": ("ringcomm.demo", "ringcomm.testing", "ringcomm.bench", "ringcomm.msccl", "ringcomm"),
     "ddp.bench": ("ddp.bench",),
     "ddp": ("ddp",),
 }

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ringcomm.schedule import (REDUCING, BuildFn, Context, Copy, Reduce, Region, Schedule,
-                               ScheduleError, buffer_lengths)
+                               ScheduleError, ShapeNotServed, buffer_lengths)
 from ringcomm.schedules.nccl_rules import Rules
 
 _UNDEF = -1
@@ -432,8 +432,11 @@ def check_user_schedule(build: Callable, ctx: Context, name: str):
         layout = tuple(own if c is None else c for c in lay)
     elif coll == "alltoall":
         sends, recvs = lay
-        layout = tuple(tuple(sends[j] if i == r else recvs[i] if j == r else 1
-                             for j in range(p)) for i in range(p))
+        if len(set(sends) | set(recvs)) == 1:  # even splits: every rank's are (all_to_all_single)
+            layout = tuple((sends[0],) * p for _ in range(p))
+        else:
+            layout = tuple(tuple(sends[j] if i == r else recvs[i] if j == r else 1
+                                 for j in range(p)) for i in range(p))
     else:
         layout = lay
     total = sum(_leaves(layout)) * max(p, 1)
@@ -446,6 +449,9 @@ def check_user_schedule(build: Callable, ctx: Context, name: str):
             f = -(-total // CHECK_ELEMENTS)
             check(build, coll, p, _scaled(layout, f), root=ctx.root,
                           seg=max(1, ctx.seg // f), hosts=ctx.hosts)
+    except ShapeNotServed as e:
+        raise ShapeNotServed(f"ringcomm: algorithm {name!r} does not serve this call "
+                             f"({coll} on {p} ranks, layout {_short(layout)}): {e}") from None
     except ScheduleError as e:
         raise ScheduleError(f"ringcomm: algorithm {name!r} is wrong: {e}") from None
     except Exception as e:  # noqa: BLE001 - a user's code may raise anything

@@ -1,0 +1,190 @@
+"""MSCCL's algorithms on ringcomm: import and export MSCCL's algorithm XML.
+
+Research on collectives publishes algorithms as MSCCL XML (msccl-tools' MSCCLang,
+synthesizers such as TACCL); MSCCL and RCCL run them on GPUs. Here such a file is
+read, translated into ringcomm schedules (:mod:`ringcomm.msccl.translate`),
+proven by ringcomm's checker before it runs, and then runs like any registered
+algorithm: on CPU tensors over MPI, on CUDA tensors over NCCL, in the benchmark::
+
+    import ringcomm
+    name = ringcomm.register_msccl("allreduce_allpairs.xml")
+    ringcomm.set_algorithm("allreduce", name)
+
+and any registered schedule (ring, tree, the library's, a user's) is written out
+as MSCCL XML with :func:`to_xml`. The format, as its writers emit it and its
+runtimes read it, is in docs/msccl-format.md; what ringcomm accepts and refuses,
+in docs/msccl.md.
+
+Command line: ``python -m ringcomm.msccl check FILE.xml`` and
+``python -m ringcomm.msccl export ring allreduce 8 > ring8.xml``.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import threading
+
+from ringcomm.schedule import Context, Schedule, ScheduleError, ShapeNotServed
+from ringcomm.msccl import export as _export
+from ringcomm.msccl import translate as _tr
+from ringcomm.msccl.xmlformat import COLLECTIVES, Program, parse, write
+
+__all__ = ["Algorithm", "load", "register", "to_xml", "COLLECTIVES", "Program", "parse",
+           "write"]
+
+#: translations an algorithm keeps (one per call shape), least recent dropped
+CACHE = 16
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+$")
+
+
+class Algorithm:
+    """An MSCCL algorithm, read and proven; :meth:`build` is its schedule builder.
+
+    Attributes:
+        program: the XML as data (:class:`ringcomm.msccl.xmlformat.Program`).
+        name: the XML's ``name``.
+        collective: ringcomm's collective (``allreduce``, ``allgather``,
+            ``reduce_scatter``, ``alltoall``).
+        ranks: the world size it is written for (``ngpus``).
+        chunks: ``nchunksperloop``.
+    """
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.name = program.name
+        self.collective = program.collective
+        self.ranks = program.ngpus
+        self.chunks = program.nchunksperloop
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (f"<MSCCL {self.collective} {self.name!r}: {self.ranks} ranks, {self.chunks} "
+                f"chunks>")
+
+    def translation(self, ctx: Context) -> _tr.Translation:
+        """Every rank's steps for ``ctx``'s call shape (made once per shape).
+
+        Raises:
+            ShapeNotServed: another world size, unequal blocks, or a count the chunks do
+                not divide.
+            ValueError: the program cannot finish (naming the XML's steps).
+        """
+        n = _tr.served_count(self.program, ctx)
+        key = (n, ctx.seg)
+        with self._lock:
+            tr = self._cache.get(key)
+            if tr is not None:
+                self._cache.move_to_end(key)
+                return tr
+        tr = _tr.translate(self.program, n, ctx.seg)
+        with self._lock:
+            self._cache[key] = tr
+            while len(self._cache) > CACHE:
+                self._cache.popitem(last=False)
+        return tr
+
+    def build(self, ctx: Context) -> Schedule:
+        """The schedule builder (``register_algorithm`` takes it)."""
+        if ctx.collective != self.collective:
+            raise ShapeNotServed(f"MSCCL algorithm {self.name!r} is a {self.collective}, "
+                                 f"not a {ctx.collective}")
+        return _tr.schedule_of(self.translation(ctx), ctx)
+
+    def shape(self, multiple: int = 1) -> tuple:
+        """The smallest global layout it serves (one element per chunk), times
+        ``multiple``, as the checker takes it."""
+        return _export.layout(self.collective, self.ranks, self.chunks * multiple)
+
+    def prove(self, multiple: int = 1, seg: int = 1 << 30):
+        """Prove it with ringcomm's checker at :meth:`shape` (``multiple`` elements per
+        chunk, cut in slices of ``seg``) and return the checker's counts.
+
+        Raises:
+            ValueError: it is wrong, naming the rank's step and the XML's gpu, tb and
+                step it carries (a size mismatch, a deadlock, a wrong result).
+        """
+        from ringcomm.schedules import checker
+
+        lay = self.shape(multiple)
+        try:
+            return checker.check(self.build, self.collective, self.ranks, lay, seg=seg)
+        except ScheduleError as e:
+            ctx = Context(self.collective, self.ranks, 0,
+                          checker.local_layout(self.collective, lay, 0, 0), 0, seg)
+            raise ValueError(f"MSCCL algorithm {self.name!r} is wrong: "
+                             f"{_tr.explain(str(e), self.translation(ctx), self.program)}"
+                             ) from None
+
+
+def load(source: str | os.PathLike) -> Algorithm:
+    """Read an MSCCL algorithm from a path or from XML text, translate it and prove it
+    (at one element per chunk, and at two per chunk cut into slices of one, so the
+    pipelined form is proven too).
+
+    Raises:
+        ValueError: the XML is malformed or wrong, naming its gpu, tb and step.
+    """
+    alg = Algorithm(parse(source))
+    if alg.ranks > 1:
+        alg.prove()
+        alg.prove(multiple=2, seg=1)
+    return alg
+
+
+def register(source: str | os.PathLike, name: str | None = None, *,
+             replace: bool = False) -> str:
+    """Load an MSCCL algorithm (:func:`load`) and register it for its collective as
+    ``name`` (default: the XML's ``name``); return the name. Then ``set_algorithm``,
+    ``Options(algorithms=...)``, ``RINGCOMM_ALGO`` and the benchmark's ``--algos``
+    take it. Each call shape is proven again before its first run.
+
+    Raises:
+        ValueError: the XML is wrong, or the name is empty, not a plain word
+            (letters, digits, ``_ . -``) or taken (without ``replace``).
+    """
+    from ringcomm.algorithms import register_algorithm
+
+    alg = load(source)
+    name = alg.name if name is None else name
+    if not name or not _NAME.match(name):
+        raise ValueError(f"ringcomm.register_msccl: the algorithm name {name!r} must be "
+                         "letters, digits, '_', '.' or '-'; pass name=")
+    register_algorithm(alg.collective, name, alg.build, replace=replace)
+    return name
+
+
+def to_xml(collective: str, algorithm: str, world_size: int, chunks: int | None = None,
+           name: str | None = None) -> str:
+    """MSCCL XML of the registered ``algorithm`` of ``collective`` on ``world_size``
+    ranks, with ``chunks`` chunks (``nchunksperloop``; default ``world_size``; a
+    multiple of it for allgather, reduce-scatter and alltoall). The schedule is
+    built with one element per chunk; the XML reads back (:func:`load`) to the
+    same results, and follows msccl-tools' layout for MSCCL's runtime.
+
+    Raises:
+        ValueError: an unknown collective or algorithm, ``native``, a world size below
+            2 or a chunk count that does not fit.
+    """
+    from ringcomm.algorithms import NATIVE, REGISTRY
+
+    if collective not in _export.COLL_NAMES:
+        raise ValueError(f"ringcomm.msccl.to_xml: {collective!r} has no MSCCL form; "
+                         f"exported: {sorted(_export.COLL_NAMES)}")
+    build = REGISTRY[collective].get(algorithm)
+    if build is None or build is NATIVE:
+        raise ValueError(f"ringcomm.msccl.to_xml: no {collective} schedule named "
+                         f"{algorithm!r} (available: "
+                         f"{sorted(k for k, v in REGISTRY[collective].items() if v is not NATIVE)})")
+    if world_size < 2:
+        raise ValueError(f"ringcomm.msccl.to_xml: world_size must be at least 2, got "
+                         f"{world_size}")
+    chunks = world_size if chunks is None else chunks
+    if chunks < 1 or (collective != "allreduce" and chunks % world_size):
+        raise ValueError(f"ringcomm.msccl.to_xml: chunks={chunks} must be at least 1"
+                         + ("" if collective == "allreduce" else
+                            f" and a multiple of world_size={world_size}"))
+    program = _export.export(collective, name or f"{algorithm}_{collective}_{world_size}",
+                             build, world_size, chunks)
+    return write(program)

@@ -1,0 +1,90 @@
+"""Per-rank program (3 ranks): MSCCL algorithms registered with ringcomm.register_msccl
+run through torch.distributed and give gloo's results.
+
+The hand-written XML files in DIR (tests/test_msccl.py writes them) and exports of
+ringcomm's own schedules (ring allreduce, allgather and reduce-scatter, pairwise
+all-to-all) are registered on every rank and chosen with set_algorithm; each
+collective runs at sizes that are multiples of the chunks (one of them cut into
+slices by a small segment) and is compared with gloo. A size the chunks do not
+divide is refused with the multiple it needs, and the group goes on.
+
+Usage: msccl_check.py DIR
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import ringcomm
+from ringcomm import msccl
+from _common import Checker
+
+
+def main(folder: str) -> None:
+    dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
+    rank, p = dist.get_rank(), dist.get_world_size()
+    c = Checker(rank)
+    gloo = dist.new_group(backend="gloo")
+    small = dist.new_group(backend="ringcomm", pg_options=ringcomm.Options(segment_bytes=64))
+    names: dict[str, list[str]] = {}
+    for f in sorted(pathlib.Path(folder).glob("*.xml")):
+        alg = msccl.load(f)
+        names.setdefault(alg.collective, []).append(ringcomm.register_msccl(f))
+    for coll, algo in (("allreduce", "ring"), ("allgather", "ring"),
+                       ("reduce_scatter", "ring"), ("alltoall", "pairwise")):
+        names.setdefault(coll, []).append(ringcomm.register_msccl(
+            msccl.to_xml(coll, algo, p, chunks=2 * p), name=f"exported_{algo}_{coll}"))
+    c.check(sorted(names) == ["allgather", "allreduce", "alltoall", "reduce_scatter"],
+            f"registered {names}")
+    g = torch.Generator().manual_seed(rank)
+    for group in (None, small):
+        for coll, algos in names.items():
+            for name in algos:
+                ringcomm.set_algorithm(coll, name, group=group)
+                for n in (6, 600, 6006):
+                    x = torch.randn(n * p if coll != "allreduce" else n, generator=g)
+                    what = f"{coll}[{name}] n={n}{' seg64' if group else ''}"
+                    if coll == "allreduce":
+                        ours, ref = x.clone(), x.clone()
+                        c.run(what, dist.all_reduce, ours, group=group)
+                        dist.all_reduce(ref, group=gloo)
+                    elif coll == "allgather":
+                        x = x[:n].contiguous()
+                        ours, ref = torch.empty(n * p), torch.empty(n * p)
+                        c.run(what, dist.all_gather_into_tensor, ours, x, group=group)
+                        dist.all_gather_into_tensor(ref, x, group=gloo)
+                    elif coll == "reduce_scatter":
+                        ours, ref = torch.empty(n), torch.empty(n)
+                        c.run(what, dist.reduce_scatter_tensor, ours, x, group=group)
+                        dist.reduce_scatter_tensor(ref, x, group=gloo)
+                    else:
+                        ours, ref = torch.empty(n * p), torch.empty(n * p)
+                        c.run(what, dist.all_to_all_single, ours, x, group=group)
+                        dist.all_to_all_single(ref, x, group=gloo)
+                    c.check(torch.allclose(ours, ref, rtol=1e-5, atol=1e-5),
+                            f"{what}: max diff {(ours - ref).abs().max().item()}")
+                ringcomm.set_algorithm(coll, "auto", group=group)
+    # a count the chunks do not divide: refused on every rank, the group goes on
+    ringcomm.set_algorithm("allreduce", "exported_ring_allreduce")
+    t = torch.ones(7)
+    try:
+        dist.all_reduce(t)
+        c.check(False, "an allreduce of 7 elements over 6 chunks ran")
+    except ValueError as e:
+        c.case("msccl: a count the chunks do not divide", e)
+        c.check("needs a multiple of 6 elements, got 7" in str(e), str(e))
+    ringcomm.set_algorithm("allreduce", "auto")
+    t = torch.ones(7)
+    dist.all_reduce(t)
+    c.check(torch.equal(t, torch.full((7,), float(p))), f"after the refusal: {t}")
+    dist.barrier()
+    dist.destroy_process_group()
+    c.finish()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
