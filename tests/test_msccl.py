@@ -18,7 +18,6 @@ from ringcomm import msccl, ops
 from ringcomm.algorithms import NATIVE, REGISTRY
 from ringcomm.msccl.xmlformat import Gpu, Program, Step, ThreadBlock, write
 from ringcomm.schedule import ShapeNotServed
-from ringcomm.schedules.checker import local_layout
 from ringcomm.testing import run_schedule
 
 
@@ -371,3 +370,18 @@ def test_on_the_nccl_lane_over_fake_nccl():
     finally:
         ringcomm.unregister_algorithm("allreduce", name)
     assert min(counts) > 0 and lib.calls["send"] > 0 and lib.calls["groupStart"] > 0
+
+
+def test_the_benchmark_times_an_msccl_file_next_to_the_built_ins(tmp_path):
+    import json
+
+    f = tmp_path / "pairs.xml"
+    f.write_text(write(pairs_with_scratch()))
+    out = tmp_path / "b.json"
+    mpirun(2, str(ROOT / "scripts" / "compare_collectives.py"), "-b", "64", "-e", "4K", "-f",
+           "64", "-n", "3", "-w", "0", "--min-time", "0", "--rounds", "1", "-c", "--coll",
+           "allreduce", "--algos", "ring", "--msccl", str(f), "--peers", "none",
+           "--targets", "none", "--json", str(out), timeout=120)
+    rows = [r for r in json.loads(out.read_text())["results"] if r["column"] == "pairs_scratch"]
+    assert [r["size"] for r in rows] == [64, 4096]
+    assert all(r["status"] == "ok" and r["wrong"] == 0 for r in rows), rows

@@ -121,6 +121,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     g.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE on every rank first, e.g. one that registers your "
                         "own algorithms with ringcomm.register_algorithm (repeatable)")
+    g.add_argument("--msccl", action="append", default=[], metavar="FILE",
+                   help="an MSCCL algorithm XML to register on every rank "
+                        "(ringcomm.register_msccl) and time next to the others (repeatable)")
     g.add_argument("--algos", default=DEFAULT_ALGOS,
                    help="ringcomm algorithms to compare (ring, tree, auto, native, any "
                         "registered name), or all")
@@ -202,6 +205,12 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         a.ops = names(a.op, OP_NAMES, "reduction op (-o)", {"product": "prod"})
         a.dtypes = names(a.dtype, DTYPE_NAMES, "data type (-d)", DTYPE_ALIASES)
         a.algo_list = [s.strip() for s in a.algos.split(",") if s.strip()]
+        for path in a.msccl:
+            import ringcomm
+
+            name = ringcomm.register_msccl(path, replace=True)
+            if name not in a.algo_list and "all" not in a.algo_list:
+                a.algo_list.append(name)
         if a.peers is None:
             a.peers = "nccl" if a.device == "cuda" else ",".join(PEER_NAMES)
         if a.peers.strip().lower() in ("", "none"):

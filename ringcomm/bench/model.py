@@ -128,7 +128,8 @@ def layout_for(collective: str, p: int, n: int) -> tuple:
 
 def _builder(collective: str, algorithm: str | None):
     """The registered schedule builder, or None (native, auto, other libraries,
-    unknown names, or ringcomm not importable)."""
+    unknown names, an algorithm written for one world size, as MSCCL's are, or
+    ringcomm not importable)."""
     if algorithm is None or collective not in _SIZED:
         return None
     try:
@@ -137,6 +138,8 @@ def _builder(collective: str, algorithm: str | None):
         return None
     build = REGISTRY.get(collective, {}).get(algorithm)
     if build is None or build is NATIVE or not callable(build):
+        return None
+    if getattr(build, "fixed_world_size", None) is not None:  # ringcomm.msccl
         return None
     return build
 

@@ -58,6 +58,7 @@ class Algorithm:
         self.chunks = program.nchunksperloop
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._build = _Builder(self)
 
     def __repr__(self) -> str:
         return (f"<MSCCL {self.collective} {self.name!r}: {self.ranks} ranks, {self.chunks} "
@@ -85,12 +86,12 @@ class Algorithm:
                 self._cache.popitem(last=False)
         return tr
 
-    def build(self, ctx: Context) -> Schedule:
-        """The schedule builder (``register_algorithm`` takes it)."""
-        if ctx.collective != self.collective:
-            raise ShapeNotServed(f"MSCCL algorithm {self.name!r} is a {self.collective}, "
-                                 f"not a {ctx.collective}")
-        return _tr.schedule_of(self.translation(ctx), ctx)
+    @property
+    def build(self):
+        """The schedule builder (``register_algorithm`` takes it); its
+        ``fixed_world_size`` tells the cost model it serves one world size only."""
+        return self._build
+
 
     def shape(self, multiple: int = 1) -> tuple:
         """The smallest global layout it serves (one element per chunk), times
@@ -116,6 +117,24 @@ class Algorithm:
             raise ValueError(f"MSCCL algorithm {self.name!r} is wrong: "
                              f"{_tr.explain(str(e), self.translation(ctx), self.program)}"
                              ) from None
+
+
+class _Builder:
+    """An algorithm's builder: a callable that says which world size it serves."""
+
+    def __init__(self, alg: Algorithm):
+        self.alg = alg
+        self.fixed_world_size = alg.ranks
+
+    def __call__(self, ctx: Context) -> Schedule:
+        alg = self.alg
+        if ctx.collective != alg.collective:
+            raise ShapeNotServed(f"MSCCL algorithm {alg.name!r} is a {alg.collective}, "
+                                 f"not a {ctx.collective}")
+        return _tr.schedule_of(alg.translation(ctx), ctx)
+
+    def __repr__(self) -> str:
+        return f"<builder of {self.alg!r}>"
 
 
 def load(source: str | os.PathLike) -> Algorithm:
