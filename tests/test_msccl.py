@@ -385,3 +385,15 @@ def test_the_benchmark_times_an_msccl_file_next_to_the_built_ins(tmp_path):
     rows = [r for r in json.loads(out.read_text())["results"] if r["column"] == "pairs_scratch"]
     assert [r["size"] for r in rows] == [64, 4096]
     assert all(r["status"] == "ok" and r["wrong"] == 0 for r in rows), rows
+
+
+def test_the_worked_example_in_the_docs_loads_and_is_right():
+    import re
+
+    text = (ROOT / "docs" / "msccl.md").read_text()
+    xml = re.findall(r"```xml\n(.*?)```", text, re.S)[0]
+    alg = msccl.load(xml)
+    assert (alg.name, alg.ranks, alg.chunks) == ("allpairs2", 2, 2)
+    for executor in ("threads", "nccl-sim"):
+        oracle_run(alg, 7, executor, 3)
+    assert alg.prove(multiple=(1 << 20) // 4 // 2).rounds == 2  # what the docs say
