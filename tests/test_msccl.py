@@ -133,10 +133,18 @@ HAND = [ring_allreduce_fused(3), ring_allreduce_fused(4), pairs_with_scratch(),
 def oracle_run(alg: msccl.Algorithm, per_chunk: int, executor: str, seg: int) -> None:
     """Run ``alg`` on in-process ranks with integer data and compare every rank's
     result with a single-process computation."""
-    p, coll = alg.ranks, alg.collective
+    p, coll, root = alg.ranks, alg.collective, alg.root or 0
     lay = alg.shape(per_chunk)
     g = torch.Generator().manual_seed(per_chunk)
-    if coll == "allreduce":
+    if coll == "broadcast":
+        xs = [torch.randint(-9, 9, (lay[0],), generator=g).float() for _ in range(p)]
+        bufs = [[x.clone()] for x in xs]
+        want = [[xs[root]] for _ in range(p)]
+    elif coll == "reduce":
+        xs = [torch.randint(-9, 9, (lay[0],), generator=g).float() for _ in range(p)]
+        bufs = [[x.clone()] for x in xs]
+        want = [[sum(xs)] if r == root else [None] for r in range(p)]
+    elif coll == "allreduce":
         xs = [torch.randint(-9, 9, (lay[0],), generator=g).float() for _ in range(p)]
         bufs = [[x.clone()] for x in xs]
         want = [[sum(xs)] for _ in range(p)]
@@ -157,7 +165,8 @@ def oracle_run(alg: msccl.Algorithm, per_chunk: int, executor: str, seg: int) ->
         bufs = [[t.clone() for t in xs[r]] + [torch.empty(n) for _ in range(p)]
                 for r in range(p)]
         want = [[xs[r][j] for j in range(p)] + [xs[i][r] for i in range(p)] for r in range(p)]
-    run_schedule(alg.build, coll, p, lay, bufs, op=ops.SUM, seg=seg, executor=executor)
+    run_schedule(alg.build, coll, p, lay, bufs, op=ops.SUM, seg=seg, executor=executor,
+                 root=root)
     for r in range(p):
         for b, w in enumerate(want[r]):
             if w is not None:
@@ -178,6 +187,7 @@ def test_every_step_type_and_collective_is_covered():
     kinds = {st.type for p in HAND for g in p.gpus for tb in g.tbs for st in tb.steps}
     assert kinds == {"s", "r", "rcs", "rrs", "rrc", "rrcs", "cpy", "re", "nop"}
     assert {p.coll for p in HAND} == {"allreduce", "allgather", "reducescatter", "alltoall"}
+    # broadcast and reduce: every exported schedule, below
     assert {p.inplace for p in HAND} == {True, False}
 
 
@@ -212,7 +222,8 @@ def test_xml_text_and_files_load_with_what_they_declare(tmp_path):
     assert msccl.parse(write(alg.program)) == alg.program  # write() reads back unchanged
 
 
-ROUND_TRIP = [(c, a) for c in ("allreduce", "allgather", "reduce_scatter", "alltoall")
+ROUND_TRIP = [(c, a) for c in ("allreduce", "allgather", "reduce_scatter", "alltoall",
+                                "broadcast", "reduce")
               for a, b in REGISTRY[c].items() if b is not NATIVE]
 
 
@@ -306,6 +317,12 @@ def test_a_shape_it_does_not_serve_is_refused_naming_what_it_serves():
     with pytest.raises(ShapeNotServed, match="same size"):
         ag.build(Context("allgather", 3, 0, (2, 3, 2)))
     assert alg.build(Context("allreduce", 3, 1, (0,))).steps == ()  # nothing to do
+    bc = msccl.load(msccl.to_xml("broadcast", "tree", 3))  # root 0: it receives nothing
+    assert bc.root == 0
+    with pytest.raises(ShapeNotServed, match="from root 0 .*this call's root is 2"):
+        bc.build(Context("broadcast", 3, 1, (3,), root=2))
+    with pytest.raises(ValueError, match="names no root"):  # every rank receives
+        msccl.load(write(Program(**{**ring_allreduce_fused(3).__dict__, "coll": "broadcast"})))
 
 
 def test_register_msccl_names_and_refusals():

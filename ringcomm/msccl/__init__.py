@@ -28,7 +28,7 @@ import threading
 from ringcomm.schedule import Context, Schedule, ScheduleError, ShapeNotServed
 from ringcomm.msccl import export as _export
 from ringcomm.msccl import translate as _tr
-from ringcomm.msccl.xmlformat import COLLECTIVES, Program, parse, write
+from ringcomm.msccl.xmlformat import COLLECTIVES, WHOLE, Program, parse, write
 
 __all__ = ["Algorithm", "load", "register", "to_xml", "COLLECTIVES", "Program", "parse",
            "write"]
@@ -45,7 +45,9 @@ class Algorithm:
         program: the XML as data (:class:`ringcomm.msccl.xmlformat.Program`).
         name: the XML's ``name``.
         collective: ringcomm's collective (``allreduce``, ``allgather``,
-            ``reduce_scatter``, ``alltoall``).
+            ``reduce_scatter``, ``alltoall``, ``broadcast``, ``reduce``).
+        root: a broadcast's or reduce's root (the XML does not state it: the one rank
+            that receives, or sends, nothing); None for the others.
         ranks: the world size it is written for (``ngpus``).
         chunks: ``nchunksperloop``.
     """
@@ -56,6 +58,7 @@ class Algorithm:
         self.collective = program.collective
         self.ranks = program.ngpus
         self.chunks = program.nchunksperloop
+        self.root = program.root
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
         self._build = _Builder(self)
@@ -108,12 +111,13 @@ class Algorithm:
         """
         from ringcomm.schedules import checker
 
-        lay = self.shape(multiple)
+        lay, root = self.shape(multiple), self.program.root or 0
         try:
-            return checker.check(self.build, self.collective, self.ranks, lay, seg=seg)
+            return checker.check(self.build, self.collective, self.ranks, lay, root=root,
+                                 seg=seg)
         except ScheduleError as e:
             ctx = Context(self.collective, self.ranks, 0,
-                          checker.local_layout(self.collective, lay, 0, 0), 0, seg)
+                          checker.local_layout(self.collective, lay, 0, root), root, seg)
             raise ValueError(f"MSCCL algorithm {self.name!r} is wrong: "
                              f"{_tr.explain(str(e), self.translation(ctx), self.program)}"
                              ) from None
@@ -200,9 +204,9 @@ def to_xml(collective: str, algorithm: str, world_size: int, chunks: int | None 
         raise ValueError(f"ringcomm.msccl.to_xml: world_size must be at least 2, got "
                          f"{world_size}")
     chunks = world_size if chunks is None else chunks
-    if chunks < 1 or (collective != "allreduce" and chunks % world_size):
+    if chunks < 1 or (collective not in WHOLE and chunks % world_size):
         raise ValueError(f"ringcomm.msccl.to_xml: chunks={chunks} must be at least 1"
-                         + ("" if collective == "allreduce" else
+                         + ("" if collective in WHOLE else
                             f" and a multiple of world_size={world_size}"))
     program = _export.export(collective, name or f"{algorithm}_{collective}_{world_size}",
                              build, world_size, chunks)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ringcomm.schedule import Context, Copy, Region, Schedule
-from ringcomm.msccl.xmlformat import COLL_NAMES, Gpu, Program, Step, ThreadBlock
+from ringcomm.msccl.xmlformat import COLL_NAMES, WHOLE, Gpu, Program, Step, ThreadBlock
 
 #: MSCCL's runtime takes fewer than this many chunks per step (MSCCL_MAX_COUNT)
 MAX_COUNT = 72
@@ -26,7 +26,7 @@ MAX_COUNT = 72
 
 def layout(collective: str, size: int, chunks: int) -> tuple:
     """The global layout (as the checker takes it) with one element per chunk."""
-    if collective == "allreduce":
+    if collective in WHOLE:
         return (chunks,)
     per = chunks // size
     if collective == "alltoall":
@@ -36,8 +36,8 @@ def layout(collective: str, size: int, chunks: int) -> tuple:
 
 def _places(collective: str, size: int, chunks: int, sched: Schedule) -> dict[int, tuple]:
     """Buffer id -> (MSCCL buffer, first chunk) of one rank's buffers."""
-    per = chunks // size if collective != "allreduce" else chunks
-    if collective == "allreduce":
+    per = chunks // size if collective not in WHOLE else chunks
+    if collective in WHOLE:
         out = {0: ("i", 0)}
     elif collective == "allgather":
         out = {j: ("o", j * per) for j in range(size)}
@@ -80,8 +80,8 @@ def program(name: str, collective: str, scheds: list[Schedule], chunks: int) -> 
     for r, s in enumerate(scheds):
         gpus.append(_gpu(r, s, ref, sent, taken, collective, size, chunks))
     return Program(name=name, coll=COLL_NAMES[collective], ngpus=size, nchunksperloop=chunks,
-                   nchannels=1, proto="Simple", inplace=collective == "allreduce",
-                   outofplace=collective != "allreduce", min_bytes=0, max_bytes=0,
+                   nchannels=1, proto="Simple", inplace=collective in WHOLE,
+                   outofplace=collective not in WHOLE, min_bytes=0, max_bytes=0,
                    gpus=tuple(gpus))
 
 
@@ -178,10 +178,11 @@ def _gpu(r: int, sched: Schedule, ref: Callable, sent: dict, taken: dict, collec
         tbs.append(ThreadBlock(ids[k], bl.send, bl.recv, 0, tuple(steps)))
     used = {st.srcbuf for tb in tbs for st in tb.steps if st.type != "nop"} | \
         {st.dstbuf for tb in tbs for st in tb.steps if st.type != "nop"}
-    per = chunks if collective == "allreduce" else chunks // size
-    i_chunks = (chunks if collective in ("allreduce", "reduce_scatter", "alltoall") else per)
+    per = chunks if collective in WHOLE else chunks // size
+    i_chunks = (chunks if collective in ("reduce_scatter", "alltoall") or collective in WHOLE
+                else per)
     o_chunks = (chunks if collective in ("allgather", "alltoall") else per)
-    if collective == "allreduce":
+    if collective in WHOLE:
         o_chunks = 0  # in place: everything is in i
     return Gpu(r, i_chunks if "i" in used else 0, o_chunks if "o" in used else 0,
                sum(sched.scratch), tuple(tbs))

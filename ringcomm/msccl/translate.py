@@ -34,7 +34,7 @@ from typing import Sequence
 
 from ringcomm.schedule import (Context, Copy, Reduce, Region, Schedule, ShapeNotServed, Step,
                                Xfer, buffer_count, split_even)
-from ringcomm.msccl.xmlformat import STEP_TYPES, Program
+from ringcomm.msccl.xmlformat import STEP_TYPES, WHOLE, Program
 
 
 @dataclasses.dataclass
@@ -66,8 +66,13 @@ def served_count(program: Program, ctx: Context) -> int:
     if ctx.size != p:
         raise ShapeNotServed(f"MSCCL algorithm {program.name!r} is written for ngpus={p} "
                              f"ranks; this group has {ctx.size}")
+    if program.root is not None and ctx.root != program.root:
+        raise ShapeNotServed(f"MSCCL algorithm {program.name!r} is a {c} from root "
+                             f"{program.root} (the rank that "
+                             f"{'receives' if c == 'broadcast' else 'sends'} nothing); this "
+                             f"call's root is {ctx.root}")
     lay = ctx.layout
-    if c == "allreduce":
+    if c in WHOLE:
         counts = [lay[0]]
     elif c == "alltoall":
         counts = [*lay[0], *lay[1]]
@@ -77,9 +82,9 @@ def served_count(program: Program, ctx: Context) -> int:
         raise ShapeNotServed(f"MSCCL algorithm {program.name!r} ({c}) needs every rank's "
                              f"block of the same size; got sizes {sorted(set(counts))}")
     n = counts[0]
-    per = program.nchunksperloop if c == "allreduce" else program.nchunksperloop // p
+    per = program.nchunksperloop if c in WHOLE else program.nchunksperloop // p
     if n % per:
-        what = "elements" if c == "allreduce" else "elements per rank"
+        what = "elements" if c in WHOLE else "elements per rank"
         raise ShapeNotServed(f"MSCCL algorithm {program.name!r} cuts the buffer into "
                              f"{program.nchunksperloop} chunks: {c} needs a multiple of "
                              f"{per} {what}, got {n}")
@@ -100,7 +105,7 @@ class _Buffers:
             scratch.append(size)
             return self.nbuf + len(scratch) - 1
 
-        if c == "allreduce":
+        if c in WHOLE:
             self.blocks["o"] = (n, [0])
             if program.inplace:
                 self.blocks["i"] = (n, [0])
@@ -199,7 +204,7 @@ def translate(program: Program, n: int, seg: int) -> Translation:
         ValueError: the program cannot finish, naming the XML's steps that wait.
     """
     p, c = program.ngpus, program.collective
-    total = n * (1 if c == "allreduce" else p)
+    total = n * (1 if c in WHOLE else p)
     chunk = total // program.nchunksperloop
     loops = max(1, min(chunk, -(-chunk // max(1, seg))))
     slices = [(r.off, r.n) for r in split_even(Region(0, 0, chunk), loops)]
@@ -451,7 +456,7 @@ def explain(message: str, tr: Translation, program: Program) -> str:
     """A checker's message about ranks' steps, with the XML's steps they carry."""
     import re
 
-    if program.collective == "allreduce" and tr.chunk:  # an element's chunk
+    if program.collective in WHOLE and tr.chunk:  # an element's chunk
         message = re.sub(r"(rank \d+ buffer 0 element (\d+))",
                          lambda m: f"{m.group(1)} (chunk {int(m.group(2)) // tr.chunk})", message)
     notes = []

@@ -17,10 +17,13 @@ from typing import Iterable
 #: synthesizer ``reduce_scatter``)
 COLLECTIVES = {"allreduce": "allreduce", "allgather": "allgather",
                "reducescatter": "reduce_scatter", "reduce_scatter": "reduce_scatter",
-               "alltoall": "alltoall"}
+               "alltoall": "alltoall", "broadcast": "broadcast", "reduce": "reduce"}
 #: ringcomm's collective -> the ``coll`` written on export (MSCCL's runtime reads these)
 COLL_NAMES = {"allreduce": "allreduce", "allgather": "allgather",
-              "reduce_scatter": "reducescatter", "alltoall": "alltoall"}
+              "reduce_scatter": "reducescatter", "alltoall": "alltoall",
+              "broadcast": "broadcast", "reduce": "reduce"}
+#: collectives whose buffers are one block, not one per rank
+WHOLE = frozenset({"allreduce", "broadcast", "reduce"})
 #: step type -> (receives, local work, sends)
 STEP_TYPES = {"s": (False, None, True), "r": (True, None, False),
               "rcs": (True, None, True), "rrs": (True, "reduce", True),
@@ -104,6 +107,17 @@ class Program:
     def collective(self) -> str:
         return COLLECTIVES[self.coll]
 
+    @property
+    def root(self) -> int | None:
+        """The root of a broadcast (the one rank that receives nothing) or a reduce (the
+        one that sends nothing), which the XML does not state; None for the others."""
+        if self.collective not in ("broadcast", "reduce"):
+            return None
+        part = 0 if self.collective == "broadcast" else 2  # receives / sends
+        quiet = [g.id for g in self.gpus
+                 if not any(STEP_TYPES[st.type][part] for tb in g.tbs for st in tb.steps)]
+        return quiet[0] if len(quiet) == 1 else 0 if self.ngpus == 1 else -1
+
     def chunks(self, buf: str) -> int:
         """Chunks of buffer ``buf`` (``i``/``o``; ``s`` is per gpu): the full-size
         buffer has :attr:`nchunksperloop`, allgather's input and reduce-scatter's
@@ -171,7 +185,7 @@ def parse(source: str | os.PathLike) -> Program:
         raise ValueError(f"MSCCL XML: ngpus={ngpus} and nchunksperloop={chunks} must be at "
                          "least 1")
     collective = COLLECTIVES[coll]
-    if collective != "allreduce" and chunks % ngpus:
+    if collective not in WHOLE and chunks % ngpus:
         raise ValueError(f"MSCCL XML: {coll} splits its buffers among ranks: nchunksperloop="
                          f"{chunks} must be a multiple of ngpus={ngpus}")
     proto = root.get("proto", "Simple")
@@ -197,7 +211,12 @@ def parse(source: str | os.PathLike) -> Program:
     missing = sorted(set(range(ngpus)) - set(gpus))
     if missing:
         raise ValueError(f"MSCCL XML: ngpus={ngpus}, but gpus {missing} have no <gpu>")
-    return dataclasses.replace(program, gpus=tuple(gpus[g] for g in range(ngpus)))
+    program = dataclasses.replace(program, gpus=tuple(gpus[g] for g in range(ngpus)))
+    if program.root == -1:
+        what = "receives" if collective == "broadcast" else "sends"
+        raise ValueError(f"MSCCL XML: a {coll} names no root: exactly one gpu must be the "
+                         f"one that {what} nothing")
+    return program
 
 
 def _gpu(el: ET.Element, gid: int, program: Program) -> Gpu:

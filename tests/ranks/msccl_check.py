@@ -35,20 +35,29 @@ def main(folder: str) -> None:
         alg = msccl.load(f)
         names.setdefault(alg.collective, []).append(ringcomm.register_msccl(f))
     for coll, algo in (("allreduce", "ring"), ("allgather", "ring"),
-                       ("reduce_scatter", "ring"), ("alltoall", "pairwise")):
+                       ("reduce_scatter", "ring"), ("alltoall", "pairwise"),
+                       ("broadcast", "tree"), ("reduce", "tree")):
         names.setdefault(coll, []).append(ringcomm.register_msccl(
             msccl.to_xml(coll, algo, p, chunks=2 * p), name=f"exported_{algo}_{coll}"))
-    c.check(sorted(names) == ["allgather", "allreduce", "alltoall", "reduce_scatter"],
-            f"registered {names}")
+    c.check(sorted(names) == ["allgather", "allreduce", "alltoall", "broadcast", "reduce",
+                              "reduce_scatter"], f"registered {names}")
     g = torch.Generator().manual_seed(rank)
     for group in (None, small):
         for coll, algos in names.items():
             for name in algos:
                 ringcomm.set_algorithm(coll, name, group=group)
                 for n in (6, 600, 6006):
-                    x = torch.randn(n * p if coll != "allreduce" else n, generator=g)
+                    whole = coll in ("allreduce", "broadcast", "reduce")
+                    x = torch.randn(n if whole else n * p, generator=g)
                     what = f"{coll}[{name}] n={n}{' seg64' if group else ''}"
-                    if coll == "allreduce":
+                    if coll in ("broadcast", "reduce"):  # exported for root 0
+                        ours, ref = x.clone(), x.clone()
+                        fn = dist.broadcast if coll == "broadcast" else dist.reduce
+                        c.run(what, fn, ours, 0, group=group)
+                        fn(ref, 0, group=gloo)
+                        if coll == "reduce" and rank != 0:  # only the root's is defined
+                            ours, ref = ours[:0], ref[:0]
+                    elif coll == "allreduce":
                         ours, ref = x.clone(), x.clone()
                         c.run(what, dist.all_reduce, ours, group=group)
                         dist.all_reduce(ref, group=gloo)
@@ -66,8 +75,25 @@ def main(folder: str) -> None:
                         c.run(what, dist.all_to_all_single, ours, x, group=group)
                         dist.all_to_all_single(ref, x, group=gloo)
                     c.check(torch.allclose(ours, ref, rtol=1e-5, atol=1e-5),
-                            f"{what}: max diff {(ours - ref).abs().max().item()}")
+                            f"{what}: max diff "
+                            f"{(ours - ref).abs().max().item() if ours.numel() else 0}")
                 ringcomm.set_algorithm(coll, "auto", group=group)
+    # chosen for a group through Options(algorithms=...), as RINGCOMM_ALGO does
+    chosen = dist.new_group(backend="ringcomm", pg_options=ringcomm.Options(
+        algorithms={"allreduce": "exported_ring_allreduce"}))
+    c.check(ringcomm.get_group(chosen).get_algorithm("allreduce") == "exported_ring_allreduce",
+            "Options(algorithms=...) did not choose the MSCCL algorithm")
+    t = torch.full((6 * p,), float(rank))
+    c.run("allreduce on the Options group", dist.all_reduce, t, group=chosen)
+    c.check(torch.equal(t, torch.full_like(t, float(sum(range(p))))), f"Options group: {t}")
+    # another root than the one the XML is written for: refused on every rank
+    ringcomm.set_algorithm("broadcast", "exported_tree_broadcast")
+    try:
+        dist.broadcast(torch.ones(6), 1)
+        c.check(False, "a broadcast from root 1 ran on an algorithm for root 0")
+    except ValueError as e:
+        c.check("this call's root is 1" in str(e), str(e))
+    ringcomm.set_algorithm("broadcast", "auto")
     # a count the chunks do not divide: refused on every rank, the group goes on
     ringcomm.set_algorithm("allreduce", "exported_ring_allreduce")
     t = torch.ones(7)
