@@ -247,13 +247,26 @@ def test_the_export_follows_msccl_tools_layout():
     for line in lines:
         if "<step " in line:
             assert line.strip().endswith("/>") and line.startswith("      ")
-    p = msccl.parse(text)
-    for g in p.gpus:
-        assert [tb.id for tb in g.tbs] == list(range(len(g.tbs)))
-        for tb in g.tbs:
-            assert [st.s for st in tb.steps] == list(range(len(tb.steps)))
-            assert all(st.cnt < 72 for st in tb.steps)
+    assert all(line.count('="') <= 16 for line in lines)  # the runtime reads 16 attributes
     assert "reducescatter" in msccl.to_xml("reduce_scatter", "ring", 2)
+    # the checks MSCCL's runtime reader makes (docs/msccl-format.md, section 7), on
+    # exports with many dependencies
+    for coll, algo, n in (("allreduce", "ring", 5), ("allreduce", "rabenseifner", 4),
+                          ("alltoall", "pairwise", 4), ("allgather", "bruck", 5)):
+        p = msccl.parse(msccl.to_xml(coll, algo, n))
+        for g in p.gpus:
+            assert [tb.id for tb in g.tbs] == list(range(len(g.tbs)))
+            for tb in g.tbs:
+                assert [st.s for st in tb.steps] == list(range(len(tb.steps)))
+                assert all(st.cnt < 72 for st in tb.steps)
+                for i, st in enumerate(tb.steps):  # nops lead to a step with its own dep
+                    if st.type == "nop":
+                        after = next(x for x in tb.steps[i:] if x.type != "nop")
+                        assert after.depid >= 0, (coll, algo, g.id, tb.id, i)
+                    if st.depid >= 0:  # what is waited on publishes
+                        assert g.tbs[st.depid].steps[st.deps].hasdep
+                    if st.type in ("s", "r"):
+                        assert (tb.send if st.type == "s" else tb.recv) >= 0
 
 
 def _mutate(program: Program, gpu: int, tb: int, at: int, **change) -> str:
@@ -414,3 +427,25 @@ def test_the_worked_example_in_the_docs_loads_and_is_right():
     for executor in ("threads", "nccl-sim"):
         oracle_run(alg, 7, executor, 3)
     assert alg.prove(multiple=(1 << 20) // 4 // 2).rounds == 2  # what the docs say
+
+
+def test_auto_takes_an_msccl_files_byte_range_when_asked():
+    from ringcomm.algorithms import select
+
+    text = write(Program(**{**ring_allreduce_fused(3).__dict__, "min_bytes": 1024,
+                            "max_bytes": 4096}))
+    name = ringcomm.register_msccl(text, name="banded", auto=True)
+    try:
+        table = select.load_tuning()
+        assert select.choose(table, "allreduce", 2048, 3) == "banded"
+        assert select.choose(table, "allreduce", 8192, 3) != "banded"  # above maxBytes
+        assert select.choose(table, "allreduce", 512, 3) != "banded"  # below minBytes
+        assert select.choose(table, "allreduce", 2048, 4) != "banded"  # another world size
+        # replaced without auto: the band goes
+        ringcomm.register_msccl(text, name="banded", replace=True)
+        assert select.choose(table, "allreduce", 2048, 3) != "banded"
+    finally:
+        ringcomm.unregister_algorithm("allreduce", name)
+    assert not any(b[2] == "banded" for bands in select.BANDS.values() for b in bands)
+    with pytest.raises(ValueError, match="auto=True for an alltoall"):
+        ringcomm.register_msccl(write(alltoall_with_copy()), auto=True)

@@ -121,6 +121,7 @@ def unregister_algorithm(collective: str, name: str) -> None:
         raise ValueError(f"ringcomm.unregister_algorithm: {collective} algorithm {name!r} "
                          "is in auto's built-in tuning")
     del REGISTRY[collective][name]
+    select.remove_bands(collective, name)
     TRUSTED.discard((collective, name))
     generation += 1
 

@@ -156,6 +156,29 @@ def load_tuning(path: str | None = None) -> dict[str, dict[str, list]]:
     return table
 
 
+#: (collective, world size) -> [(lowest bytes, highest bytes or None, algorithm)]:
+#: bands of message sizes that ``auto`` gives to an algorithm ahead of its table
+#: (:func:`add_band`; ringcomm.msccl: an MSCCL file's minBytes..maxBytes)
+BANDS: dict[tuple[str, int], list] = {}
+
+
+def add_band(collective: str, world_size: int, low: int, high: int | None,
+             algorithm: str) -> None:
+    """Let ``auto`` run ``algorithm`` for calls of ``low``..``high`` bytes (as auto
+    counts them, see :data:`DEFAULT_TUNING`; ``high`` None: no upper bound) on
+    ``world_size`` ranks. An algorithm that does not serve such a call (it raises
+    ``ShapeNotServed``) leaves it to the table."""
+    BANDS.setdefault((collective, world_size), []).append((low, high, algorithm))
+
+
+def remove_bands(collective: str, algorithm: str) -> None:
+    """Drop every band of ``algorithm`` (it was unregistered)."""
+    for key in [k for k in BANDS if k[0] == collective]:
+        BANDS[key] = [b for b in BANDS[key] if b[2] != algorithm]
+        if not BANDS[key]:
+            del BANDS[key]
+
+
 def multi_host(hosts: tuple) -> bool:
     """Whether a group with this host layout (:class:`ringcomm.schedule.Context`)
     spans several hosts and holds several ranks on at least one of them."""
@@ -163,9 +186,14 @@ def multi_host(hosts: tuple) -> bool:
 
 
 def choose(table: dict, collective: str, nbytes: int, world_size: int,
-           hosts: tuple = ()) -> str:
+           hosts: tuple = (), bands: bool = True) -> str:
     """Algorithm name for a ``collective`` of ``nbytes`` on ``world_size`` ranks laid
-    out on ``hosts`` (see :data:`DEFAULT_TUNING` for which rows apply)."""
+    out on ``hosts`` (see :data:`DEFAULT_TUNING` for which rows apply); a band of
+    :data:`BANDS` first, unless ``bands`` is False."""
+    if bands:
+        for low, high, algo in BANDS.get((collective, world_size), ()):
+            if low <= nbytes and (high is None or nbytes <= high):
+                return algo
     rows_by_size = table[collective]
     rows = rows_by_size.get("hosts") if multi_host(hosts) else None
     if rows is None:

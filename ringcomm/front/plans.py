@@ -20,7 +20,7 @@ from ringcomm.algorithms import NATIVE, REGISTRY, expand_choices
 from ringcomm.algorithms import names as algorithm_names
 from ringcomm.algorithms import select
 from ringcomm.front.lanes import Lane
-from ringcomm.schedule import Context
+from ringcomm.schedule import Context, ShapeNotServed
 from ringcomm.schedules.checker import check_user_schedule
 from ringcomm.schedules.executors import GroupProgram, NativeProgram, P2PProgram
 from ringcomm.schedules.plan import Plan
@@ -58,11 +58,13 @@ class Planner:
         self._lock = threading.Lock()
         self._logged: set = set()
 
-    def choose(self, collective: str, nbytes: int) -> str:
-        """The algorithm a ``collective`` of ``nbytes`` per rank runs."""
+    def choose(self, collective: str, nbytes: int, bands: bool = True) -> str:
+        """The algorithm a ``collective`` of ``nbytes`` per rank runs (``bands``:
+        :data:`ringcomm.algorithms.select.BANDS` too)."""
         name = self.algos[collective]
         if name == "auto":
-            name = select.choose(self._tuning, collective, nbytes, self.size, self.hosts)
+            name = select.choose(self._tuning, collective, nbytes, self.size, self.hosts,
+                                 bands)
             if log.isEnabledFor(logging.INFO):
                 key = (collective, name, max(nbytes, 1).bit_length())
                 if key not in self._logged:
@@ -73,7 +75,7 @@ class Planner:
 
     def prepare(self, lane: Lane, collective: str, layout: tuple, dtype: torch.dtype, *,
                 nbytes: int, root: int = 0, op: Any = None,
-                name: str | None = None) -> tuple[str, Program]:
+                name: str | None = None, bands: bool = True) -> tuple[str, Program]:
         """Choose the algorithm for one call shape and return ``(name, program)``: the
         program runs it on ``lane`` (``program.run(bufs)``, the caller's buffers in the
         order of ``ringcomm.schedule.BUFFERS``). A new program every time: the caller
@@ -82,8 +84,9 @@ class Planner:
         Runs on the caller's thread, so a schedule a user's builder gets wrong is
         refused here, on every rank alike, before anything is sent.
         """
+        chosen = name is None and self.algos[collective] == "auto"
         if name is None:
-            name = self.choose(collective, nbytes)
+            name = self.choose(collective, nbytes, bands)
             if REGISTRY[collective].get(name) is NATIVE and self.algos[collective] == "auto":
                 # a measured table may pick the library's own collective; where it cannot
                 # take this call (a dtype or op MPI lacks) auto takes the modelled choice
@@ -100,7 +103,16 @@ class Planner:
         if build is NATIVE:
             tp.check_native(collective, dtype, op)
             return name, NativeProgram(tp, collective, layout, dtype, op, root)
-        plan = self.plan(collective, name, build, layout, root, dtype)
+        try:
+            plan = self.plan(collective, name, build, layout, root, dtype)
+        except ShapeNotServed:
+            if not chosen or not any(b[2] == name for b in select.BANDS.get(
+                    (collective, self.size), ())):
+                raise
+            # auto's band went to an algorithm that does not serve this call (an MSCCL
+            # file and a count its chunks do not divide): the table's choice runs it
+            return self.prepare(lane, collective, layout, dtype, nbytes=nbytes, root=root,
+                                op=op, bands=False)
         return name, program(tp, plan, dtype, op, self.epoch)
 
     def plan(self, collective: str, name: str, build: Callable, layout: tuple, root: int,

@@ -157,23 +157,43 @@ def load(source: str | os.PathLike) -> Algorithm:
 
 
 def register(source: str | os.PathLike, name: str | None = None, *,
-             replace: bool = False) -> str:
+             replace: bool = False, auto: bool = False) -> str:
     """Load an MSCCL algorithm (:func:`load`) and register it for its collective as
     ``name`` (default: the XML's ``name``); return the name. Then ``set_algorithm``,
     ``Options(algorithms=...)``, ``RINGCOMM_ALGO`` and the benchmark's ``--algos``
     take it. Each call shape is proven again before its first run.
 
+    ``auto=True`` also gives it the calls of its ``minBytes``..``maxBytes`` (0: no
+    upper bound) on its world size when a group's choice is ``auto``, as MSCCL's
+    runtime picks a file; a call in that range it does not serve (a count its chunks
+    do not divide) runs auto's usual choice.
+
     Raises:
-        ValueError: the XML is wrong, or the name is empty, not a plain word
-            (letters, digits, ``_ . -``) or taken (without ``replace``).
+        ValueError: the XML is wrong; the name is empty, not a plain word (letters,
+            digits, ``_ . -``) or taken (without ``replace``); ``auto`` for an
+            alltoall (auto does not see all-to-all sizes).
     """
-    from ringcomm.algorithms import register_algorithm
+    from ringcomm.algorithms import REGISTRY, register_algorithm, select
 
     alg = load(source)
     name = alg.name if name is None else name
     if not name or not _NAME.match(name):
         raise ValueError(f"ringcomm.register_msccl: the algorithm name {name!r} must be "
                          "letters, digits, '_', '.' or '-'; pass name=")
+    if auto and alg.collective == "alltoall":
+        raise ValueError("ringcomm.register_msccl: auto=True for an alltoall: auto chooses "
+                         "all-to-all algorithms without their sizes")
+    if name in REGISTRY[alg.collective] and not replace:
+        raise ValueError(f"ringcomm.register_msccl: {alg.collective} algorithm {name!r} "
+                         "exists; pass replace=True to override it")
+    select.remove_bands(alg.collective, name)  # a replaced registration's
+    if auto:
+        prog = alg.program
+        # auto counts one rank's block for allgather and reduce-scatter, MSCCL the whole
+        per = 1 if alg.collective in WHOLE else alg.ranks
+        select.add_band(alg.collective, alg.ranks, -(-prog.min_bytes // per),
+                        prog.max_bytes // per if prog.max_bytes else None, name)
+    # registering last: it renews every group's prepared calls, auto's band included
     register_algorithm(alg.collective, name, alg.build, replace=replace)
     return name
 

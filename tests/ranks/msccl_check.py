@@ -107,6 +107,19 @@ def main(folder: str) -> None:
     t = torch.ones(7)
     dist.all_reduce(t)
     c.check(torch.equal(t, torch.full((7,), float(p))), f"after the refusal: {t}")
+    # auto=True: auto runs it in its byte range (here all sizes), and a count its chunks
+    # do not divide runs auto's usual choice
+    banded = ringcomm.register_msccl(msccl.to_xml("allreduce", "ring", p, chunks=2 * p),
+                                     name="auto_ring", auto=True)
+    c.check(ringcomm.get_group().algorithm_for("allreduce", 24) == banded,
+            f"auto picks {ringcomm.get_group().algorithm_for('allreduce', 24)}")
+    for n in (6 * p, 7, 6006):
+        t = torch.full((n,), float(rank + 1))
+        c.run(f"auto with the band, n={n}", dist.all_reduce, t)
+        c.check(torch.equal(t, torch.full_like(t, float(sum(range(1, p + 1))))),
+                f"auto with the band, n={n}: {t[:4]}")
+    ringcomm.unregister_algorithm("allreduce", banded)
+    c.check(ringcomm.get_group().algorithm_for("allreduce", 24) != banded, "band kept")
     dist.barrier()
     dist.destroy_process_group()
     c.finish()
