@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
 from ddp.buckets import FIRST_BUCKET_CAP_BYTES, MB
 from ddp.comm_hooks import CommHook
 from ddp.reducer import Reducer
@@ -139,8 +141,8 @@ def verify_same_model(named_params: Sequence[tuple[str, torch.Tensor]],
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup,
-                        chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
-    """Overwrite ``tensors`` on every rank with group rank 0's values, in flat chunks.
+                        chunk_bytes: int = BROADCAST_CHUNK_BYTES, src: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank with group rank ``src``'s values, in flat chunks.
 
     Tensors are grouped by dtype and device (one collective moves one dtype) and
     packed into chunks of at most ``chunk_bytes`` (a larger tensor travels alone).
@@ -148,13 +150,14 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGrou
 
     Args:
         tensors: written in place (call under ``torch.no_grad()`` for parameters).
-        group: the group; its rank 0 is the source.
+        group: the group.
         chunk_bytes: upper bound on one broadcast's size.
+        src: the group rank whose values everyone gets.
     """
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
-    root = dist.get_rank(group) == 0
+    root = dist.get_rank(group) == src
     for ts in by_kind.values():
         chunk: list[torch.Tensor] = []
         size = 0
@@ -162,7 +165,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGrou
             nbytes = 0 if t is None else t.numel() * t.element_size()
             if chunk and (t is None or size + nbytes > chunk_bytes):
                 flat = torch.cat([c.detach().reshape(-1) for c in chunk])
-                dist.broadcast(flat, group=group, group_src=0)
+                dist.broadcast(flat, group=group, group_src=src)
                 if not root:
                     offset = 0
                     for c in chunk:
@@ -174,7 +177,48 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGrou
                 size += nbytes
 
 
-class DistributedDataParallel(nn.Module):
+def _common_rank(mine: int | None, group: dist.ProcessGroup, device: torch.device) -> int:
+    """The largest group rank among those that offer themselves (``mine`` not None); a
+    collective: every rank calls it."""
+    t = torch.tensor([-1 if mine is None else mine], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+class _JoinHook(JoinHook):
+    """What a rank that ran out of inputs does while the others still train
+    (:meth:`DistributedDataParallel.join`): each iteration, the collectives of one
+    training iteration, in the order the training ranks issue them (:meth:`_forward`,
+    then backward), with zero gradients; at the end, the final model from the last
+    rank to join."""
+
+    def __init__(self, ddp: "DistributedDataParallel", divide_by_initial_world_size: bool):
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        ddp.reducer.rebuild_buckets()
+        ddp._sync_buffers_before_forward(training=False)
+        sync = torch.zeros(1, device=ddp._device)
+        dist.all_reduce(sync, group=ddp.process_group)  # the training ranks' 1 or 0
+        should_sync = bool(sync.item())
+        ddp.require_forward_param_sync = should_sync
+        if should_sync:
+            ddp.reducer.shadow_backward()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        ddp = self.ddp
+        src = _common_rank(ddp._rank if is_last_joiner else None, ddp.process_group,
+                           ddp._device)
+        state = list(ddp.module.parameters())
+        if ddp.broadcast_buffers:
+            state += ddp._sync_buffer_list
+        with torch.no_grad():
+            broadcast_coalesced(state, ddp.process_group, src=src)
+
+
+class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel training: wrap a model; gradients are averaged across ranks in backward.
 
     All ranks start from rank 0's parameters and buffers; after each
@@ -212,7 +256,9 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None,
                  bucket_cap_mb: float | None = 25, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, broadcast_buffers: bool = True):
-        super().__init__()
+        nn.Module.__init__(self)
+        Joinable.__init__(self)  # join() (uneven inputs) is off until asked for
+        self._divide_by_initial_world_size = True
         # Local argument checks first: they raise identically on every rank before
         # any collective.
         if not isinstance(module, nn.Module):
@@ -239,10 +285,12 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.bucket_bytes_cap = int(bucket_cap_mb * MB)
         self.world_size = dist.get_world_size(process_group)
+        self._rank = dist.get_rank(process_group)
 
         named_params = list(module.named_parameters())  # shared parameters appear once
         named_buffers = list(module.named_buffers())
         device = named_params[0][1].device if named_params else torch.device("cpu")
+        self._device = device
         # Before anything else: a mismatch would make later collectives disagree in
         # size (hang or garbage); the fingerprint turns that into an error everywhere.
         verify_same_model(named_params, named_buffers, process_group, device)
@@ -286,15 +334,24 @@ class DistributedDataParallel(nn.Module):
             return self._forward(*inputs, **kwargs)
 
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
+        joining = self._join_config.enable
+        grad = torch.is_grad_enabled()
+        if grad:
             self.reducer.check_idle()
+        # In join(): tell the ranks that ran out of inputs that this one trains on; the
+        # number that do is the divisor when divide_by_initial_world_size is False.
+        work = Join.notify_join_context(self) if joining else None
+        self.reducer.set_divisor_work(
+            work if work is not None and not self._divide_by_initial_world_size else None)
+        if grad:
             # Before the forward allocates activations: the old and new buckets
             # briefly coexist.
             self.reducer.rebuild_buckets()
-        if (self.require_forward_param_sync and self.broadcast_buffers
-                and self._sync_buffer_list and self.world_size > 1):
-            with torch.no_grad():
-                broadcast_coalesced(self._sync_buffer_list, self.process_group)
+        self._sync_buffers_before_forward(training=True)
+        if joining:  # whether the joined ranks have a backward to shadow
+            flag = torch.ones(1, device=self._device) if (
+                grad and self.require_backward_grad_sync) else torch.zeros(1, device=self._device)
+            dist.all_reduce(flag, group=self.process_group)
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
@@ -304,6 +361,52 @@ class DistributedDataParallel(nn.Module):
             if torch.is_grad_enabled():
                 self.reducer.disarm()
         return output
+
+    def _sync_buffers_before_forward(self, training: bool) -> None:
+        """Rank 0's buffers to every rank before a forward that follows a synchronized
+        one; in join(), the largest training rank's (rank 0 may have run out of
+        inputs, its buffers stale). ``training``: this rank has inputs."""
+        if not (self.require_forward_param_sync and self.broadcast_buffers
+                and self._sync_buffer_list and self.world_size > 1):
+            return
+        src = 0
+        if self._join_config.enable:
+            src = _common_rank(self._rank if training else None, self.process_group,
+                               self._device)
+        with torch.no_grad():
+            broadcast_coalesced(self._sync_buffer_list, self.process_group, src=src)
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Train on uneven inputs: ``with model.join(): for x in my_batches: ...``.
+
+        A rank that runs out of inputs shadows the others' collectives (zero gradients)
+        until every rank is done, so nobody hangs; then every rank takes the last
+        rank's model. As in torch's DDP (whose ``Join`` this is), gradients are
+        divided by the initial world size, or with ``divide_by_initial_world_size=False``
+        by the number of ranks still training.
+
+        Args:
+            divide_by_initial_world_size: see above.
+            enable: False turns the context into a no-op (even inputs).
+            throw_on_early_termination: raise on every rank as soon as one runs out
+                of inputs, instead of shadowing.
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook :class:`torch.distributed.algorithms.Join` runs on a rank that ran
+        out of inputs (see :meth:`join`)."""
+        return _JoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

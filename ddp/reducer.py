@@ -184,6 +184,9 @@ class Reducer:
         self._observed_order: list[int] | None = None
         self._rebuilt = False
         self.num_synced_backwards = 0
+        #: join() with divide_by_initial_world_size=False: the forward's allreduce that
+        #: counts the ranks still training (the divisor instead of the world size)
+        self._divisor_work: Any = None
 
         ref = weakref.ref(self)
         handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad_ready, ref, i))
@@ -316,6 +319,37 @@ class Reducer:
         for t in find_tensors(outputs):
             if t.requires_grad and t.grad_fn is not None:
                 t.register_hook(functools.partial(_on_output_grad, ref))
+
+    def set_divisor_work(self, work: Any) -> None:
+        """The coming backward divides by the sum that ``work`` (an allreduce of ones
+        over the ranks still training) holds, not by the world size; None: the world
+        size."""
+        self._divisor_work = work
+
+    def shadow_backward(self) -> None:
+        """On a rank that ran out of inputs (DDP's join): the collectives of one
+        synchronized backward, in launch order, with zero gradients; this rank's own
+        gradients stay as they are."""
+        futures = []
+        for b, gb in zip(self.buckets, self._grad_buckets):
+            zeros = torch.zeros_like(b.buffer)
+            views = [zeros[v.storage_offset() - b.buffer.storage_offset():][:v.numel()]
+                     .view_as(v) for v in b.views]
+            shadow = GradBucket(gb.index(), zeros, views, gb.parameters(), gb.is_last(),
+                                self.process_group)
+            if self._prescale is not None:
+                futures.append(allreduce_sum(self.process_group, zeros))
+            else:
+                futures.append(self._comm_hook(self._comm_hook_state, shadow))
+        for fut in futures:
+            fut.wait()
+        if self.find_unused_parameters:
+            bitmap = torch.zeros(len(self.params), dtype=torch.int32, device=self._device)
+            dist.all_reduce(bitmap, group=self.process_group)
+        if self._observed_order is None and not self._rebuilt:
+            # the training ranks rebuild their buckets at their next forward: so does
+            # this rank, in the order rank 0 sends (complete_order fills the rest)
+            self._observed_order = []
 
     def disarm(self) -> None:
         """The next backward is not synchronized (a forward inside ``no_sync``)."""
@@ -455,6 +489,13 @@ class Reducer:
         global_used = None
         if self._used_future is not None:
             global_used = self._used_future.wait()[0].tolist()
+        if self._divisor_work is not None:  # join(divide_by_initial_world_size=False)
+            self._divisor_work.wait()
+            training = int(self._divisor_work.result()[0].item())
+            self._divisor_work = None
+            if training and training != self.world_size:
+                for bucket in self.buckets:
+                    bucket.buffer.mul_(self.world_size / training)
         with trace.span("copy-back", "ddp"):
             self._write_back(global_used)
         self._saved_slots = {}

@@ -178,6 +178,15 @@ def test_unused_parameters_overlap_and_rebuild():
     assert_checks(out, "ddp_graph mpiexec n=3", 3)
 
 
+def test_join_trains_on_uneven_inputs_like_torch_ddp():
+    # ranks with 3, 5 and 8 batches, against torch's DDP on ringcomm and gloo (torch's
+    # divide_by_initial_world_size=False on ringcomm reads a Work torch's C++ keeps
+    # after Python dropped it) and, with unused parameters, a single process
+    out = mpirun(3, "ddp_join.py", timeout=LAUNCH_TIMEOUT,
+                 env={"PYTHONWARNINGS": "ignore::FutureWarning"}).stdout
+    assert_checks(out, "ddp_join mpiexec n=3", 3)
+
+
 def test_mismatched_models_fail_on_every_rank():
     out = mpirun(3, "ddp_mismatch.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_mismatch mpiexec n=3", 3)

@@ -1,6 +1,7 @@
 """Work handles returned by every ringcomm collective."""
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from datetime import timedelta
@@ -24,6 +25,29 @@ def collective_error(op: str, where: str, cause: BaseException, timeout_s: float
     err = dist.DistBackendError(msg)
     err.__cause__ = cause
     return err
+
+
+#: Finished asynchronous Works with small results, kept alive a while. torch's C++
+#: side may hold a Work after Python dropped it (torch's DDP keeps join()'s
+#: forward allreduce to read the number of training ranks in backward); once the
+#: Python object is gone, its wait() falls back to c10d's base Work::wait, which
+#: never returns for a Work made in Python. Small results are what such holders
+#: read (counts, flags, ranks); large ones are not kept, so no tensor outlives its
+#: use by much.
+RETAINED = 256
+RETAIN_BYTES = 1 << 16
+_retained: collections.deque = collections.deque(maxlen=RETAINED)
+
+
+def _small(value: Any) -> bool:
+    ts = value if isinstance(value, (list, tuple)) else [value]
+    total = 0
+    for t in ts:
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+        elif t is not None:
+            return False
+    return total <= RETAIN_BYTES
 
 
 def _unwrap(fut: torch.futures.Future) -> Any:
@@ -95,6 +119,8 @@ class Work(BaseWork):
             self._value, self._exc = value, exc
             self._done = True
             event, fut = self._event, self._fut
+        if _small(value):
+            _retained.append(self)
         if event is not None:
             event.set()
         if fut is not None:
