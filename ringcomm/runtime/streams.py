@@ -155,14 +155,14 @@ def streams_for(device: torch.device) -> CudaStreams | HostStreams:
 class StreamWork(BaseWork):
     """Handle of a collective enqueued on a stream (see the module docstring)."""
 
-    __slots__ = ("_op", "_engine", "_end", "_fut", "_timeout_s", "_deadline", "_value",
+    __slots__ = ("_op", "_streams", "_end", "_fut", "_timeout_s", "_deadline", "_value",
                  "_blocking", "_exc", "_finished")
 
     def __init__(self, op: str, engine: "StreamEngine", done: Any, timeout_s: float,
                  deadline: float, value: Any, blocking: bool):
         _work_init(self)  # cheaper than super(): this is on every call
         self._op = op
-        self._engine = engine
+        self._streams = engine.streams  # not the engine: a kept Work keeps no group alive
         self._end = done
         self._fut: torch.futures.Future | None = None
         self._timeout_s = timeout_s
@@ -188,7 +188,7 @@ class StreamWork(BaseWork):
             self._block(limit)
         if self._exc is not None:
             raise self._exc
-        self._engine.streams.wait_on_current(self._end)
+        self._streams.wait_on_current(self._end)
         return True
 
     def _block(self, limit: float) -> None:
@@ -204,7 +204,7 @@ class StreamWork(BaseWork):
         """A CUDA-aware future holding the outputs: waiting on it, or a ``then``
         callback, is ordered after the collective on the stream. Made on first ask."""
         if self._fut is None:
-            self._fut = self._engine.streams.future_after(self._end, self._value)
+            self._fut = self._streams.future_after(self._end, self._value)
         return self._fut
 
     def is_completed(self) -> bool:

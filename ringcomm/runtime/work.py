@@ -119,7 +119,8 @@ class Work(BaseWork):
             self._value, self._exc = value, exc
             self._done = True
             event, fut = self._event, self._fut
-        if _small(value):
+        if exc is None and _small(value):  # (an error's traceback holds the group's frames)
+            self._engine = None  # a kept Work keeps no group alive
             _retained.append(self)
         if event is not None:
             event.set()
@@ -150,6 +151,8 @@ class Work(BaseWork):
 
     def _block(self, event: threading.Event, limit: float) -> None:
         engine = self._engine
+        if engine is None:  # finished meanwhile (see _finish)
+            return
         if engine.on_progress_thread():
             # a future callback waits for a collective queued behind it on its own
             # lane: a new thread takes the lane, this one waits as a plain thread
