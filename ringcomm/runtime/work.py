@@ -34,8 +34,8 @@ def collective_error(op: str, where: str, cause: BaseException, timeout_s: float
 #: never returns for a Work made in Python. Small results are what such holders
 #: read (counts, flags, ranks); large ones are not kept, so no tensor outlives its
 #: use by much.
-RETAINED = 256
-RETAIN_BYTES = 1 << 16
+RETAINED = 32
+RETAIN_BYTES = 1 << 12
 _retained: collections.deque = collections.deque(maxlen=RETAINED)
 
 
@@ -43,8 +43,8 @@ def _small(value: Any) -> bool:
     ts = value if isinstance(value, (list, tuple)) else [value]
     total = 0
     for t in ts:
-        if isinstance(t, torch.Tensor):
-            total += t.numel() * t.element_size()
+        if isinstance(t, torch.Tensor):  # its storage: a view keeps all of it alive
+            total += t.untyped_storage().nbytes()
         elif t is not None:
             return False
     return total <= RETAIN_BYTES
