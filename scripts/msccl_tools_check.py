@@ -11,7 +11,7 @@ each world size of ``--ranks``. Each XML is then:
    machine and run through ``torch.distributed``, compared with gloo.
 
     python scripts/msccl_tools_check.py --tools ~/msccl-tools --python ~/mt/bin/python \\
-        --ranks 2,3,4,5,8 --run --json docs/data/msccl_tools.json
+        --ranks 2,3,4,5,6,7,8 --run --json docs/data/msccl_tools.json
 
 The JSON lists, per example and world size, whether msccl-tools wrote it, and
 whether ringcomm loaded, proved and ran it to gloo's results, or why not.
