@@ -244,6 +244,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to
             all ranks at construction and before each forward. With False, buffers
             are never synchronized, not even at construction (as in torch).
+        static_graph: the model uses the same parameters every iteration (as torch's
+            ``static_graph``): the first synchronized iteration finds the unused ones
+            (even without ``find_unused_parameters``), later iterations skip the graph
+            walk and the used-parameter allreduce.
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
         ValueError: ``bucket_cap_mb`` is negative or not a number, or this process
@@ -255,7 +259,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None,
                  bucket_cap_mb: float | None = 25, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, broadcast_buffers: bool = True):
+                 gradient_as_bucket_view: bool = False, broadcast_buffers: bool = True,
+                 static_graph: bool = False):
         nn.Module.__init__(self)
         Joinable.__init__(self)  # join() (uneven inputs) is off until asked for
         self._divide_by_initial_world_size = True
@@ -283,6 +288,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
         self.bucket_bytes_cap = int(bucket_cap_mb * MB)
         self.world_size = dist.get_world_size(process_group)
         self._rank = dist.get_rank(process_group)
@@ -317,7 +323,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer = Reducer(
             [p for _, p in trainable], [n for n, _ in trainable], process_group,
             self.bucket_bytes_cap, min(FIRST_BUCKET_CAP_BYTES, self.bucket_bytes_cap),
-            find_unused_parameters, gradient_as_bucket_view)
+            find_unused_parameters, gradient_as_bucket_view, static_graph)
         # As in torch: a backward is synchronized when its forward ran with grad
         # enabled outside no_sync; buffers are synced before a forward that follows
         # such a forward (or the first one).

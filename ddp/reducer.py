@@ -148,7 +148,7 @@ class Reducer:
                  process_group: dist.ProcessGroup, bucket_cap_bytes: int,
                  first_bucket_cap_bytes: int | None = None,
                  find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False):
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False):
         self.params = list(params)
         self.names = list(names)
         self.process_group = process_group
@@ -156,6 +156,11 @@ class Reducer:
         self.bucket_cap_bytes = bucket_cap_bytes
         self.first_bucket_cap_bytes = first_bucket_cap_bytes
         self.find_unused_parameters = find_unused_parameters
+        #: static_graph: the first synchronized iteration finds the unused parameters
+        #: (graph walk, bitmap allreduce); later ones reuse what it found
+        self.static_graph = static_graph
+        self._static_unused: list[int] | None = None
+        self._static_used: list | None = None
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._device = self.params[0].device
         self._lock = threading.Lock()
@@ -298,6 +303,11 @@ class Reducer:
         self._unused_from_graph: list[int] = []
         self._saved_slots: dict[int, torch.Tensor] = {}  # bucket views to restore
 
+    @property
+    def _detecting(self) -> bool:
+        """Whether this iteration finds its unused parameters (graph walk, bitmap)."""
+        return self.find_unused_parameters or (self.static_graph and self._static_used is None)
+
     def prepare_for_backward(self, outputs: Any) -> None:
         """Arm the reducer for the backward of this forward's ``outputs``.
 
@@ -306,9 +316,11 @@ class Reducer:
         """
         self.check_idle()
         self._reset()
-        if self.find_unused_parameters:
+        if self._detecting:
             reached = reachable_parameters(find_tensors(outputs), self.params)
             self._unused_from_graph = [i for i in range(len(self.params)) if i not in reached]
+        elif self._static_unused is not None:  # static_graph: as the first iteration found
+            self._unused_from_graph = list(self._static_unused)
         if self._observed_order is None and self._recording is None:
             self._recording = []
         self._armed = True
@@ -343,7 +355,7 @@ class Reducer:
                 futures.append(self._comm_hook(self._comm_hook_state, shadow))
         for fut in futures:
             fut.wait()
-        if self.find_unused_parameters:
+        if self._detecting:
             bitmap = torch.zeros(len(self.params), dtype=torch.int32, device=self._device)
             dist.all_reduce(bitmap, group=self.process_group)
         if self._observed_order is None and not self._rebuilt:
@@ -435,7 +447,7 @@ class Reducer:
             elif _aliases(g, view):
                 # The slot is the gradient; keep a copy to restore it untouched if no
                 # rank used the parameter (the allreduce would round it otherwise).
-                if self.find_unused_parameters:
+                if self.find_unused_parameters or self.static_graph:
                     self._saved_slots[i] = view.clone()
             else:
                 self._fill(view, g)
@@ -462,7 +474,7 @@ class Reducer:
                                 f"torch.futures.Future, got {type(fut).__name__} for bucket {b}")
             self._futures[b] = fut
             self._launched += 1
-        if (self.find_unused_parameters and self._launched == len(self.buckets)
+        if (self._detecting and self._launched == len(self.buckets)
                 and self._used_future is None):
             # Every parameter is ready, so the local used-set is final. Sent after the
             # last bucket on every rank, so the collectives still match.
@@ -489,6 +501,11 @@ class Reducer:
         global_used = None
         if self._used_future is not None:
             global_used = self._used_future.wait()[0].tolist()
+            if self.static_graph and self._static_used is None:
+                self._static_used = global_used
+                self._static_unused = [i for i in range(len(self.params)) if not self._used[i]]
+        elif self._static_used is not None:
+            global_used = self._static_used
         if self._divisor_work is not None:  # join(divide_by_initial_world_size=False)
             self._divisor_work.wait()
             training = int(self._divisor_work.result()[0].item())
@@ -503,7 +520,7 @@ class Reducer:
         self.num_synced_backwards += 1
         if self._recording is not None:
             self._observed_order, self._recording = self._recording, None
-        if missing and not self.find_unused_parameters:
+        if missing and not (self.find_unused_parameters or self.static_graph):
             names = [self.names[i] for i in missing]
             raise RuntimeError(
                 f"ddp: {len(missing)} parameter(s) got no gradient in this backward on this "

@@ -187,6 +187,11 @@ def test_join_trains_on_uneven_inputs_like_torch_ddp():
     assert_checks(out, "ddp_join mpiexec n=3", 3)
 
 
+def test_static_graph_matches_torch_ddp_and_walks_the_graph_once():
+    out = mpirun(3, "ddp_static.py", timeout=LAUNCH_TIMEOUT).stdout
+    assert_checks(out, "ddp_static mpiexec n=3", 3)
+
+
 def test_mismatched_models_fail_on_every_rank():
     out = mpirun(3, "ddp_mismatch.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_mismatch mpiexec n=3", 3)
