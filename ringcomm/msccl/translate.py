@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from typing import Sequence
 
 from ringcomm.schedule import (Context, Copy, Reduce, Region, Schedule, ShapeNotServed, Step,
@@ -454,8 +455,6 @@ def schedule_of(tr: Translation, ctx: Context) -> Schedule:
 
 def explain(message: str, tr: Translation, program: Program) -> str:
     """A checker's message about ranks' steps, with the XML's steps they carry."""
-    import re
-
     if program.collective in WHOLE and tr.chunk:  # an element's chunk
         message = re.sub(r"(rank \d+ buffer 0 element (\d+))",
                          lambda m: f"{m.group(1)} (chunk {int(m.group(2)) // tr.chunk})", message)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ringcomm import settings
 from ringcomm.pacing import Backoff
-from ringcomm.runtime.work import BaseWork, _retained, _small, collective_error
+from ringcomm.runtime.work import BaseWork, collective_error, keep_if_small
 
 _work_init = dist.Work.__init__
 _monotonic = time.monotonic
@@ -171,8 +171,7 @@ class StreamWork(BaseWork):
         self._blocking = blocking
         self._exc: BaseException | None = None  # set by the watchdog
         self._finished = False
-        if _small(value):  # see ringcomm.runtime.work.RETAINED
-            _retained.append(self)
+        keep_if_small(self, value)  # see ringcomm.runtime.work.RETAINED
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Order the caller's current stream after this collective (no CPU block); with

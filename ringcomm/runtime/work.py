@@ -39,15 +39,19 @@ RETAIN_BYTES = 1 << 12
 _retained: collections.deque = collections.deque(maxlen=RETAINED)
 
 
-def _small(value: Any) -> bool:
+def keep_if_small(work: "BaseWork", value: Any) -> None:
+    """Keep ``work`` among the :data:`RETAINED` last ones if its result ``value`` (tensors,
+    or a list of them) fits in :data:`RETAIN_BYTES` of storage (a view keeps all of
+    its storage alive). The caller has dropped what would keep its group alive."""
     ts = value if isinstance(value, (list, tuple)) else [value]
     total = 0
     for t in ts:
-        if isinstance(t, torch.Tensor):  # its storage: a view keeps all of it alive
+        if isinstance(t, torch.Tensor):
             total += t.untyped_storage().nbytes()
         elif t is not None:
-            return False
-    return total <= RETAIN_BYTES
+            return
+    if total <= RETAIN_BYTES:
+        _retained.append(work)
 
 
 def _unwrap(fut: torch.futures.Future) -> Any:
@@ -119,9 +123,9 @@ class Work(BaseWork):
             self._value, self._exc = value, exc
             self._done = True
             event, fut = self._event, self._fut
-        if exc is None and _small(value):  # (an error's traceback holds the group's frames)
-            self._engine = None  # a kept Work keeps no group alive
-            _retained.append(self)
+        if exc is None:  # (an error's traceback holds the group's frames)
+            self._engine = None  # finished: a kept Work keeps no group alive
+            keep_if_small(self, value)
         if event is not None:
             event.set()
         if fut is not None:
