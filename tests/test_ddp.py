@@ -192,6 +192,13 @@ def test_static_graph_matches_torch_ddp_and_walks_the_graph_once():
     assert_checks(out, "ddp_static mpiexec n=3", 3)
 
 
+def test_compression_hooks_match_torchs_hooks():
+    # PowerSGD (three configurations), batched PowerSGD, both quantization hooks,
+    # noop and post-local SGD: ours on ddp and on torch's DDP, torch's on ddp
+    out = mpirun(3, "ddp_hooks.py", timeout=LAUNCH_TIMEOUT).stdout
+    assert_checks(out, "ddp_hooks mpiexec n=3", 3)
+
+
 def test_mismatched_models_fail_on_every_rank():
     out = mpirun(3, "ddp_mismatch.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_mismatch mpiexec n=3", 3)
@@ -200,3 +207,93 @@ def test_mismatched_models_fail_on_every_rank():
 def test_under_torchrun():
     out = torchrun(2, "ddp_equivalence.py", "--quick", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_equivalence --quick torchrun n=2", 2)
+
+
+# -- comm hooks: chaining and refusals, in one process ------------------------------
+
+def test_then_future_chains_without_waiting_and_carries_errors():
+    from ddp.comm_hooks import then_future
+
+    first, second = torch.futures.Future(), torch.futures.Future()
+    seen = []
+    out = then_future(first, lambda f: (seen.append(f.value()), second)[1])
+    first.set_result(3)
+    assert seen == [3] and not out.done()  # the step ran, its collective is pending
+    second.set_result(torch.ones(2))
+    assert torch.equal(out.wait(), torch.ones(2))
+
+    failed = torch.futures.Future()
+    out = then_future(failed, lambda f: pytest.fail("step ran after an error"))
+    failed.set_exception(RuntimeError("collective failed"))
+    with pytest.raises(RuntimeError, match="collective failed"):
+        out.wait()
+
+    first = torch.futures.Future()
+    out = then_future(first, lambda f: 1 / 0)
+    first.set_result(None)
+    with pytest.raises(ZeroDivisionError):
+        out.wait()
+
+    first, inner = torch.futures.Future(), torch.futures.Future()
+    out = then_future(first, lambda f: inner)
+    first.set_result(None)
+    inner.set_exception(ValueError("second collective failed"))
+    with pytest.raises(ValueError, match="second collective failed"):
+        out.wait()
+
+
+def _bucket(n: int = 10):
+    from ddp.comm_hooks import GradBucket
+
+    buf = torch.arange(float(n))
+    return GradBucket(0, buf, [buf], [torch.zeros(n)], True, None)
+
+
+def test_compression_hooks_refuse_bad_states_by_name():
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    from ddp import comm_hooks as h
+
+    for hook in (h.powerSGD_hook, h.batched_powerSGD_hook):
+        with pytest.raises(TypeError, match=f"{hook.__name__}: state must be .*PowerSGDState, "
+                                            "got dict"):
+            hook({}, _bucket())
+    with pytest.raises(TypeError, match="post_localSGD_hook: state must be .*PostLocalSGDState"):
+        h.post_localSGD_hook(None, _bucket())
+    with pytest.raises(ValueError, match="bucket_size must be a positive integer, got 0"):
+        h.quantization_perchannel_hook(None, _bucket(), bucket_size=0)
+    # rank 5 does not fit a 4 x 4 matrix (10 values padded to 16); refused before
+    # any collective, so no process group is needed
+    state = PowerSGDState(process_group=object(), matrix_approximation_rank=5,
+                          start_powerSGD_iter=2)
+    state.iter = 2
+    state.process_group = type("G", (), {"size": lambda self: 2})()
+    with pytest.raises(ValueError, match="rank 5 is larger than bucket 0's 4 x 4 matrix"):
+        h.batched_powerSGD_hook(state, _bucket())
+
+
+def test_post_local_sgd_without_subgroup_or_host_size_is_refused(monkeypatch):
+    from ddp.comm_hooks import local_sgd
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="ranks per host are unknown"):
+        local_sgd._host_subgroup()
+
+
+def test_orthogonalize_matches_qr_and_refuses_wide_matrices():
+    from ddp.comm_hooks.powersgd import orthogonalize
+
+    g = torch.Generator().manual_seed(0)
+    for rank in (1, 2, 3):  # Gram-Schmidt up to 2 columns, QR above
+        m = torch.randn(2, 6, rank, generator=g, dtype=torch.float64)
+        q, _ = torch.linalg.qr(m.clone())
+        orthogonalize(m)
+        eye = torch.eye(rank, dtype=torch.float64).expand(2, rank, rank)
+        assert torch.allclose(m.transpose(1, 2) @ m, eye, atol=1e-12)
+        assert torch.allclose(m.abs(), q.abs(), atol=1e-12)  # the same basis, up to sign
+    zero = torch.zeros(4, 1)
+    orthogonalize(zero, epsilon=1e-8)
+    assert torch.equal(zero, torch.zeros(4, 1))  # epsilon: zeros, not NaNs
+    with pytest.raises(ValueError, match=r"r <= n, got shape \(2, 3\)"):
+        orthogonalize(torch.zeros(2, 3))

@@ -1,27 +1,13 @@
-"""Communication hooks: how one bucket of gradients is reduced across ranks.
-
-A hook is a plain function ``hook(state, bucket) -> torch.futures.Future`` whose
-future holds a tensor shaped like ``bucket.buffer()``: the bucket's gradients
-averaged over the group. :class:`~ddp.DistributedDataParallel` calls it once per
-bucket, as soon as the bucket is ready and every bucket before it has been
-launched, and waits on the future at the end of backward.
-
-``state`` is whatever was passed to ``register_comm_hook``; for the hooks here it
-is the process group to reduce over, or ``None`` for the DDP instance's group
-(which ``bucket.process_group`` carries). Because the bucket offers ``index()``,
-``buffer()``, ``gradients()``, ``parameters()`` and ``is_last()`` like torch's
-``dist.GradBucket``, torch's own hooks (``torch.distributed.algorithms.
-ddp_comm_hooks.default_hooks``) work as well.
-"""
-from __future__ import annotations
-
+"""The bucket a hook sees, and the plain hooks: allreduce (DDP's default), float16
+and bfloat16 compression, and no communication at all. Helpers the other hook
+modules share: the group a state names, and a future chained to a later one."""
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["GradBucket", "CommHook", "allreduce_hook", "fp16_compress_hook",
-           "bf16_compress_hook"]
+           "bf16_compress_hook", "noop_hook"]
 
 
 class GradBucket:
@@ -85,16 +71,19 @@ class GradBucket:
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
-def _group(state: Any, bucket: GradBucket) -> dist.ProcessGroup:
+def hook_group(state: Any, bucket: dist.GradBucket) -> dist.ProcessGroup:
+    """The group a default hook's state names: itself, or for None the DDP instance's
+    (torch's DDP's buckets do not carry it: then the world)."""
     if state is None:
-        return bucket.process_group
+        return getattr(bucket, "process_group", None) or dist.group.WORLD
     if not isinstance(state, dist.ProcessGroup):
         raise TypeError(f"comm hook state must be a process group or None, got "
                         f"{type(state).__name__}")
     return state
 
 
-def allreduce_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+def allreduce_hook(state: dist.ProcessGroup | None,
+                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over the group: divide by the group size, then allreduce (sum).
 
     Dividing first keeps large gradient sums away from the dtype's range limit.
@@ -108,7 +97,7 @@ def allreduce_hook(state: dist.ProcessGroup | None, bucket: GradBucket) -> torch
     Raises:
         TypeError: ``state`` is neither a process group nor None.
     """
-    group = _group(state, bucket)
+    group = hook_group(state, bucket)
     buf = bucket.buffer()
     buf.div_(dist.get_world_size(group))
     return allreduce_sum(group, buf)
@@ -120,8 +109,8 @@ def allreduce_sum(group: dist.ProcessGroup, buf: torch.Tensor) -> torch.futures.
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _compressed(state: Any, bucket: GradBucket, dtype: torch.dtype) -> torch.futures.Future:
-    group = _group(state, bucket)
+def _compressed(state: Any, bucket: dist.GradBucket, dtype: torch.dtype) -> torch.futures.Future:
+    group = hook_group(state, bucket)
     buf = bucket.buffer()
     # Divide in the low-precision copy, as torch does: the sum of world_size
     # gradients would overflow float16's 65504 before the division otherwise.
@@ -136,7 +125,7 @@ def _compressed(state: Any, bucket: GradBucket, dtype: torch.dtype) -> torch.fut
 
 
 def fp16_compress_hook(state: dist.ProcessGroup | None,
-                       bucket: GradBucket) -> torch.futures.Future:
+                       bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Like :func:`allreduce_hook`, but sends the gradients as float16 (half the bytes).
 
     The averaged result is cast back into the bucket's dtype. float16 keeps 11
@@ -155,7 +144,7 @@ def fp16_compress_hook(state: dist.ProcessGroup | None,
 
 
 def bf16_compress_hook(state: dist.ProcessGroup | None,
-                       bucket: GradBucket) -> torch.futures.Future:
+                       bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Like :func:`fp16_compress_hook`, with bfloat16: float32's range, 8 significant bits
     (about 4e-3 relative error per gradient), so no overflow or flush-to-zero worries.
 
@@ -168,3 +157,54 @@ def bf16_compress_hook(state: dist.ProcessGroup | None,
         TypeError: ``state`` is neither a process group nor None.
     """
     return _compressed(state, bucket, torch.bfloat16)
+
+
+def noop_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Reduce nothing: the future holds the bucket's local gradients as they are.
+
+    For measuring what communication costs (a run with this hook is the
+    computation alone), as torch's ``debugging_hooks.noop_hook``; training with it
+    lets the replicas drift apart.
+    """
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def then_future(fut: torch.futures.Future,
+                step: Callable[[torch.futures.Future], torch.futures.Future]
+                ) -> torch.futures.Future:
+    """A future for ``step(fut)``'s future: ``step`` runs when ``fut`` completes and
+    starts the next collective; the result is that collective's, once it completes.
+
+    Unlike a ``then`` callback that waits for the collective it starts, nothing
+    blocks a thread meanwhile: the callback returns as soon as the collective is
+    issued. An error in ``fut`` sets the returned future's exception without
+    running ``step``; so does an error in ``step`` or in the collective it starts.
+    """
+    out: torch.futures.Future = torch.futures.Future()
+
+    def fail(e: BaseException) -> None:
+        # torch's futures hold Exceptions: a KeyboardInterrupt or the like is wrapped,
+        # or the waiter would never hear of it
+        out.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+
+    def finish(inner: torch.futures.Future) -> None:
+        try:
+            value = inner.value()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            fail(e)
+        else:
+            out.set_result(value)
+
+    def run(done: torch.futures.Future) -> None:
+        try:
+            done.value()
+            inner = step(done)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            fail(e)
+        else:
+            inner.add_done_callback(finish)
+
+    fut.add_done_callback(run)
+    return out
