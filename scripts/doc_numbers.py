@@ -58,6 +58,7 @@ from ringcomm.bench.targets import (DEFAULT_TARGETS, check_targets, load_targets
 from ringcomm.bench.tuning import tuning_report  # noqa: E402
 
 from ddp.bench import paper  # noqa: E402
+from ddp.bench.report import graph_text, hooks_text  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "compare_2ranks.json"
 LAYERS = ROOT / "docs" / "data" / "layers_2ranks.json"
@@ -68,6 +69,7 @@ DDP_DATA = ROOT / "docs" / "data" / "bench_ddp_2ranks.json"
 DDP_RR_DATA = ROOT / "docs" / "data" / "bench_ddp_roundrobin_2ranks.json"
 #: the latency breakdown of every ddp.bench model, the short path's DDP measurement
 DDP_SHORT_DATA = ROOT / "docs" / "data" / "bench_ddp_short_path.json"
+DDP_HOOKS_DATA = ROOT / "docs" / "data" / "bench_ddp_hooks_2ranks.json"
 MULTINODE = ROOT / "docs" / "data" / "multinode.json"
 MULTINODE_DDP = ROOT / "docs" / "data" / "bench_ddp_2hosts.json"
 #: python -m ringcomm.bench --msccl ...: imported MSCCL algorithms next to the built-ins
@@ -461,6 +463,17 @@ def msccl_blocks(run: dict, run_source: str, tools: dict, tools_source: str) -> 
             "msccl-tools": _msccl_tools(tools, tools_source)}
 
 
+def ddp_hooks_blocks(doc: dict, source: str) -> dict:
+    """docs/ddp.md's blocks of the hooks and graph sections: the run, and each
+    section's table as ddp.bench prints it."""
+    meta = doc["meta"]
+    tables = [text(model, part, meta).removeprefix("#\n")
+              for section, text in (("hooks", hooks_text), ("graph", graph_text))
+              for model, part in doc[section].items()]
+    return {"ddp-hooks-run": paper.run(doc, source),
+            "ddp-hooks": "```\n" + "\n".join(tables) + "\n```"}
+
+
 def replace_blocks(text: str, blocks: dict, where: str) -> str:
     """``text`` with each ``<!-- generated:NAME begin -->`` ... ``end`` block replaced.
 
@@ -506,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ddp-doc", default=str(ROOT / "docs" / "ddp.md"))
     ap.add_argument("--ddp-short-data", default=str(DDP_SHORT_DATA),
                     help="python -m ddp.bench --sections breakdown --model all's JSON")
+    ap.add_argument("--ddp-hooks-data", default=str(DDP_HOOKS_DATA),
+                    help="python -m ddp.bench --sections hooks,graph's JSON (for docs/ddp.md)")
     ap.add_argument("--msccl-doc", default=str(ROOT / "docs" / "msccl.md"))
     ap.add_argument("--msccl-data", default=str(MSCCL_RUN),
                     help="python -m ringcomm.bench --msccl's JSON (for docs/msccl.md)")
@@ -542,7 +557,9 @@ def main(argv: list[str] | None = None) -> int:
         new[Path(a.ddp_doc)] = replace_blocks(Path(a.ddp_doc).read_text(), {
             "ddp-short-run": paper.run(short, short_source),
             "ddp-short-breakdown": paper.breakdown(short),
-            "ddp-short-targets": paper.targets(short)}, a.ddp_doc)
+            "ddp-short-targets": paper.targets(short),
+            **ddp_hooks_blocks(json.loads(Path(a.ddp_hooks_data).read_text()),
+                               _relative(Path(a.ddp_hooks_data)))}, a.ddp_doc)
         if a.paper.strip().lower() != "none":
             doc_ddp = json.loads(Path(a.ddp_data).read_text())
             doc_rr = json.loads(Path(a.ddp_rr_data).read_text())

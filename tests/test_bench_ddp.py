@@ -17,7 +17,9 @@ from ddp.bench import cli, targets
 from ddp.bench.constants import DEFAULT_TARGETS, TARGETS_SCHEMA
 
 SCRIPT = ROOT / "scripts" / "bench_ddp.py"
-SECTIONS = ("breakdown", "buckets", "scaling", "nosync", "roundrobin")
+SECTIONS = ("breakdown", "buckets", "scaling", "nosync", "roundrobin", "hooks", "graph")
+#: the sections drawn as plots
+PLOTTED = ("breakdown", "buckets", "scaling", "nosync", "roundrobin")
 VERDICTS = ("faster", "slower", "no difference beyond noise")
 
 
@@ -50,9 +52,46 @@ def check_document(doc: dict, world: int, sections: tuple[str, ...] = SECTIONS) 
         rows = doc["nosync"]["resnet"]["rows"]
         assert sorted({r["n"] for r in rows}) == [1, 2, 4, 8]
         assert all(r["amortized_ms"] > 0 for r in rows)
+    if "hooks" in sections:
+        check_hooks(doc["hooks"]["resnet"]["rows"], meta["configurations"])
+    if "graph" in sections:
+        part = doc["graph"]["resnet"]
+        assert {(r["config"], r["variant"]) for r in part["rows"]} == {
+            (c, v) for c in meta["configurations"]
+            for v in ("default", "find_unused_parameters", "static_graph")}
+        assert all(r["total_ms"] > 0 for r in part["rows"])
+        for c, sv in part["static_vs_find_unused"].items():
+            assert sv["static_saving_pct"] == pytest.approx(
+                100 * (sv["find_unused_ms"] - sv["static_graph_ms"]) / sv["find_unused_ms"],
+                abs=0.01), c
     if "roundrobin" in sections:
         check_roundrobin(doc["roundrobin"]["resnet"], meta["configurations"], world,
                          meta["timing"]["iters"])
+
+
+def check_hooks(rows: list, configs: list) -> None:
+    by = {(r["config"], r["hook"]): r for r in rows}
+    hooks = list(dict.fromkeys(r["hook"] for r in rows))
+    assert set(by) == {(c, h) for c in configs for h in hooks}
+    for c in configs:
+        base = by[(c, "allreduce")]
+        assert base["collectives"] >= 1 and base["wire_bytes"] > 0, base
+        for h in hooks:
+            r = by[(c, h)]
+            if "skipped" in r:  # torch's own hooks only, each with its reason
+                assert c.startswith("torch/") and "torch" in r["skipped"], r
+                continue
+            assert r["total_ms"] > 0 and r["time_vs_allreduce"] > 0, r
+            if h == "noop":
+                assert r["collectives"] == 0 and r["wire_bytes"] == 0, r
+            elif h != "allreduce":  # every compression sends less than the allreduce
+                assert r["collectives"] >= 1 and 0 < r["wire_vs_allreduce"] < 1, r
+    for c in configs:  # ours: two allreduces per compressed bucket, torch's three
+        if ("powerSGD r=1" in hooks and "skipped" not in by[(c, "powerSGD r=1")]
+                and by[(c, "allreduce")]["collectives"] > 0):
+            ps, plain = by[(c, "powerSGD r=1")], by[(c, "allreduce")]
+            per_bucket = ps["collectives"] / plain["collectives"]
+            assert per_bucket == (2 if c.startswith("ours/") else 3), (c, per_bucket)
 
 
 def check_breakdown(doc: dict, world: int) -> None:
@@ -178,13 +217,14 @@ def test_quick_run_on_two_ranks(tmp_path):
     saving = next(r for r in recs if r["metric"] == "overlap_saving")
     assert saving["worst_model"] == "resnet"
     for line in ("# 1. latency breakdown", "# 2. time per iteration", "# 3. scaling",
-                 "# 4. skipping synchronization", "# 5. round robin", "# speed targets",
+                 "# 4. skipping synchronization", "# 5. round robin",
+                 "# 6. communication hooks", "# 7. static graph", "# speed targets",
                  "# verification:", "traced iterations of ours/ringcomm per K"):
         assert line in proc.stdout, line
     assert ("MET" in proc.stdout) or ("MISSED" in proc.stdout)
     pytest.importorskip("matplotlib")
     assert sorted(p.name for p in plots.iterdir()) == sorted(
-        [f"bench_ddp_{s}.png" for s in SECTIONS]
+        [f"bench_ddp_{s}.png" for s in PLOTTED]
         + ["bench_ddp_timeline.png", "bench_ddp_timeline_off.png",
            "bench_ddp_roundrobin_timeline_k1.png", "bench_ddp_roundrobin_timeline_k5.png"])
 

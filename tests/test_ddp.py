@@ -209,38 +209,7 @@ def test_under_torchrun():
     assert_checks(out, "ddp_equivalence --quick torchrun n=2", 2)
 
 
-# -- comm hooks: chaining and refusals, in one process ------------------------------
-
-def test_then_future_chains_without_waiting_and_carries_errors():
-    from ddp.comm_hooks import then_future
-
-    first, second = torch.futures.Future(), torch.futures.Future()
-    seen = []
-    out = then_future(first, lambda f: (seen.append(f.value()), second)[1])
-    first.set_result(3)
-    assert seen == [3] and not out.done()  # the step ran, its collective is pending
-    second.set_result(torch.ones(2))
-    assert torch.equal(out.wait(), torch.ones(2))
-
-    failed = torch.futures.Future()
-    out = then_future(failed, lambda f: pytest.fail("step ran after an error"))
-    failed.set_exception(RuntimeError("collective failed"))
-    with pytest.raises(RuntimeError, match="collective failed"):
-        out.wait()
-
-    first = torch.futures.Future()
-    out = then_future(first, lambda f: 1 / 0)
-    first.set_result(None)
-    with pytest.raises(ZeroDivisionError):
-        out.wait()
-
-    first, inner = torch.futures.Future(), torch.futures.Future()
-    out = then_future(first, lambda f: inner)
-    first.set_result(None)
-    inner.set_exception(ValueError("second collective failed"))
-    with pytest.raises(ValueError, match="second collective failed"):
-        out.wait()
-
+# -- comm hooks: refusals, in one process ------------------------------
 
 def _bucket(n: int = 10):
     from ddp.comm_hooks import GradBucket

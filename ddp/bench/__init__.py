@@ -31,6 +31,12 @@ Sections (``--sections``, default all):
    smallest K and a verdict. Then a few traced iterations of ``ours/ringcomm`` per
    K at the smallest cap: how many allreduces ran at once and for how long, and
    with ``--plot`` the timelines of the smallest and largest K.
+6. ``hooks``: time per iteration with each communication hook (allreduce, fp16,
+   PowerSGD at rank 1 and 4, batched PowerSGD, uint8 quantization, noop), each
+   DDP with its own hooks, and what one iteration hands to collectives: their
+   number, payload and wire bytes per rank (:mod:`ddp.bench.hooks`).
+7. ``graph``: time per iteration with DDP's defaults, ``find_unused_parameters``
+   and ``static_graph``; static_graph's saving over find_unused_parameters.
 
 Every configuration trains the same model from the same initial weights on the
 same seeded synthetic data; before timing, the parameters after a few steps must

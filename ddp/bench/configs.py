@@ -37,15 +37,16 @@ class Config:
 
 
 def wrap(config: Config, module: nn.Module, group: dist.ProcessGroup,
-         cap_mb: float | None) -> nn.Module:
+         cap_mb: float | None, **options: Any) -> nn.Module:
     """``module`` in ``config``'s DDP on ``group``; ``cap_mb`` None: the implementation's
-    default (25 MiB, first bucket 1 MiB, for both)."""
+    default (25 MiB, first bucket 1 MiB, for both); ``options``: more DDP arguments."""
     if config.impl == "torch":
         return nn.parallel.DistributedDataParallel(module, process_group=group,
-                                                   bucket_cap_mb=cap_mb)
+                                                   bucket_cap_mb=cap_mb, **options)
     # ours, and overlap off (ours under no_sync, reduced by hand)
     return ddp.DistributedDataParallel(module, process_group=group,
-                                       bucket_cap_mb=25 if cap_mb is None else cap_mb)
+                                       bucket_cap_mb=25 if cap_mb is None else cap_mb,
+                                       **options)
 
 
 class Replica:
@@ -59,10 +60,13 @@ class Replica:
         every: synchronize every ``every``-th iteration (no_sync the others); 0: never
             (backward alone, for the exposed-communication difference).
         traced: timed with a ringcomm.trace recording on (the trace overhead).
+        options: more arguments of the DDP (``static_graph``, ``find_unused_parameters``).
+        hook: ``(hook, state factory)`` to register, the factory taking ``group``.
     """
 
     def __init__(self, spec: ModelSpec, config: Config, group: dist.ProcessGroup,
-                 cap_mb: float | str | None = None, every: int = 1, traced: bool = False):
+                 cap_mb: float | str | None = None, every: int = 1, traced: bool = False,
+                 options: dict | None = None, hook: tuple | None = None):
         self.spec, self.config, self.group, self.every = spec, config, group, every
         self.traced = traced
         self.world = dist.get_world_size(group)
@@ -71,7 +75,10 @@ class Replica:
             grad_mib = spec.describe(module)["gradient_bytes"] / 2**20
             cap_mb = math.ceil(grad_mib) + 1
         self.cap_mb = cap_mb
-        self.net = wrap(config, module, group, cap_mb)
+        self.net = wrap(config, module, group, cap_mb, **(options or {}))
+        if hook is not None:
+            fn, make_state = hook
+            self.net.register_comm_hook(make_state(group), fn)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.opt = torch.optim.SGD(self.net.parameters(), lr=LR, momentum=MOMENTUM)
         me = dist.get_rank(group)

@@ -9,7 +9,7 @@ TARGETS_SCHEMA = "ringcomm.bench_ddp.targets/1"
 DEFAULT_TARGETS = str(Path(__file__).resolve().with_name("targets.json"))
 PROG = "bench_ddp.py"
 
-SECTIONS = ("breakdown", "buckets", "scaling", "nosync", "roundrobin")
+SECTIONS = ("breakdown", "buckets", "scaling", "nosync", "roundrobin", "hooks", "graph")
 MODELS = ("resnet", "bert", "mlp")
 #: the paper's two kinds of model (--model both)
 PAPER_MODELS = ("resnet", "bert")

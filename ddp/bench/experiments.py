@@ -17,7 +17,7 @@ from ringcomm.bench.session import cpu_model, loadavg, mpi_library, version_of
 from ringcomm.bench.timing import Progress
 from ringcomm.bench.cli import launcher
 
-from ddp.bench import tracing
+from ddp.bench import hooks, tracing
 from ddp.bench.configs import Config, Replica, World
 from ddp.bench.constants import (EXPOSED_METHOD, LR, MOMENTUM, NOSYNC_EVERY, OVERLAP_OFF,
                                  RR_MECHANISM, SCHEMA, VERIFY_ATOL, VERIFY_RTOL, VERIFY_STEPS)
@@ -30,6 +30,10 @@ from ddp.bench.tracing import Tracer
 RR_VERDICT_RULE = ("faster (slower) when the interquartile ranges of the time per iteration "
                    "do not overlap, K's whole range below (above) the baseline's; otherwise "
                    "no difference beyond noise")
+
+#: the graph section's variants: DDP arguments beyond the defaults
+GRAPH_VARIANTS = {"default": {}, "find_unused_parameters": {"find_unused_parameters": True},
+                  "static_graph": {"static_graph": True}}
 
 #: iterations recorded per K for the round-robin section's trace (--quick: 2)
 RR_TRACED_ITERS = 5
@@ -76,7 +80,10 @@ class Bench:
                      "scaling": len(self.w.scaling_worlds) * nc * a.rounds,
                      "nosync": nc * sum(min(a.rounds, nosync_cycles(a.iters, n))
                                         for n in NOSYNC_EVERY),
-                     "roundrobin": len(a.rr_caps) * nc * len(a.channel_list) * a.rounds}
+                     "roundrobin": len(a.rr_caps) * nc * len(a.channel_list) * a.rounds,
+                     "hooks": sum(not isinstance(hooks.hook_for(h, c.impl, c.backend), str)
+                                  for c in self.configs for h in hooks.HOOKS) * a.rounds,
+                     "graph": len(GRAPH_VARIANTS) * nc * a.rounds}
         return len(self.specs) * sum(per_model[s] for s in a.section_list)
 
     def _timed(self, replicas: dict[str, Replica], cycles: int, what: str,
@@ -329,6 +336,79 @@ class Bench:
         if "ringcomm" in self.a.backend_list and "ours" in self.a.impl_list:
             out["trace"] = self.rr_traced(spec)
         return out
+
+    def hooks(self, spec: ModelSpec) -> dict:
+        """Time per iteration with each communication hook (:data:`hooks.HOOKS`), each
+        implementation with its own hooks, on each backend; then one more synchronized
+        iteration per replica, untimed, counts what its hook hands to collectives
+        (collectives, payload and wire bytes per rank). Ratios are against the
+        allreduce hook of the same configuration."""
+        rows, reps = [], {}
+        for c in self.configs:
+            for h in hooks.HOOKS:
+                got = hooks.hook_for(h, c.impl, c.backend)
+                if isinstance(got, str):
+                    rows.append({"config": c.name, "impl": c.impl, "backend": c.backend,
+                                 "hook": h, "skipped": got})
+                    continue
+                reps[f"{c.name} {h}"] = Replica(spec, c, self.w.groups[c.backend], hook=got)
+        st = self._timed(reps, self.a.iters, f"hooks {spec.name}")
+        counts = {}
+        for name, r in reps.items():
+            with hooks.counted(r.group) as tally:
+                r.iteration(0)
+            counts[name] = tally
+        del reps
+        for c in self.configs:
+            for h in hooks.HOOKS:
+                name = f"{c.name} {h}"
+                if name not in st:
+                    continue
+                rows.append({"config": c.name, "impl": c.impl, "backend": c.backend, "hook": h,
+                             "total_ms": st[name]["ms"]["total"],
+                             "backward_ms": st[name]["ms"]["backward"],
+                             "collectives": counts[name]["collectives"],
+                             "payload_bytes": counts[name]["payload_bytes"],
+                             "wire_bytes": round(counts[name]["wire_bytes"]),
+                             "spans": st[name]})
+        base = {r["config"]: r for r in rows if r["hook"] == "allreduce" and "skipped" not in r}
+        for r in rows:
+            b = base.get(r["config"])
+            if "skipped" in r or b is None:
+                continue
+            r["time_vs_allreduce"] = round(r["total_ms"] / b["total_ms"], 3)
+            r["wire_vs_allreduce"] = (round(r["wire_bytes"] / b["wire_bytes"], 4)
+                                      if b["wire_bytes"] else None)
+        return {"rows": rows, "wire_method": hooks.WIRE_METHOD,
+                "powerSGD": {"start_powerSGD_iter": hooks.START_ITER, "min_compression_rate": 2,
+                             "use_error_feedback": True, "warm_start": True},
+                "note": "each implementation with its own hooks (ddp.comm_hooks, torch's "
+                        "ddp_comm_hooks); noop sends nothing: the computation alone"}
+
+    def graph(self, spec: ModelSpec) -> dict:
+        """Time per iteration with DDP's defaults, with ``find_unused_parameters`` (a
+        graph walk and a used-parameter allreduce every iteration) and with
+        ``static_graph`` (both once, in the first iteration); ``static_saving_pct``:
+        static_graph's saving over find_unused_parameters."""
+        rows = []
+        reps = {f"{c.name} {v}": Replica(spec, c, self.w.groups[c.backend], options=o)
+                for c in self.configs for v, o in GRAPH_VARIANTS.items()}
+        st = self._timed(reps, self.a.iters, f"graph {spec.name}")
+        del reps
+        for c in self.configs:
+            for v in GRAPH_VARIANTS:
+                name = f"{c.name} {v}"
+                rows.append({"config": c.name, "impl": c.impl, "backend": c.backend,
+                             "variant": v, "total_ms": st[name]["ms"]["total"],
+                             "backward_ms": st[name]["ms"]["backward"], "spans": st[name]})
+        by = {(r["config"], r["variant"]): r for r in rows}
+        savings = {}
+        for c in self.configs:
+            fu = by[(c.name, "find_unused_parameters")]["total_ms"]
+            sg = by[(c.name, "static_graph")]["total_ms"]
+            savings[c.name] = {"find_unused_ms": fu, "static_graph_ms": sg,
+                               "static_saving_pct": round(100 * (fu - sg) / fu, 2)}
+        return {"rows": rows, "static_vs_find_unused": savings}
 
     def rr_traced(self, spec: ModelSpec) -> dict | None:
         """RR_TRACED_ITERS (2 with --quick) synchronized iterations of ``ours/ringcomm``

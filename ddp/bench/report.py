@@ -214,6 +214,38 @@ def roundrobin_text(model: str, part: dict, meta: dict) -> str:
     return "\n".join(lines)
 
 
+def hooks_text(model: str, part: dict, meta: dict) -> str:
+    lines = ["#", f"# 6. communication hooks, {model}: ms per iteration and what one iteration "
+                  "hands to collectives per rank (x the same configuration's allreduce hook)"
+             + _over(meta),
+             f"#   wire: {part['wire_method']}",
+             f"# {'configuration':<16} {'hook':<22} {'ms':>8} {'x':>6} {'collectives':>11} "
+             f"{'wire MB':>9} {'x':>7}"]
+    for r in part["rows"]:
+        if "skipped" in r:
+            lines.append(f"  {r['config']:<16} {r['hook']:<22} skipped: {r['skipped']}")
+            continue
+        wx = r["wire_vs_allreduce"]
+        lines.append(f"  {r['config']:<16} {r['hook']:<22} {r['total_ms']:8.1f} "
+                     f"{r['time_vs_allreduce']:6.2f} {r['collectives']:>11} "
+                     f"{r['wire_bytes'] / 1e6:9.3f} {'--' if wx is None else f'{wx:.4f}':>7}")
+    return "\n".join(lines)
+
+
+def graph_text(model: str, part: dict, meta: dict) -> str:
+    variants = list(dict.fromkeys(r["variant"] for r in part["rows"]))
+    by = {(r["config"], r["variant"]): r for r in part["rows"]}
+    lines = ["#", f"# 7. static graph, {model}: ms per iteration by DDP arguments (static_graph's "
+                  "saving over find_unused_parameters)" + _over(meta),
+             f"# {'configuration':<16} " + " ".join(f"{v:>22}" for v in variants)
+             + f" {'saving':>8}"]
+    for c, s in part["static_vs_find_unused"].items():
+        cells = " ".join(f"{by[(c, v)]['total_ms']:22.1f}" for v in variants)
+        lines.append(f"  {c:<16} {cells} {s['static_saving_pct']:7.1f}%")
+    return "\n".join(lines)
+
+
 SECTION_TEXT: dict[str, Callable[[str, dict, dict], str]] = {
     "breakdown": breakdown_text, "buckets": buckets_text, "scaling": scaling_text,
-    "nosync": nosync_text, "roundrobin": roundrobin_text}
+    "nosync": nosync_text, "roundrobin": roundrobin_text, "hooks": hooks_text,
+    "graph": graph_text}

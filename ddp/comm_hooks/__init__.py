@@ -21,21 +21,21 @@ and these work on torch's DDP. The hooks here take the same states as torch's:
 * :mod:`~ddp.comm_hooks.local_sgd`: ``post_localSGD_hook`` on torch's
   ``PostLocalSGDState``, for ``torch.distributed.optim.PostLocalSGDOptimizer``.
 
-Where a hook needs a second collective after the first, its callback issues it
-and returns (:func:`~ddp.comm_hooks.default.then_future`); no thread blocks
-inside a future's callback.
+Every collective of these hooks is issued on the hook's own thread (where a
+second depends on the first, the hook waits for the first), so every rank issues
+them in the same order on any backend, and no future callback issues or waits
+for a collective.
 """
 from __future__ import annotations
 
 from ddp.comm_hooks.default import (CommHook, GradBucket, allreduce_hook, allreduce_sum,
-                                    bf16_compress_hook, fp16_compress_hook, noop_hook,
-                                    then_future)
+                                    bf16_compress_hook, fp16_compress_hook, noop_hook)
 from ddp.comm_hooks.local_sgd import PostLocalSGDState, post_localSGD_hook
 from ddp.comm_hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from ddp.comm_hooks.quantization import (quantization_perchannel_hook,
                                          quantization_pertensor_hook)
 
 __all__ = ["CommHook", "GradBucket", "allreduce_hook", "allreduce_sum", "fp16_compress_hook",
-           "bf16_compress_hook", "noop_hook", "then_future", "PowerSGDState", "powerSGD_hook",
+           "bf16_compress_hook", "noop_hook", "PowerSGDState", "powerSGD_hook",
            "batched_powerSGD_hook", "quantization_pertensor_hook",
            "quantization_perchannel_hook", "PostLocalSGDState", "post_localSGD_hook"]

@@ -1,6 +1,6 @@
 """The bucket a hook sees, and the plain hooks: allreduce (DDP's default), float16
-and bfloat16 compression, and no communication at all. Helpers the other hook
-modules share: the group a state names, and a future chained to a later one."""
+and bfloat16 compression, and no communication at all; and the group a state
+names, which the other hook modules share."""
 from typing import Any, Callable
 
 import torch
@@ -170,41 +170,3 @@ def noop_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch
     fut.set_result(bucket.buffer())
     return fut
 
-
-def then_future(fut: torch.futures.Future,
-                step: Callable[[torch.futures.Future], torch.futures.Future]
-                ) -> torch.futures.Future:
-    """A future for ``step(fut)``'s future: ``step`` runs when ``fut`` completes and
-    starts the next collective; the result is that collective's, once it completes.
-
-    Unlike a ``then`` callback that waits for the collective it starts, nothing
-    blocks a thread meanwhile: the callback returns as soon as the collective is
-    issued. An error in ``fut`` sets the returned future's exception without
-    running ``step``; so does an error in ``step`` or in the collective it starts.
-    """
-    out: torch.futures.Future = torch.futures.Future()
-
-    def fail(e: BaseException) -> None:
-        # torch's futures hold Exceptions: a KeyboardInterrupt or the like is wrapped,
-        # or the waiter would never hear of it
-        out.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
-
-    def finish(inner: torch.futures.Future) -> None:
-        try:
-            value = inner.value()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            fail(e)
-        else:
-            out.set_result(value)
-
-    def run(done: torch.futures.Future) -> None:
-        try:
-            done.value()
-            inner = step(done)
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            fail(e)
-        else:
-            inner.add_done_callback(finish)
-
-    fut.add_done_callback(run)
-    return out

@@ -15,16 +15,20 @@ state object works with either implementation, and checkpoints of it load into
 both. The arithmetic is torch's, step by step; the results equal torch's hooks' to
 float rounding (tested against torch's hooks on torch's DDP).
 
-What differs is how the collectives are chained:
+What differs is how the collectives are issued:
 
 * the uncompressed tensors and the P factors go in one allreduce, not two
   (torch's first allreduce has to finish before its second starts);
-* each callback issues the next collective and returns
-  (:func:`~ddp.comm_hooks.default.then_future`), where torch's callbacks block
-  their thread in ``.wait()`` until it completes.
+* every collective is issued on the hook's own thread: the hook waits for the
+  first (small: compressed) allreduce, computes Q and returns the second's future.
+  torch's hooks issue their later collectives from future callbacks, on whatever
+  thread completes the earlier one; with several buckets on gloo those threads
+  issue them in a different order on different ranks, and training hangs (the
+  issue order is what matches collectives across ranks).
 
 So an iteration of :func:`powerSGD_hook` costs two collectives in sequence, not
-three, and no thread waits inside a future's callback.
+three, issued in the same order on every rank whatever the backend, and no
+callback issues or waits for a collective.
 """
 import logging
 import math
@@ -34,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-from ddp.comm_hooks.default import allreduce_hook, then_future
+from ddp.comm_hooks.default import allreduce_hook
 
 __all__ = ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook", "orthogonalize"]
 
@@ -205,19 +209,16 @@ def powerSGD_hook(state: PowerSGDState,
     # one allreduce for the uncompressed tensors and every P
     sizes = [g.numel() for g in plain]
     packed = torch.cat([g.reshape(-1) for g in plain] + [p_mem])
-    first = dist.all_reduce(packed, group=group, async_op=True).get_future()
-
-    def compute_qs(fut: torch.futures.Future) -> torch.futures.Future:
-        summed = fut.value()[0]
-        parts = summed.split(sizes + [p_len])
-        for g, part in zip(plain, parts):
-            g.copy_(part.view_as(g).div_(world))
-        p_mem.copy_(parts[-1])
-        for p in ps:
-            orthogonalize(p, state.orthogonalization_epsilon)
-        for (batch, _), p, q in zip(batches, ps, qs):
-            torch.bmm(batch.transpose(1, 2), p, out=q)
-        return dist.all_reduce(q_mem, group=group, async_op=True).get_future()
+    dist.all_reduce(packed, group=group)
+    parts = packed.split(sizes + [p_len])
+    for g, part in zip(plain, parts):
+        g.copy_(part.view_as(g).div_(world))
+    p_mem.copy_(parts[-1])
+    for p in ps:
+        orthogonalize(p, state.orthogonalization_epsilon)
+    for (batch, _), p, q in zip(batches, ps, qs):
+        torch.bmm(batch.transpose(1, 2), p, out=q)
+    second = dist.all_reduce(q_mem, group=group, async_op=True).get_future()
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # raises the collective's error, if any
@@ -230,7 +231,7 @@ def powerSGD_hook(state: PowerSGDState,
         _end(state, bucket, index, before, buf)
         return buf
 
-    return then_future(first, compute_qs).then(decompress)
+    return second.then(decompress)
 
 
 def batched_powerSGD_hook(state: PowerSGDState,
@@ -288,13 +289,10 @@ def batched_powerSGD_hook(state: PowerSGDState,
     eps = state.orthogonalization_epsilon
     orthogonalize(q, eps)
     torch.matmul(matrix, q, out=p)
-    first = dist.all_reduce(p, group=group, async_op=True).get_future()
-
-    def compute_q(fut: torch.futures.Future) -> torch.futures.Future:
-        fut.value()
-        orthogonalize(p, eps)
-        torch.matmul(matrix.t(), p, out=q)
-        return dist.all_reduce(q, group=group, async_op=True).get_future()
+    dist.all_reduce(p, group=group)
+    orthogonalize(p, eps)
+    torch.matmul(matrix.t(), p, out=q)
+    second = dist.all_reduce(q, group=group, async_op=True).get_future()
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()
@@ -304,4 +302,4 @@ def batched_powerSGD_hook(state: PowerSGDState,
         _end(state, bucket, index, before, padded)
         return buf
 
-    return then_future(first, compute_q).then(decompress)
+    return second.then(decompress)

@@ -7,7 +7,7 @@ rounded to ``round(x / scale) + zero_point`` and clamped to 0..255, and the resu
 equal torch's hooks' (tested against them on torch's DDP). The messages differ:
 
 * a rank's scale and zero point travel with its bytes in one all-gather, where
-  torch gathers them first and the bytes second, waiting inside the callback;
+  torch gathers them first and the bytes second, from the first's callback;
 * the per-channel hook quantizes all channels at once, not one by one, and pads
   the buffer to a whole number of channels only when it is not one already.
 
@@ -36,7 +36,9 @@ def _exchange(group: dist.ProcessGroup, params: torch.Tensor, q: torch.Tensor,
     mine = torch.cat([params.reshape(-1).view(torch.uint8), q.reshape(-1)])
     world = group.size()
     everyone = mine.new_empty(world * mine.numel())
-    work = dist.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(everyone, mine, group=group, async_op=True)
 
     def unpack(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # raises the collective's error, if any
