@@ -21,6 +21,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddp.buckets import FIRST_BUCKET_CAP_BYTES, MB
 from ddp.comm_hooks import CommHook
+from ddp.delayed import DelayedAllreduce
 from ddp.reducer import Reducer
 from ringcomm import trace
 
@@ -218,6 +219,32 @@ class _JoinHook(JoinHook):
             broadcast_coalesced(state, ddp.process_group, src=src)
 
 
+def _delayed_names(module: nn.Module, named: Sequence[tuple[str, Any]] | None,
+                   hook_param: Any) -> set[str]:
+    """The names of the delayed parameters, checked against the module (local checks:
+    every rank raises alike, before any collective)."""
+    if (named is None) != (hook_param is None):
+        raise ValueError("DistributedDataParallel: delay_all_reduce_named_params and "
+                         "param_to_hook_all_reduce go together: give both or neither")
+    if named is None:
+        return set()
+    mine = dict(module.named_parameters())
+    names = set()
+    for entry in named:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+            raise ValueError(f"DistributedDataParallel: delay_all_reduce_named_params must "
+                             f"hold (name, parameter) pairs, got {entry!r}")
+        name, p = entry
+        if mine.get(name) is not p:
+            raise ValueError(f"DistributedDataParallel: delay_all_reduce_named_params: "
+                             f"{name!r} is not that parameter of the module")
+        names.add(name)
+    if not any(hook_param is p for p in mine.values()):
+        raise ValueError("DistributedDataParallel: param_to_hook_all_reduce is not a "
+                         "parameter of the module")
+    return names
+
+
 class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel training: wrap a model; gradients are averaged across ranks in backward.
 
@@ -248,10 +275,18 @@ class DistributedDataParallel(nn.Module, Joinable):
             ``static_graph``): the first synchronized iteration finds the unused ones
             (even without ``find_unused_parameters``), later iterations skip the graph
             walk and the used-parameter allreduce.
+        delay_all_reduce_named_params: ``(name, parameter)`` pairs kept out of the
+            buckets and averaged in one allreduce of their own once
+            ``param_to_hook_all_reduce``'s gradient is ready; waited for before
+            backward returns (see :mod:`ddp.delayed`). Not with ``join()``.
+        param_to_hook_all_reduce: the parameter whose gradient starts that allreduce
+            (given with ``delay_all_reduce_named_params``, never alone).
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
-        ValueError: ``bucket_cap_mb`` is negative or not a number, or this process
-            is not in ``process_group``.
+        ValueError: ``bucket_cap_mb`` is negative or not a number, this process
+            is not in ``process_group``, or the delayed parameters are given
+            without their hook parameter (or the other way round), name no
+            parameter of the module, or are all of its trainable ones.
         RuntimeError: no process group is initialized; the model differs across
             ranks (on every rank); no parameter requires a gradient; the model has
             sparse embeddings.
@@ -260,7 +295,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None,
                  bucket_cap_mb: float | None = 25, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, broadcast_buffers: bool = True,
-                 static_graph: bool = False):
+                 static_graph: bool = False,
+                 delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+                 param_to_hook_all_reduce: nn.Parameter | None = None):
         nn.Module.__init__(self)
         Joinable.__init__(self)  # join() (uneven inputs) is off until asked for
         self._divide_by_initial_world_size = True
@@ -282,6 +319,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if dist.get_rank(process_group) < 0:
             raise ValueError("DistributedDataParallel: this process is not a member of "
                              "the given process group")
+        delayed = _delayed_names(module, delay_all_reduce_named_params,
+                                 param_to_hook_all_reduce)
 
         self.module = module
         self.process_group = process_group
@@ -305,6 +344,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not trainable:
             raise RuntimeError("DistributedDataParallel: the module has no parameter that "
                                "requires a gradient; there is nothing to synchronize")
+        held = [(n, p) for n, p in trainable if n in delayed]
+        trainable = [(n, p) for n, p in trainable if n not in delayed]
+        if held and not trainable:
+            raise ValueError("DistributedDataParallel: delay_all_reduce_named_params names "
+                             "every trainable parameter; leave at least one to the buckets")
         for name, m in module.named_modules():
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
                 raise RuntimeError(f"DistributedDataParallel: '{name}' produces sparse "
@@ -324,6 +368,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             [p for _, p in trainable], [n for n, _ in trainable], process_group,
             self.bucket_bytes_cap, min(FIRST_BUCKET_CAP_BYTES, self.bucket_bytes_cap),
             find_unused_parameters, gradient_as_bucket_view, static_graph)
+        if held:
+            self.reducer.delayed = DelayedAllreduce(
+                [p for _, p in held], [n for n, _ in held], param_to_hook_all_reduce,
+                process_group)
         # As in torch: a backward is synchronized when its forward ran with grad
         # enabled outside no_sync; buffers are synced before a forward that follows
         # such a forward (or the first one).
@@ -398,6 +446,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             throw_on_early_termination: raise on every rank as soon as one runs out
                 of inputs, instead of shadowing.
         """
+        if enable and self.reducer.delayed is not None:
+            raise RuntimeError("DistributedDataParallel.join: not with "
+                               "delay_all_reduce_named_params (a rank out of inputs cannot "
+                               "know where the training ranks send the delayed allreduce)")
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 

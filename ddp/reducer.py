@@ -164,6 +164,8 @@ class Reducer:
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._device = self.params[0].device
         self._lock = threading.Lock()
+        #: parameters kept out of the buckets, averaged on their own (ddp.delayed)
+        self.delayed: Any = None
 
         self._comm_hook: CommHook = allreduce_hook
         self._comm_hook_state: Any = None
@@ -324,6 +326,8 @@ class Reducer:
         if self._observed_order is None and self._recording is None:
             self._recording = []
         self._armed = True
+        if self.delayed is not None:
+            self.delayed.arm()
         # A hook on each output starts the iteration as soon as backward reaches the
         # outputs, even on a rank where no parameter will get a gradient: its
         # buckets (all zeros) still go out, so the other ranks are not left waiting.
@@ -367,6 +371,8 @@ class Reducer:
         """The next backward is not synchronized (a forward inside ``no_sync``)."""
         self.check_idle()
         self._armed = False
+        if self.delayed is not None:
+            self.delayed.disarm()
 
     def _begin(self) -> None:
         """First event of a synchronized backward: queue the finalize callback (it has
@@ -498,6 +504,8 @@ class Reducer:
             with trace.span(f"wait bucket {b}", "ddp", bucket=b):
                 value = fut.wait()
             self._store_result(b, value)
+        if self.delayed is not None:
+            self.delayed.finish()
         global_used = None
         if self._used_future is not None:
             global_used = self._used_future.wait()[0].tolist()

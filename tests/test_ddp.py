@@ -199,6 +199,11 @@ def test_compression_hooks_match_torchs_hooks():
     assert_checks(out, "ddp_hooks mpiexec n=3", 3)
 
 
+def test_delayed_allreduce_matches_torch_ddp_and_refuses_a_hook_that_comes_first():
+    out = mpirun(3, "ddp_delayed.py", timeout=LAUNCH_TIMEOUT).stdout
+    assert_checks(out, "ddp_delayed mpiexec n=3", 3)
+
+
 def test_mismatched_models_fail_on_every_rank():
     out = mpirun(3, "ddp_mismatch.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_mismatch mpiexec n=3", 3)
