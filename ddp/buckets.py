@@ -89,7 +89,8 @@ def reverse_order(n: int) -> list[int]:
 
 def complete_order(observed: Sequence[int], n: int) -> list[int]:
     """``observed`` (indices whose gradients became ready, in that order) followed by the
-    indices that never became ready, in reverse registration order.
+    indices that never became ready, in registration order (as torch's reducer
+    appends them, so unused parameters are bucketed alike).
 
     Raises:
         ValueError: ``observed`` repeats an index or names one outside ``range(n)``.
@@ -100,7 +101,7 @@ def complete_order(observed: Sequence[int], n: int) -> list[int]:
             raise ValueError(f"observed gradient order is not a list of distinct indices "
                              f"in 0..{n - 1}: {list(observed)}")
         seen.add(i)
-    return list(observed) + [i for i in reverse_order(n) if i not in seen]
+    return list(observed) + [i for i in range(n) if i not in seen]
 
 
 @dataclasses.dataclass

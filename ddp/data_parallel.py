@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import time
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -377,6 +378,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # such a forward (or the first one).
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        self._forward_ns, self._forwards = 0, 0  # synchronized forwards, for logging_data
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; arm gradient synchronization for the coming backward.
@@ -384,10 +386,74 @@ class DistributedDataParallel(nn.Module, Joinable):
         Raises:
             RuntimeError: the previous synchronized backward never finished reducing.
         """
-        with trace.span("forward", "ddp"):
-            return self._forward(*inputs, **kwargs)
+        start = self._pre_forward()
+        output = self.module(*inputs, **kwargs)
+        return self._post_forward(output, start)
 
-    def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
+    def logging_data(self) -> dict[str, Any]:
+        """What this DDP is and has done, under the names of torch's
+        ``_get_ddp_logging_data()``: configuration, bucket sizes in bytes (first
+        layout, and after the rebuild), the last iteration's gradient order and
+        unused bytes, and mean times per synchronized iteration in nanoseconds.
+
+        ``avg_backward_compute_time`` runs from the first gradient event to the end
+        of backward's computation; ``avg_backward_comm_time`` from the first bucket's
+        launch to the return of the last wait; their overlap is the part of
+        communication before computation ended. torch samples these every 100
+        iterations on CUDA; here every synchronized iteration counts.
+        """
+        r = self.reducer
+        iters = r.num_synced_backwards
+        t = r.timing
+
+        def mean(total: int, n: int) -> int:
+            return total // n if n else 0
+
+        def sizes(bs: Sequence[int]) -> str:
+            return ", ".join(map(str, bs))
+
+        params = r.params
+        return {
+            "world_size": self.world_size, "rank": self._rank,
+            "module_name": type(self.module).__name__,
+            "backend_name": dist.get_backend(self.process_group),
+            "bucket_cap_bytes": self.bucket_bytes_cap,
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "broadcast_buffers": int(self.broadcast_buffers),
+            "static_graph": int(self.static_graph),
+            "num_parameter_tensors": len(params),
+            "total_parameter_size_bytes": sum(p.nbytes for p in params),
+            "dtypes": ", ".join(dict.fromkeys(str(p.dtype).removeprefix("torch.")
+                                              for p in params)),
+            "bucket_sizes": sizes(r.initial_bucket_bytes or []),
+            "has_rebuilt_buckets": int(r._rebuilt),
+            "rebuilt_bucket_sizes": sizes(b.buffer.nbytes for b in r.buckets)
+            if r._rebuilt else "",
+            "rebuilt_per_bucket_param_indices": " | ".join(
+                " ".join(map(str, b.param_indices)) for b in r.buckets) if r._rebuilt else "",
+            "num_buckets_reduced": len(r.buckets),
+            "iteration": iters,
+            "prev_iteration_grad_ready_order_indices": sizes(r.last_ready_order),
+            "unused_parameter_size": r.unused_bytes,
+            "comm_hook": getattr(r._comm_hook, "__qualname__", repr(r._comm_hook))
+            if r._comm_hook_registered else "",
+            "avg_forward_compute_time": mean(self._forward_ns, self._forwards),
+            "avg_backward_compute_time": mean(t["backward_compute"], iters),
+            "avg_backward_comm_time": mean(t["backward_comm"], iters),
+            "avg_backward_compute_comm_overlap_time": mean(t["overlap"], iters),
+        }
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch's name for :meth:`logging_data`."""
+        return self.logging_data()
+
+    # Under torch.compile, only the wrapped module's forward is traced: what DDP does
+    # around it (collectives, hooks on the outputs, clocks) runs eagerly.
+    @torch.compiler.disable
+    def _pre_forward(self) -> tuple[int, float]:
+        """Everything before the module's forward; the clocks at its start."""
+        start = (time.perf_counter_ns(), trace.now() if trace.active() else 0.0)
         joining = self._join_config.enable
         grad = torch.is_grad_enabled()
         if grad:
@@ -406,14 +472,22 @@ class DistributedDataParallel(nn.Module, Joinable):
             flag = torch.ones(1, device=self._device) if (
                 grad and self.require_backward_grad_sync) else torch.zeros(1, device=self._device)
             dist.all_reduce(flag, group=self.process_group)
-        output = self.module(*inputs, **kwargs)
+        return start
+
+    @torch.compiler.disable
+    def _post_forward(self, output: Any, start: tuple[int, float]) -> Any:
+        """Everything after the module's forward: arm (or disarm) the reducer."""
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             self.reducer.prepare_for_backward(output)
+            self._forward_ns += time.perf_counter_ns() - start[0]
+            self._forwards += 1
         else:
             self.require_forward_param_sync = False
             if torch.is_grad_enabled():
                 self.reducer.disarm()
+        if trace.active():
+            trace.complete("forward", "ddp", start[1] or trace.now(), trace.now())
         return output
 
     def _sync_buffers_before_forward(self, training: bool) -> None:

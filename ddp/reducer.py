@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
 import weakref
 from typing import Any, Iterable, Sequence
 
@@ -179,6 +180,7 @@ class Reducer:
         self.buckets: list[Bucket] = []
         self._install(compute_bucket_assignment(self.params, reverse_order(len(self.params)),
                                                 bucket_cap_bytes, first_bucket_cap_bytes))
+        self.initial_bucket_bytes = [b.buffer.nbytes for b in self.buckets]
 
         # Per-iteration state (see _reset), and what no_sync iterations leave behind.
         self._armed = False
@@ -190,6 +192,15 @@ class Reducer:
         self._recording: list[int] | None = None
         self._observed_order: list[int] | None = None
         self._rebuilt = False
+        #: the first layout's bucket sizes in bytes (logging data), and the order
+        #: gradients arrived in last (parameter indices)
+        self.initial_bucket_bytes: list[int] | None = None
+        self.last_ready_order: list[int] = []
+        #: sums over synchronized backwards, in ns (perf_counter): backward computation
+        #: (first event to finalize), communication (first launch to the last wait's
+        #: return) and their overlap; with the number of backwards and of unused bytes
+        self.timing = {"backward_compute": 0, "backward_comm": 0, "overlap": 0}
+        self.unused_bytes = 0
         self.num_synced_backwards = 0
         #: join() with divide_by_initial_world_size=False: the forward's allreduce that
         #: counts the ranks still training (the divisor instead of the world size)
@@ -299,6 +310,7 @@ class Reducer:
         self._launched = 0                        # buckets handed to the comm hook
         self._ready = [False] * n                 # gradient in its slot (or unused)
         self._used = [False] * n                  # got a gradient this iteration
+        self._ready_order: list[int] = []         # parameters in the order they came
         self._pending = [len(b.param_indices) for b in self.buckets]  # slots still empty
         self._futures: list[torch.futures.Future | None] = [None] * len(self.buckets)
         self._used_future: torch.futures.Future | None = None  # the bitmap allreduce
@@ -380,6 +392,8 @@ class Reducer:
         if self._started:
             return
         self._started = True
+        self._t_begin = time.perf_counter_ns()
+        self._t_launch = 0
         if trace.active():
             self._backward_start = trace.now()
             trace.instant("backward start", "ddp")
@@ -440,6 +454,7 @@ class Reducer:
     def _mark_ready(self, i: int, used: bool) -> None:
         if used:
             self._used[i] = True
+            self._ready_order.append(i)
             if self._recording is not None:
                 self._recording.append(i)
             self._load_slot(i, self.params[i])
@@ -469,6 +484,8 @@ class Reducer:
         while self._launched < len(self.buckets) and self._pending[self._launched] == 0:
             b = self._launched
             trace.instant(f"bucket {b} launch", "ddp", bucket=b)
+            if not self._t_launch:
+                self._t_launch = time.perf_counter_ns()
             if self._prescale is not None:  # the default hook, its division already done
                 fut = allreduce_sum(self.process_group, self._grad_buckets[b].buffer())
             else:
@@ -495,6 +512,7 @@ class Reducer:
             trace.complete("backward", "ddp", self._backward_start, trace.now(),
                            buckets=len(self.buckets))
         self._armed = False
+        t_compute_end = time.perf_counter_ns()
         missing = [i for i in range(len(self.params)) if not self._ready[i]]
         # Parameters that got no gradient still have to be sent: the other ranks are
         # waiting in the allreduce of their bucket.
@@ -504,6 +522,7 @@ class Reducer:
             with trace.span(f"wait bucket {b}", "ddp", bucket=b):
                 value = fut.wait()
             self._store_result(b, value)
+        self._account(t_compute_end, time.perf_counter_ns())
         if self.delayed is not None:
             self.delayed.finish()
         global_used = None
@@ -536,6 +555,17 @@ class Reducer:
                 "were reduced so the other ranks are not left waiting, but results are only "
                 "right if the model uses every parameter: pass find_unused_parameters=True "
                 "to DistributedDataParallel when some parameters are unused in an iteration.")
+
+    def _account(self, compute_end: int, comm_end: int) -> None:
+        """Add this backward's times to :attr:`timing` (logging data)."""
+        launch = self._t_launch or compute_end
+        t = self.timing
+        t["backward_compute"] += compute_end - self._t_begin
+        t["backward_comm"] += comm_end - launch
+        t["overlap"] += max(0, compute_end - launch)
+        self.last_ready_order = list(self._ready_order)
+        self.unused_bytes = sum(self.params[i].nbytes for i in range(len(self.params))
+                                if not self._used[i])
 
     def _write_back(self, global_used: list | None) -> None:
         """Reduced buckets -> ``param.grad`` (parameters no rank used keep theirs)."""

@@ -117,8 +117,8 @@ def test_ddp_accepts_cap_zero_and_refuses_negative_caps():
         dist.destroy_process_group()
 
 
-def test_complete_order_appends_missing_in_reverse_registration():
-    assert complete_order([2, 0], 5) == [2, 0, 4, 3, 1]
+def test_complete_order_appends_missing_in_registration_order():
+    assert complete_order([2, 0], 5) == [2, 0, 1, 3, 4]
     with pytest.raises(ValueError):
         complete_order([1, 1], 3)
 
@@ -202,6 +202,11 @@ def test_compression_hooks_match_torchs_hooks():
 def test_delayed_allreduce_matches_torch_ddp_and_refuses_a_hook_that_comes_first():
     out = mpirun(3, "ddp_delayed.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_delayed mpiexec n=3", 3)
+
+
+def test_torch_compile_and_compiled_autograd_train_like_torch_ddp():
+    out = mpirun(2, "ddp_compile.py", timeout=LAUNCH_TIMEOUT).stdout
+    assert_checks(out, "ddp_compile mpiexec n=2", 2)
 
 
 def test_mismatched_models_fail_on_every_rank():

@@ -4,7 +4,9 @@ A model with a layer it never uses trains four steps with both DDPs, without
 find_unused_parameters, on the ringcomm group and on a gloo group, with and
 without bucket views: parameters equal torch's DDP's, and the unused layer keeps
 no gradient. Only the first iteration walks the autograd graph and allreduces the
-used-parameter map; the others reuse what it found.
+used-parameter map; the others reuse what it found. ``logging_data()`` agrees with
+torch's ``_get_ddp_logging_data()`` on what both record (configuration, sizes,
+rebuilt buckets) and reports the unused layer's bytes and positive mean times.
 """
 from __future__ import annotations
 
@@ -33,7 +35,15 @@ class Net(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))  # self.idle: never used
 
 
-def train(wrapper, rank: int, group, view: bool) -> nn.Module:
+#: logging-data keys ours and torch's DDP both fill with the same meaning
+SAME_KEYS = ("world_size", "rank", "module_name", "backend_name", "bucket_cap_bytes",
+             "find_unused_parameters", "gradient_as_bucket_view", "broadcast_buffers",
+             "static_graph", "total_parameter_size_bytes", "has_rebuilt_buckets",
+             "rebuilt_bucket_sizes")
+TIMES = ("avg_forward_compute_time", "avg_backward_compute_time", "avg_backward_comm_time")
+
+
+def train(wrapper, rank: int, group, view: bool) -> tuple[nn.Module, nn.Module]:
     net = Net(seed=3 + rank)
     model = wrapper(net, process_group=group, bucket_cap_mb=0.0005, static_graph=True,
                     gradient_as_bucket_view=view)
@@ -45,7 +55,7 @@ def train(wrapper, rank: int, group, view: bool) -> nn.Module:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    return net
+    return net, model
 
 
 def main() -> None:
@@ -63,11 +73,24 @@ def main() -> None:
             walks[0] = 0
             ddp.reducer.reachable_parameters = counting
             try:
-                ours = train(DDP, rank, group, view)
+                ours, ours_ddp = train(DDP, rank, group, view)
             finally:
                 ddp.reducer.reachable_parameters = original
             c.check(walks[0] == 1, f"{what}: {walks[0]} graph walks in 4 iterations")
-            theirs = train(nn.parallel.DistributedDataParallel, rank, group, view)
+            theirs, theirs_ddp = train(nn.parallel.DistributedDataParallel, rank, group, view)
+            mine, torch_data = ours_ddp.logging_data(), theirs_ddp._get_ddp_logging_data()
+            for k in SAME_KEYS:
+                c.check(mine[k] == torch_data[k],
+                        f"{what}: logging_data {k}: {mine[k]!r}, torch's {torch_data[k]!r}")
+            idle = sum(p.nbytes for p in ours.idle.parameters())
+            c.check(mine["unused_parameter_size"] == idle,
+                    f"{what}: unused_parameter_size {mine['unused_parameter_size']}, the idle "
+                    f"layer has {idle} bytes")
+            c.check(mine["iteration"] == 4 and all(mine[t] > 0 for t in TIMES),
+                    f"{what}: iteration and mean times: {[(k, mine[k]) for k in TIMES]}")
+            c.check(sorted(map(int, mine["prev_iteration_grad_ready_order_indices"]
+                               .split(", "))) == [0, 1, 4, 5],
+                    f"{what}: ready order {mine['prev_iteration_grad_ready_order_indices']}")
             compare_tensors(c, f"{what}: params", params(ours), params(theirs), *TOL)
             c.check(all(p.grad is None for p in ours.idle.parameters()),
                     f"{what}: the unused layer got a gradient")
