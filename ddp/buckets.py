@@ -151,8 +151,11 @@ def _dense_non_overlapping(p: torch.Tensor) -> bool:
     return True
 
 
-def make_buckets(params: Sequence[torch.Tensor], assignment: list[list[int]]) -> list[Bucket]:
-    """Allocate zeroed buffers and slot views for ``assignment``.
+def make_buckets(params: Sequence[torch.Tensor], assignment: list[list[int]],
+                 dtype: torch.dtype | None = None) -> list[Bucket]:
+    """Allocate zeroed buffers and slot views for ``assignment``; ``dtype``: the
+    buffers' dtype for floating parameters (mixed precision's reduce dtype), else
+    the parameters' own.
 
     Raises:
         ValueError: a bucket mixes dtypes or devices (one allreduce moves one dtype).
@@ -164,7 +167,8 @@ def make_buckets(params: Sequence[torch.Tensor], assignment: list[list[int]]) ->
         if len(kinds) != 1:
             raise ValueError(f"bucket {b} mixes dtypes/devices {sorted(map(str, kinds))}")
         total = sum(p.numel() for p in ps)
-        buffer = torch.zeros(total, dtype=ps[0].dtype, device=ps[0].device)
+        kind = dtype if dtype is not None and ps[0].is_floating_point() else ps[0].dtype
+        buffer = torch.zeros(total, dtype=kind, device=ps[0].device)
         views, offset = [], 0
         for p in ps:
             views.append(_slot_view(buffer[offset:offset + p.numel()], p))

@@ -23,6 +23,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from ddp.buckets import FIRST_BUCKET_CAP_BYTES, MB
 from ddp.comm_hooks import CommHook
 from ddp.delayed import DelayedAllreduce
+from ddp.mixed_precision import MixedPrecision
 from ddp.reducer import Reducer
 from ringcomm import trace
 
@@ -282,6 +283,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             backward returns (see :mod:`ddp.delayed`). Not with ``join()``.
         param_to_hook_all_reduce: the parameter whose gradient starts that allreduce
             (given with ``delay_all_reduce_named_params``, never alone).
+        mixed_precision: torch's ``_MixedPrecision(param_dtype, reduce_dtype,
+            buffer_dtype)`` (see :mod:`ddp.mixed_precision`): forward and backward in
+            ``param_dtype``, buckets in ``reduce_dtype``, full precision for the
+            optimizer. Not with ``gradient_as_bucket_view``.
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
         ValueError: ``bucket_cap_mb`` is negative or not a number, this process
@@ -298,7 +303,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                  gradient_as_bucket_view: bool = False, broadcast_buffers: bool = True,
                  static_graph: bool = False,
                  delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
-                 param_to_hook_all_reduce: nn.Parameter | None = None):
+                 param_to_hook_all_reduce: nn.Parameter | None = None,
+                 mixed_precision: Any = None):
         nn.Module.__init__(self)
         Joinable.__init__(self)  # join() (uneven inputs) is off until asked for
         self._divide_by_initial_world_size = True
@@ -322,6 +328,12 @@ class DistributedDataParallel(nn.Module, Joinable):
                              "the given process group")
         delayed = _delayed_names(module, delay_all_reduce_named_params,
                                  param_to_hook_all_reduce)
+        mp = MixedPrecision(mixed_precision, module) if mixed_precision is not None else None
+        if mp is not None and gradient_as_bucket_view:
+            raise ValueError("DistributedDataParallel: mixed_precision and "
+                             "gradient_as_bucket_view do not go together: gradients are "
+                             "computed in param_dtype and reduced in reduce_dtype, so they "
+                             "cannot live in the buckets")
 
         self.module = module
         self.process_group = process_group
@@ -364,11 +376,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         with torch.no_grad():
             broadcast_coalesced(start_state, process_group)
         self._sync_buffer_list = [b for _, b in named_buffers]
+        self._mp = mp
+        if mp is not None:
+            mp.cast_buffers(self._sync_buffer_list)
 
         self.reducer = Reducer(
             [p for _, p in trainable], [n for n, _ in trainable], process_group,
             self.bucket_bytes_cap, min(FIRST_BUCKET_CAP_BYTES, self.bucket_bytes_cap),
-            find_unused_parameters, gradient_as_bucket_view, static_graph)
+            find_unused_parameters, gradient_as_bucket_view, static_graph,
+            bucket_dtype=mp.reduce_dtype if mp is not None else None)
+        self.reducer.mp = mp
         if held:
             self.reducer.delayed = DelayedAllreduce(
                 [p for _, p in held], [n for n, _ in held], param_to_hook_all_reduce,
@@ -386,7 +403,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         Raises:
             RuntimeError: the previous synchronized backward never finished reducing.
         """
-        start = self._pre_forward()
+        start, inputs, kwargs = self._pre_forward(inputs, kwargs)
         output = self.module(*inputs, **kwargs)
         return self._post_forward(output, start)
 
@@ -451,8 +468,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     # Under torch.compile, only the wrapped module's forward is traced: what DDP does
     # around it (collectives, hooks on the outputs, clocks) runs eagerly.
     @torch.compiler.disable
-    def _pre_forward(self) -> tuple[int, float]:
-        """Everything before the module's forward; the clocks at its start."""
+    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple[int, float], tuple, dict]:
+        """Everything before the module's forward: the clocks at its start, and the
+        inputs (cast, with mixed precision)."""
         start = (time.perf_counter_ns(), trace.now() if trace.active() else 0.0)
         joining = self._join_config.enable
         grad = torch.is_grad_enabled()
@@ -472,7 +490,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             flag = torch.ones(1, device=self._device) if (
                 grad and self.require_backward_grad_sync) else torch.zeros(1, device=self._device)
             dist.all_reduce(flag, group=self.process_group)
-        return start
+        if self._mp is not None:
+            inputs, kwargs = self._mp.swap_in(inputs, kwargs)
+        return start, inputs, kwargs
 
     @torch.compiler.disable
     def _post_forward(self, output: Any, start: tuple[int, float]) -> Any:
@@ -486,6 +506,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.require_forward_param_sync = False
             if torch.is_grad_enabled():
                 self.reducer.disarm()
+        if self._mp is not None and not torch.is_grad_enabled():
+            self._mp.restore()  # no backward comes to put full precision back
         if trace.active():
             trace.complete("forward", "ddp", start[1] or trace.now(), trace.now())
         return output

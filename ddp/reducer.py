@@ -143,13 +143,17 @@ class Reducer:
         first_bucket_cap_bytes: cap of the first bucket (default 1 MiB).
         find_unused_parameters: detect parameters without gradients each iteration.
         gradient_as_bucket_view: make ``param.grad`` a view into its bucket.
+        static_graph: find the unused parameters once, in the first iteration.
+        bucket_dtype: the buckets' dtype for floating parameters (mixed precision's
+            reduce dtype); None: the parameters' own.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  process_group: dist.ProcessGroup, bucket_cap_bytes: int,
                  first_bucket_cap_bytes: int | None = None,
                  find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, static_graph: bool = False):
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 bucket_dtype: torch.dtype | None = None):
         self.params = list(params)
         self.names = list(names)
         self.process_group = process_group
@@ -167,6 +171,11 @@ class Reducer:
         self._lock = threading.Lock()
         #: parameters kept out of the buckets, averaged on their own (ddp.delayed)
         self.delayed: Any = None
+        #: mixed precision (ddp.mixed_precision): the buckets' dtype, and what puts
+        #: the full-precision parameters back at the end of a backward
+        self.mp: Any = None
+        self.bucket_dtype = bucket_dtype
+        self._mp_queued = False
 
         self._comm_hook: CommHook = allreduce_hook
         self._comm_hook_state: Any = None
@@ -215,7 +224,7 @@ class Reducer:
     def _install(self, assignment: list[list[int]]) -> None:
         """Allocate buckets for ``assignment``; with bucket views, move existing
         gradients into their new slots so accumulated values survive a rebuild."""
-        self.buckets = make_buckets(self.params, assignment)
+        self.buckets = make_buckets(self.params, assignment, self.bucket_dtype)
         n = len(self.params)
         self._bucket_of = [0] * n
         self._slot_of = [0] * n
@@ -409,6 +418,11 @@ class Reducer:
             # it unused here.
             if param.grad is not None:
                 self._used_since_sync[i] = True
+            if self.mp is not None and self.mp.swapped and not self._mp_queued:
+                # mixed precision: the full-precision parameters are back once this
+                # backward ends
+                self._mp_queued = True
+                Variable._execution_engine.queue_callback(self._mp_restore)
             return
         self._begin()
         if self._ready[i]:
@@ -540,6 +554,8 @@ class Reducer:
             if training and training != self.world_size:
                 for bucket in self.buckets:
                     bucket.buffer.mul_(self.world_size / training)
+        if self.mp is not None:
+            self.mp.restore()
         with trace.span("copy-back", "ddp"):
             self._write_back(global_used)
         self._saved_slots = {}
@@ -555,6 +571,10 @@ class Reducer:
                 "were reduced so the other ranks are not left waiting, but results are only "
                 "right if the model uses every parameter: pass find_unused_parameters=True "
                 "to DistributedDataParallel when some parameters are unused in an iteration.")
+
+    def _mp_restore(self) -> None:
+        self._mp_queued = False
+        self.mp.restore()
 
     def _account(self, compute_end: int, comm_end: int) -> None:
         """Add this backward's times to :attr:`timing` (logging data)."""
@@ -581,7 +601,7 @@ class Reducer:
                     if p.grad is None or not _aliases(p.grad, view):
                         p.grad = view
                 elif p.grad is None:
-                    p.grad = view.clone()
+                    p.grad = view.to(p.dtype, copy=True)
                 else:
                     p.grad.copy_(view)
 

@@ -209,6 +209,11 @@ def test_torch_compile_and_compiled_autograd_train_like_torch_ddp():
     assert_checks(out, "ddp_compile mpiexec n=2", 2)
 
 
+def test_mixed_precision_matches_a_single_process_doing_the_same():
+    out = mpirun(3, "ddp_mixed.py", timeout=LAUNCH_TIMEOUT).stdout
+    assert_checks(out, "ddp_mixed mpiexec n=3", 3)
+
+
 def test_mismatched_models_fail_on_every_rank():
     out = mpirun(3, "ddp_mismatch.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_mismatch mpiexec n=3", 3)
