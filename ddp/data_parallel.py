@@ -287,6 +287,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             buffer_dtype)`` (see :mod:`ddp.mixed_precision`): forward and backward in
             ``param_dtype``, buckets in ``reduce_dtype``, full precision for the
             optimizer. Not with ``gradient_as_bucket_view``.
+        init_sync: False skips construction's collectives (the model check and the
+            broadcast of rank 0's state): each rank keeps its own parameters, which
+            the caller must have made equal.
+        device_mesh: a 1-D ``DeviceMesh`` to train over, instead of
+            ``process_group``.
+        forward_sync_buffers: torch 2.13's successor of ``broadcast_buffers`` for the
+            broadcasts before each forward; buffers are then always synchronized at
+            construction (``broadcast_buffers=False`` also skips that one).
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
         ValueError: ``bucket_cap_mb`` is negative or not a number, this process
@@ -304,7 +312,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                  static_graph: bool = False,
                  delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
                  param_to_hook_all_reduce: nn.Parameter | None = None,
-                 mixed_precision: Any = None):
+                 mixed_precision: Any = None, init_sync: bool = True,
+                 device_mesh: Any = None, forward_sync_buffers: bool | None = None):
         nn.Module.__init__(self)
         Joinable.__init__(self)  # join() (uneven inputs) is off until asked for
         self._divide_by_initial_world_size = True
@@ -318,6 +327,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not bucket_cap_mb >= 0:  # also refuses NaN
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be 0 (one bucket "
                              f"per parameter) or positive, got {bucket_cap_mb}")
+        if device_mesh is not None:
+            if process_group is not None:
+                raise ValueError("DistributedDataParallel: give process_group or "
+                                 "device_mesh, not both")
+            if device_mesh.ndim != 1:
+                raise ValueError(f"DistributedDataParallel: device_mesh must be 1-D (DDP "
+                                 f"trains over one dimension), got {device_mesh.ndim} "
+                                 f"dimensions; pass mesh['name'] for one of them")
+            process_group = device_mesh.get_group(mesh_dim=0)
         if process_group is None:
             if not dist.is_initialized():
                 raise RuntimeError("DistributedDataParallel: no process group; call "
@@ -335,8 +353,12 @@ class DistributedDataParallel(nn.Module, Joinable):
                              "computed in param_dtype and reduced in reduce_dtype, so they "
                              "cannot live in the buckets")
 
+        init_buffers = broadcast_buffers
+        if forward_sync_buffers is not None:
+            broadcast_buffers, init_buffers = forward_sync_buffers, True
         self.module = module
         self.process_group = process_group
+        self.device_mesh = device_mesh
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -351,7 +373,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._device = device
         # Before anything else: a mismatch would make later collectives disagree in
         # size (hang or garbage); the fingerprint turns that into an error everywhere.
-        verify_same_model(named_params, named_buffers, process_group, device)
+        if init_sync:
+            verify_same_model(named_params, named_buffers, process_group, device)
 
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         if not trainable:
@@ -371,10 +394,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         # As torch does, broadcast_buffers=False also leaves buffers out of this
         # first broadcast, so rank-local buffers stay rank-local.
         start_state = [p for _, p in named_params]
-        if broadcast_buffers:
+        if init_buffers:
             start_state += [b for _, b in named_buffers]
-        with torch.no_grad():
-            broadcast_coalesced(start_state, process_group)
+        if init_sync:
+            with torch.no_grad():
+                broadcast_coalesced(start_state, process_group)
         self._sync_buffer_list = [b for _, b in named_buffers]
         self._mp = mp
         if mp is not None:

@@ -214,6 +214,11 @@ def test_mixed_precision_matches_a_single_process_doing_the_same():
     assert_checks(out, "ddp_mixed mpiexec n=3", 3)
 
 
+def test_device_mesh_init_sync_and_forward_sync_buffers():
+    out = mpirun(2, "ddp_args.py", timeout=LAUNCH_TIMEOUT).stdout
+    assert_checks(out, "ddp_args mpiexec n=2", 2)
+
+
 def test_mismatched_models_fail_on_every_rank():
     out = mpirun(3, "ddp_mismatch.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_mismatch mpiexec n=3", 3)
