@@ -3,6 +3,7 @@
 
     python scripts/conformance.py                 # all of it (make conformance)
     python scripts/conformance.py -k "broadcast"  # a part (pytest -k expression)
+    python scripts/conformance.py --sizes 4,8     # what 3 ranks skip for size, at 4 and 8
     python scripts/conformance.py --render        # docs from the saved JSON only
     python scripts/conformance.py --check         # exit 1 unless the docs are current
 
@@ -10,6 +11,10 @@ Runs tests/conformance/torch_suite.py under pytest (world size 3, CPU, a time
 limit per test), writes docs/data/conformance.json (every test's outcome, skip
 reasons) and docs/conformance.md (the counts, each failure, and every skip
 reason grouped and counted, with why it remains).
+
+``--sizes`` runs, at each world size given, the tests the saved 3-rank run
+skipped because the world was too small for them (``SIZE_SKIPS``), and adds
+each run to the JSON under ``more_sizes``; ``make conformance`` does both.
 """
 from __future__ import annotations
 
@@ -44,9 +49,8 @@ WHY = [
      "needs CUDA devices (NCCL); there are none here. ringcomm's CUDA path is checked by "
      "`scripts/gpu_check.sh` ([gpu-results.md](gpu-results.md))"),
     (r"small world size", "the suite runs these with 8 ranks or more "
-     "(`skip_if_small_worldsize`); this run has 3 on 2 cores. The same collectives on "
-     "subgroups are checked against gloo in `tests/ranks/collectives_check.py`"),
-    (r"world size of 4", "need a world of exactly or at least 4 ranks; this run has 3"),
+     "(`skip_if_small_worldsize`): run at 8 ranks below"),
+    (r"world size of 4", "need a world of exactly or at least 4 ranks: run at 4 ranks below"),
     (r"sparse all reduce", "sparse tensors: only gloo implements a sparse allreduce; ringcomm "
      "refuses sparse tensors with a clear error"),
     (r"torchvision", "needs torchvision, which ringcomm does not depend on"),
@@ -55,13 +59,23 @@ WHY = [
 ]
 
 
-def run(k: str | None, xml_path: Path) -> int:
-    env = dict(os.environ, WORLD_SIZE=os.environ.get("WORLD_SIZE", "3"), BACKEND="ringcomm",
+#: world size -> the skip messages of the 3-rank run that a run at that size lifts
+SIZE_SKIPS = {4: ("world size of 4",), 8: ("small world size",)}
+
+
+def run(k: str | None, xml_path: Path, world: int | None = None,
+        names: list[str] | None = None) -> int:
+    """pytest over the suite (``names``: exactly these tests) at ``world`` ranks (default
+    ``$WORLD_SIZE`` or 3); its exit code."""
+    size = str(world) if world else os.environ.get("WORLD_SIZE", "3")
+    env = dict(os.environ, WORLD_SIZE=size, BACKEND="ringcomm",
                OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                        os.environ.get("PYTHONPATH")])))
     env.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="ringcomm-conformance-"))
-    cmd = [sys.executable, "-m", "pytest", str(SUITE), "-q", "-p", "no:cacheprovider",
+    targets = ([f"{SUITE}::TestDistBackendWithSpawn::{n}" for n in names] if names
+               else [str(SUITE)])
+    cmd = [sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider",
            f"--timeout={PER_TEST_TIMEOUT_S}", "-rs", f"--junitxml={xml_path}"]
     if k:
         cmd += ["-k", k]
@@ -111,8 +125,8 @@ def render(doc: dict) -> str:
         f"**{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped** "
         f"of {len(doc['tests'])}.",
         "",
-        "Run it with `make conformance` (all of it; CI runs the part listed in "
-        "`tests/test_conformance.py`).",
+        "Run it with `make conformance` (all of it, then the tests gated on a larger world "
+        "at 4 and 8 ranks; CI runs the part listed in `tests/test_conformance.py`).",
     ]
     failed = [t for t in doc["tests"] if t["outcome"] == "failed"]
     if failed:
@@ -125,7 +139,63 @@ def render(doc: dict) -> str:
                   "| tests | the suite's reason | why it remains |", "|---:|---|---|"]
         for reason, n in skipped.most_common():
             lines.append(f"| {n} | {_cell(reason, 200)} | {why(reason)} |")
+    more = doc.get("more_sizes") or {}
+    if more:
+        lines += ["", "## At larger world sizes", "",
+                  "The tests the 3-rank run skips because its world is too small, run at the "
+                  "size they ask for (`scripts/conformance.py --sizes 4,8`; on 2 cores, "
+                  "oversubscribed):", "",
+                  "| world size | generated | seconds | passed | failed | skipped |",
+                  "|---:|---|---:|---:|---:|---:|"]
+        for size, part in sorted(more.items(), key=lambda kv: int(kv[0])):
+            c = Counter(t["outcome"] for t in part["tests"])
+            lines.append(f"| {size} | {part['generated']} | {part['seconds']:.0f} | "
+                         f"{c['passed']} | {c['failed']} | {c['skipped']} |")
+        lines += ["", "| world size | test | outcome | the suite's reason, where skipped or "
+                  "failed | why it remains |", "|---:|---|---|---|---|"]
+        for size, part in sorted(more.items(), key=lambda kv: int(kv[0])):
+            for t in part["tests"]:
+                if t["outcome"] == "passed":
+                    lines.append(f"| {size} | `{t['name']}` | passed | | |")
+                else:
+                    reason = skip_reason(t["detail"]) if t["outcome"] == "skipped" else \
+                        t["detail"]
+                    lines.append(f"| {size} | `{t['name']}` | {t['outcome']} | "
+                                 f"{_cell(reason, 200)} | "
+                                 f"{why(reason) if t['outcome'] == 'skipped' else ''} |")
     return "\n".join(lines) + "\n"
+
+
+def more_sizes(sizes: list[int]) -> int:
+    """Run, at each size, the tests the saved run skipped for being too small; save
+    each run in the JSON's ``more_sizes`` and render the docs."""
+    import torch
+
+    doc = json.loads(JSON_PATH.read_text())
+    failed = 0
+    for size in sizes:
+        if size not in SIZE_SKIPS:
+            print(f"conformance: no tests are gated on world size {size}; sizes: "
+                  f"{', '.join(map(str, SIZE_SKIPS))}", file=sys.stderr)
+            return 2
+        names = [t["name"] for t in doc["tests"] if t["outcome"] == "skipped"
+                 and any(m in t["detail"] for m in SIZE_SKIPS[size])]
+        if not names:
+            continue
+        start = datetime.datetime.now(datetime.timezone.utc)
+        xml_path = Path(tempfile.mkdtemp()) / f"conformance{size}.xml"
+        rc = run(None, xml_path, world=size, names=names)
+        tests = parse(xml_path)
+        doc.setdefault("more_sizes", {})[str(size)] = {
+            "generated": start.isoformat(timespec="seconds"), "torch": torch.__version__,
+            "seconds": sum(t["seconds"] for t in tests), "tests": tests}
+        c = Counter(t["outcome"] for t in tests)
+        print(f"conformance at {size} ranks: {c['passed']} passed, {c['failed']} failed, "
+              f"{c['skipped']} skipped")
+        failed += c["failed"] + (rc not in (0, 5)) + (len(tests) != len(names))
+    JSON_PATH.write_text(json.dumps(doc, indent=1) + "\n")
+    MD_PATH.write_text(render(doc))
+    return 1 if failed else 0
 
 
 def _cell(text: str, limit: int = 300) -> str:
@@ -141,7 +211,12 @@ def main() -> int:
     g.add_argument("--check", action="store_true",
                    help="exit 1 unless docs/conformance.md is the rendering of the JSON")
     g.add_argument("--from-xml", metavar="FILE", help="report an existing junit XML run")
+    g.add_argument("--sizes", metavar="N,N",
+                   help="run what the saved run skipped for world size at these sizes "
+                        f"({', '.join(map(str, SIZE_SKIPS))}) and add them to the JSON")
     args = ap.parse_args()
+    if args.sizes:
+        return more_sizes([int(n) for n in args.sizes.split(",")])
     if args.check:
         if MD_PATH.read_text() != render(json.loads(JSON_PATH.read_text())):
             print(f"{MD_PATH} is not the rendering of {JSON_PATH}; run "
