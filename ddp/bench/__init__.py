@@ -32,9 +32,10 @@ Sections (``--sections``, default all):
    K at the smallest cap: how many allreduces ran at once and for how long, and
    with ``--plot`` the timelines of the smallest and largest K.
 6. ``hooks``: time per iteration with each communication hook (allreduce, fp16,
-   PowerSGD at rank 1 and 4, batched PowerSGD, uint8 quantization, noop), each
-   DDP with its own hooks, and what one iteration hands to collectives: their
-   number, payload and wire bytes per rank (:mod:`ddp.bench.hooks`).
+   PowerSGD at rank 1 and 4, batched PowerSGD, uint8 quantization, noop; four of
+   them with ``--quick``), each DDP with its own hooks, and what one iteration
+   hands to collectives: their number, payload and wire bytes per rank
+   (:mod:`ddp.bench.hooks`).
 7. ``graph``: time per iteration with DDP's defaults, ``find_unused_parameters``
    and ``static_graph``; static_graph's saving over find_unused_parameters.
 

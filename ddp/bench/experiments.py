@@ -82,7 +82,8 @@ class Bench:
                                         for n in NOSYNC_EVERY),
                      "roundrobin": len(a.rr_caps) * nc * len(a.channel_list) * a.rounds,
                      "hooks": sum(not isinstance(hooks.hook_for(h, c.impl, c.backend), str)
-                                  for c in self.configs for h in hooks.HOOKS) * a.rounds,
+                                  for c in self.configs
+                                  for h in hooks.hook_names(a.quick)) * a.rounds,
                      "graph": len(GRAPH_VARIANTS) * nc * a.rounds}
         return len(self.specs) * sum(per_model[s] for s in a.section_list)
 
@@ -345,7 +346,7 @@ class Bench:
         allreduce hook of the same configuration."""
         rows, reps = [], {}
         for c in self.configs:
-            for h in hooks.HOOKS:
+            for h in hooks.hook_names(self.a.quick):
                 got = hooks.hook_for(h, c.impl, c.backend)
                 if isinstance(got, str):
                     rows.append({"config": c.name, "impl": c.impl, "backend": c.backend,
@@ -360,7 +361,7 @@ class Bench:
             counts[name] = tally
         del reps
         for c in self.configs:
-            for h in hooks.HOOKS:
+            for h in hooks.hook_names(self.a.quick):
                 name = f"{c.name} {h}"
                 if name not in st:
                     continue

@@ -52,6 +52,15 @@ TORCH_RACES = ("torch's PowerSGD hook issues its later allreduces from gloo's ca
                "hangs or aborts (docs/ddp.md)")
 
 
+#: the hooks of a --quick run
+QUICK_HOOKS = ("allreduce", "powerSGD r=1", "quantization", "noop")
+
+
+def hook_names(quick: bool) -> tuple[str, ...]:
+    """The hooks the section times."""
+    return QUICK_HOOKS if quick else tuple(HOOKS)
+
+
 def hook_for(name: str, impl: str, backend: str) -> tuple[Callable, Callable[[Any], Any]] | str:
     """(hook, state factory) of ``impl`` (ours, torch) for hook ``name`` on ``backend``,
     or why it is not run."""

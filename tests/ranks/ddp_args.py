@@ -1,4 +1,10 @@
-"""DDP's init_sync, device_mesh and forward_sync_buffers (run with mpiexec -n 2).
+"""DDP's torch.compile, init_sync, device_mesh and forward_sync_buffers (run with
+mpiexec -n 2).
+
+* torch.compile: the compiled model (dynamo traces the wrapped module's forward,
+  DDP's own bookkeeping runs eagerly around it) trains four steps on ringcomm
+  and on gloo, and with compiled autograd as well; the oracle is torch's DDP,
+  eager, over gloo.
 
 * device_mesh: a 1-D CPU mesh over every rank trains as torch's DDP does on a
   gloo group (the oracle); giving a group as well, or a 2-D mesh, is refused.
@@ -12,12 +18,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+import torch._dynamo.config as dynamo_config
 from torch.distributed.device_mesh import init_device_mesh
 
 from _ddp_common import compare_tensors, done, init, params
 from ddp import DistributedDataParallel as DDP
 
 TOL = (1e-6, 1e-7)
+COMPILED_TOL = (1e-5, 1e-6)
 
 
 class Net(nn.Module):
@@ -43,10 +51,35 @@ def train(model: nn.Module, rank: int) -> bool:
     return True
 
 
+def compiled(c, rank: int, groups: dict, want: nn.Module) -> None:
+    for backend, group in groups.items():
+        m = Net(1)
+        model = DDP(m, process_group=group, bucket_cap_mb=0.0005)
+        what = f"torch.compile(ddp model) on {backend}"
+        if c.run(what, train, torch.compile(model), rank):
+            compare_tensors(c, what, params(m), params(want), *COMPILED_TOL)
+            c.check(model.reducer.num_synced_backwards == 3 and len(model.reducer.buckets) > 1,
+                    f"{what}: {model.reducer.num_synced_backwards} synchronized backwards, "
+                    f"{len(model.reducer.buckets)} buckets")
+    m = Net(1)
+    model = DDP(m, process_group=groups["ringcomm"], bucket_cap_mb=0.0005)
+    try:
+        with dynamo_config.patch(compiled_autograd=True):
+            train(torch.compile(model), rank)
+    except Exception as e:  # noqa: BLE001 - torch's refusal, reported as it is
+        c.case("ddp/ under compiled autograd", e)
+        c.check(False, f"compiled autograd: {e!r}")
+    else:
+        compare_tensors(c, "compiled autograd", params(m), params(want), *COMPILED_TOL)
+        c.check(model.reducer.num_synced_backwards == 3, "compiled autograd: "
+                f"{model.reducer.num_synced_backwards} synchronized backwards")
+
+
 def main() -> None:
     rank, world, groups, c = init()
     want = Net(1)
     train(nn.parallel.DistributedDataParallel(want, process_group=groups["gloo"]), rank)
+    compiled(c, rank, groups, want)
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     m = Net(1)

@@ -1,4 +1,4 @@
-"""DDP's delay_all_reduce_named_params (run with mpiexec -n 3).
+"""DDP's delay_all_reduce_named_params (run with mpiexec -n 2).
 
 The second and third layers are kept out of the buckets and averaged in one
 allreduce of their own when the first layer's weight (whose gradient comes last)
