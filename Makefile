@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 NP ?= 4
 
-.PHONY: install demo test test-cluster check-nccl-api conformance bench clean
+.PHONY: install demo test test-cluster test-frameworks check-nccl-api conformance bench clean
 
 install: $(VENV)/.installed
 
@@ -25,13 +25,19 @@ demo: install
 
 # pytest exits 5 when it collected no test: that is a failure here.
 test: install
-	$(PY) -m pytest -m "not cluster" $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -m "not cluster and not frameworks" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # jobs across network-namespace hosts and on a local Slurm cluster (about two
 # minutes; root, iproute2 and Debian's slurm-wlm, else they skip saying why)
 test-cluster: install
 	$(PY) -m pytest -m cluster $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# PyTorch Lightning, HF Accelerate and transformers training on ringcomm, each
+# under torchrun (about 30 s; the "frameworks" extra that make install brings)
+test-frameworks: install
+	$(PY) -m pytest -m frameworks $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # FakeNccl (the NCCL stand-in CI's CUDA path runs on) against the real

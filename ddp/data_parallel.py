@@ -278,11 +278,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             (even without ``find_unused_parameters``), later iterations skip the graph
             walk and the used-parameter allreduce.
         delay_all_reduce_named_params: ``(name, parameter)`` pairs kept out of the
-            buckets and averaged in one allreduce of their own once
-            ``param_to_hook_all_reduce``'s gradient is ready; waited for before
-            backward returns (see :mod:`ddp.delayed`). Not with ``join()``.
-        param_to_hook_all_reduce: the parameter whose gradient starts that allreduce
-            (given with ``delay_all_reduce_named_params``, never alone).
+            buckets and averaged in one allreduce of their own at the end of
+            backward, after the buckets, waited for before backward returns (see
+            :mod:`ddp.delayed`). Not with ``join()``.
+        param_to_hook_all_reduce: a parameter of the module, given with
+            ``delay_all_reduce_named_params`` as torch requires (torch launches the
+            delayed allreduce from its gradient; here the moment is fixed).
         mixed_precision: torch's ``_MixedPrecision(param_dtype, reduce_dtype,
             buffer_dtype)`` (see :mod:`ddp.mixed_precision`): forward and backward in
             ``param_dtype``, buckets in ``reduce_dtype``, full precision for the
@@ -412,8 +413,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer.mp = mp
         if held:
             self.reducer.delayed = DelayedAllreduce(
-                [p for _, p in held], [n for n, _ in held], param_to_hook_all_reduce,
-                process_group)
+                [p for _, p in held], [n for n, _ in held], process_group,
+                reduce_dtype=mp.reduce_dtype if mp is not None else None)
         # As in torch: a backward is synchronized when its forward ran with grad
         # enabled outside no_sync; buffers are synced before a forward that follows
         # such a forward (or the first one).
@@ -492,9 +493,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     # Under torch.compile, only the wrapped module's forward is traced: what DDP does
     # around it (collectives, hooks on the outputs, clocks) runs eagerly.
     @torch.compiler.disable
-    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple[int, float], tuple, dict]:
-        """Everything before the module's forward: the clocks at its start, and the
-        inputs (cast, with mixed precision)."""
+    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, tuple, dict]:
+        """Everything before the module's forward: the clocks at its start and whether
+        mixed precision swapped the parameters now, and the inputs (cast, with mixed
+        precision)."""
         start = (time.perf_counter_ns(), trace.now() if trace.active() else 0.0)
         joining = self._join_config.enable
         grad = torch.is_grad_enabled()
@@ -514,12 +516,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             flag = torch.ones(1, device=self._device) if (
                 grad and self.require_backward_grad_sync) else torch.zeros(1, device=self._device)
             dist.all_reduce(flag, group=self.process_group)
+        swapped = False
         if self._mp is not None:
-            inputs, kwargs = self._mp.swap_in(inputs, kwargs)
-        return start, inputs, kwargs
+            inputs, kwargs, swapped = self._mp.swap_in(inputs, kwargs)
+            if swapped:  # a no_sync backward that raised left its restore queued
+                self.reducer._mp_queued = False
+        return (*start, swapped), inputs, kwargs
 
     @torch.compiler.disable
-    def _post_forward(self, output: Any, start: tuple[int, float]) -> Any:
+    def _post_forward(self, output: Any, start: tuple) -> Any:
         """Everything after the module's forward: arm (or disarm) the reducer."""
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
@@ -530,8 +535,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.require_forward_param_sync = False
             if torch.is_grad_enabled():
                 self.reducer.disarm()
-        if self._mp is not None and not torch.is_grad_enabled():
-            self._mp.restore()  # no backward comes to put full precision back
+        if self._mp is not None and not torch.is_grad_enabled() and start[2]:
+            # no backward comes to put full precision back; a swap made by an earlier
+            # forward whose backward is still to come is left to that backward
+            self._mp.restore()
         if trace.active():
             trace.complete("forward", "ddp", start[1] or trace.now(), trace.now())
         return output
@@ -568,8 +575,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         if enable and self.reducer.delayed is not None:
             raise RuntimeError("DistributedDataParallel.join: not with "
-                               "delay_all_reduce_named_params (a rank out of inputs cannot "
-                               "know where the training ranks send the delayed allreduce)")
+                               "delay_all_reduce_named_params (not built: the ranks out of "
+                               "inputs would have to shadow the delayed allreduce too)")
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 

@@ -71,12 +71,14 @@ class MixedPrecision:
     def swapped(self) -> bool:
         return self._full is not None
 
-    def swap_in(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def swap_in(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
         """Before a forward: low-precision copies in the parameters (accumulated
-        gradients cast down with them); the inputs cast alike."""
+        gradients cast down with them); the inputs cast alike; whether this call
+        swapped (False: a forward before it did, and its backward is still to come)."""
         if self.param_dtype is None:
-            return args, kwargs
-        if self._full is None:
+            return args, kwargs, False
+        fresh = self._full is None
+        if fresh:
             self._full = [p.data for p in self.params]
         for p, full in zip(self.params, self._full):
             g = p.grad
@@ -90,7 +92,7 @@ class MixedPrecision:
                 return x.to(self.param_dtype)
             return x
 
-        return tree_map(cast, args), tree_map(cast, kwargs)
+        return tree_map(cast, args), tree_map(cast, kwargs), fresh
 
     def restore(self) -> None:
         """The full-precision values back in the parameters, gradients cast up."""

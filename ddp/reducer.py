@@ -201,9 +201,7 @@ class Reducer:
         self._recording: list[int] | None = None
         self._observed_order: list[int] | None = None
         self._rebuilt = False
-        #: the first layout's bucket sizes in bytes (logging data), and the order
-        #: gradients arrived in last (parameter indices)
-        self.initial_bucket_bytes: list[int] | None = None
+        #: the order gradients arrived in last (parameter indices; logging data)
         self.last_ready_order: list[int] = []
         #: sums over synchronized backwards, in ns (perf_counter): backward computation
         #: (first event to finalize), communication (first launch to the last wait's
@@ -521,7 +519,15 @@ class Reducer:
                                                 async_op=True).get_future()
 
     def _finalize(self) -> None:
-        """End of backward: finish any bucket still waiting, wait for all, write back."""
+        """End of backward: finish any bucket still waiting, wait for all, write back.
+        Whatever fails, mixed precision's full-precision parameters are back after it."""
+        try:
+            self._finalize_steps()
+        finally:
+            if self.mp is not None:
+                self.mp.restore()
+
+    def _finalize_steps(self) -> None:
         if trace.active():
             trace.complete("backward", "ddp", self._backward_start, trace.now(),
                            buckets=len(self.buckets))
@@ -537,8 +543,6 @@ class Reducer:
                 value = fut.wait()
             self._store_result(b, value)
         self._account(t_compute_end, time.perf_counter_ns())
-        if self.delayed is not None:
-            self.delayed.finish()
         global_used = None
         if self._used_future is not None:
             global_used = self._used_future.wait()[0].tolist()
@@ -556,6 +560,8 @@ class Reducer:
                     bucket.buffer.mul_(self.world_size / training)
         if self.mp is not None:
             self.mp.restore()
+        if self.delayed is not None:  # after the buckets: the same place on every rank
+            self.delayed.finish()
         with trace.span("copy-back", "ddp"):
             self._write_back(global_used)
         self._saved_slots = {}

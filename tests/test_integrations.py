@@ -16,6 +16,7 @@ def test_dcp_and_fsdp2(launch, tmp_path):
     assert_checks(out, f"integrations_check torch {launch.__name__} n=2", 2)
 
 
+@pytest.mark.frameworks  # make test-frameworks
 @pytest.mark.parametrize("framework", ["lightning", "accelerate", "transformers"])
 def test_framework(framework, tmp_path):
     if importlib.util.find_spec(framework) is None:

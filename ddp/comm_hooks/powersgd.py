@@ -171,10 +171,11 @@ def powerSGD_hook(state: PowerSGDState,
     _report(state, bucket)
 
     fresh = not state.warm_start or index not in state.p_memory_dict
-    if fresh:
-        state.p_memory_dict[index] = buf.new_empty(p_len)
-        state.q_memory_dict[index] = buf.new_empty(q_len)
-    p_mem, q_mem = state.p_memory_dict[index], state.q_memory_dict[index]
+    if fresh:  # locals first: another bucket's decompress may clear the dicts meanwhile
+        p_mem, q_mem = buf.new_empty(p_len), buf.new_empty(q_len)
+        state.p_memory_dict[index], state.q_memory_dict[index] = p_mem, q_mem
+    else:
+        p_mem, q_mem = state.p_memory_dict[index], state.q_memory_dict[index]
 
     # matrices of one shape, in first-seen order (the order torch draws Q's values in)
     by_shape: dict[torch.Size, list[torch.Tensor]] = {}
@@ -280,12 +281,13 @@ def batched_powerSGD_hook(state: PowerSGDState,
     matrix = padded.view(side, side)
 
     if not state.warm_start or index not in state.p_memory_dict:
-        state.p_memory_dict[index] = buf.new_empty(side, rank)
+        p = buf.new_empty(side, rank)  # locals first, as in powerSGD_hook
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(state.rng.randint(1_000_000_000))
-            state.q_memory_dict[index] = torch.randn(
-                side, rank, device="cpu", dtype=buf.dtype).to(buf.device)
-    p, q = state.p_memory_dict[index], state.q_memory_dict[index]
+            q = torch.randn(side, rank, device="cpu", dtype=buf.dtype).to(buf.device)
+        state.p_memory_dict[index], state.q_memory_dict[index] = p, q
+    else:
+        p, q = state.p_memory_dict[index], state.q_memory_dict[index]
     eps = state.orthogonalization_epsilon
     orthogonalize(q, eps)
     torch.matmul(matrix, q, out=p)

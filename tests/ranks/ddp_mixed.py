@@ -112,6 +112,18 @@ def main() -> None:
             got = c.run(what, train, c, what, group, cfg, micro)
             if got is not None:
                 compare_tensors(c, what, params(got), want, *tol)
+    # a forward without gradients between a forward and its backward: the backward
+    # still gets low-precision parameters, the optimizer full-precision ones
+    m = Net()
+    model = DDP(m, mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+    loss = F.cross_entropy(model(*batch(rank, 0, 0)[:1]), batch(rank, 0, 0)[1])
+    with torch.no_grad():
+        model(torch.randn(2, 6))
+    c.run("no-grad forward before the backward", loss.backward)
+    c.check(all(p.dtype == torch.float32 and p.grad is not None and
+                p.grad.dtype == torch.float32 for p in m.parameters()),
+            f"no-grad forward before the backward: "
+            f"{sorted({(str(p.dtype), str(p.grad is not None and p.grad.dtype)) for p in m.parameters()})}")
     m = Net()
     DDP(m, mixed_precision=_MixedPrecision(buffer_dtype=torch.float16))
     c.check(m.scale.dtype == torch.float16, f"buffer_dtype: the buffer is {m.scale.dtype}")

@@ -82,6 +82,10 @@ def main() -> None:
             for k in SAME_KEYS:
                 c.check(mine[k] == torch_data[k],
                         f"{what}: logging_data {k}: {mine[k]!r}, torch's {torch_data[k]!r}")
+            total = sum(p.nbytes for p in ours.parameters())
+            for k in ("bucket_sizes", "rebuilt_bucket_sizes"):  # every parameter, once
+                c.check(sum(map(int, mine[k].split(", "))) == total,
+                        f"{what}: logging_data {k} {mine[k]!r} do not add up to {total}")
             idle = sum(p.nbytes for p in ours.idle.parameters())
             c.check(mine["unused_parameter_size"] == idle,
                     f"{what}: unused_parameter_size {mine['unused_parameter_size']}, the idle "
