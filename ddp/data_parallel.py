@@ -519,8 +519,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         swapped = False
         if self._mp is not None:
             inputs, kwargs, swapped = self._mp.swap_in(inputs, kwargs)
-            if swapped:  # a no_sync backward that raised left its restore queued
-                self.reducer._mp_queued = False
         return (*start, swapped), inputs, kwargs
 
     @torch.compiler.disable

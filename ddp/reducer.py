@@ -207,7 +207,7 @@ class Reducer:
         #: (first event to finalize), communication (first launch to the last wait's
         #: return) and their overlap; with the number of backwards and of unused bytes
         self.timing = {"backward_compute": 0, "backward_comm": 0, "overlap": 0}
-        self.unused_bytes = 0
+        self._last_used: list[bool] = []
         self.num_synced_backwards = 0
         #: join() with divide_by_initial_world_size=False: the forward's allreduce that
         #: counts the ranks still training (the divisor instead of the world size)
@@ -345,6 +345,7 @@ class Reducer:
         if self._observed_order is None and self._recording is None:
             self._recording = []
         self._armed = True
+        self._mp_queued = False  # a backward that raised may have left it set
         if self.delayed is not None:
             self.delayed.arm()
         # A hook on each output starts the iteration as soon as backward reaches the
@@ -390,6 +391,7 @@ class Reducer:
         """The next backward is not synchronized (a forward inside ``no_sync``)."""
         self.check_idle()
         self._armed = False
+        self._mp_queued = False  # a backward that raised may have left it set
         if self.delayed is not None:
             self.delayed.disarm()
 
@@ -589,9 +591,13 @@ class Reducer:
         t["backward_compute"] += compute_end - self._t_begin
         t["backward_comm"] += comm_end - launch
         t["overlap"] += max(0, compute_end - launch)
-        self.last_ready_order = list(self._ready_order)
-        self.unused_bytes = sum(self.params[i].nbytes for i in range(len(self.params))
-                                if not self._used[i])
+        # _reset makes new lists for the next backward: these stay as they are
+        self.last_ready_order, self._last_used = self._ready_order, self._used
+
+    @property
+    def unused_bytes(self) -> int:
+        """Bytes of the parameters the last synchronized backward gave no gradient."""
+        return sum(p.nbytes for p, used in zip(self.params, self._last_used) if not used)
 
     def _write_back(self, global_used: list | None) -> None:
         """Reduced buckets -> ``param.grad`` (parameters no rank used keep theirs)."""

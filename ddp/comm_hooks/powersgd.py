@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-from ddp.comm_hooks.default import allreduce_hook
+from ddp.comm_hooks.default import allreduce_hook, hook_group
 
 __all__ = ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook", "orthogonalize"]
 
@@ -83,11 +83,17 @@ def _check_state(state: Any, hook: str) -> None:
                         f"{type(state).__name__}")
 
 
-def _group(state: PowerSGDState, bucket: Any) -> dist.ProcessGroup:
-    """The state's group; else the DDP instance's (ours carries it), else the world."""
-    if state.process_group is not None:
-        return state.process_group
-    return getattr(bucket, "process_group", None) or dist.group.WORLD
+def _start(state: Any, bucket: Any, hook: str
+           ) -> tuple[dist.ProcessGroup, torch.futures.Future | None]:
+    """What both hooks do first: check the state; the group (the state's, else the DDP
+    instance's, else the world); before ``start_powerSGD_iter``, the future of a
+    plain average (None once compression is due)."""
+    _check_state(state, hook)
+    group = state.process_group if state.process_group is not None else hook_group(None, bucket)
+    if state.iter < state.start_powerSGD_iter:
+        state.maybe_increase_iter(bucket)
+        return group, allreduce_hook(group, bucket)
+    return group, None
 
 
 def _report(state: PowerSGDState, bucket: Any) -> None:
@@ -144,13 +150,10 @@ def powerSGD_hook(state: PowerSGDState,
     Raises:
         TypeError: ``state`` is not a ``PowerSGDState``.
     """
-    _check_state(state, "powerSGD_hook")
-    group = _group(state, bucket)
-    world = group.size()
-    buf = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:
-        state.maybe_increase_iter(bucket)
-        return allreduce_hook(group, bucket)
+    group, plain_average = _start(state, bucket, "powerSGD_hook")
+    if plain_average is not None:
+        return plain_average
+    world, buf = group.size(), bucket.buffer()
     index = bucket.index()
     before = _add_error(state, index, buf)
 
@@ -258,13 +261,10 @@ def batched_powerSGD_hook(state: PowerSGDState,
         TypeError: ``state`` is not a ``PowerSGDState``.
         ValueError: the rank is larger than the padded matrix's side.
     """
-    _check_state(state, "batched_powerSGD_hook")
-    group = _group(state, bucket)
-    world = group.size()
-    buf = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:
-        state.maybe_increase_iter(bucket)
-        return allreduce_hook(group, bucket)
+    group, plain_average = _start(state, bucket, "batched_powerSGD_hook")
+    if plain_average is not None:
+        return plain_average
+    world, buf = group.size(), bucket.buffer()
     n = buf.numel()
     side = math.ceil(math.sqrt(n))
     rank = state.matrix_approximation_rank
