@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 NP ?= 4
 
-.PHONY: install demo test test-cluster test-frameworks check-nccl-api conformance bench clean
+.PHONY: install demo test test-cluster test-parallel test-frameworks check-nccl-api conformance bench clean
 
 install: $(VENV)/.installed
 
@@ -25,13 +25,19 @@ demo: install
 
 # pytest exits 5 when it collected no test: that is a failure here.
 test: install
-	$(PY) -m pytest -m "not cluster and not frameworks" $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -m "not cluster and not frameworks and not parallel" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # jobs across network-namespace hosts and on a local Slurm cluster (about two
 # minutes; root, iproute2 and Debian's slurm-wlm, else they skip saying why)
 test-cluster: install
 	$(PY) -m pytest -m cluster $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# DTensor, tensor and pipeline parallel, 2-D meshes, and torchrun's restarts and
+# elastic rendezvous (tests/test_parallel.py; a few minutes)
+test-parallel: install
+	$(PY) -m pytest -m parallel $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # PyTorch Lightning, HF Accelerate and transformers training on ringcomm, each

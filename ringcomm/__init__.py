@@ -49,8 +49,10 @@ def _create(dist_opts, pg_options) -> ProcessGroupRingcomm:
     # names checked before any connection is made
     options.algorithms = expand_choices(options.algorithms)
     transports, cpu_error, hosts = None, None, ()
+    store = bootstrap.fresh_store(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+                                  dist_opts.timeout)
     # before MPI starts (importing the MPI transport starts it): its network path
-    bootstrap.prepare_network(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+    bootstrap.prepare_network(store, dist_opts.group_rank, dist_opts.group_size,
                               dist_opts.timeout)
     try:
         from ringcomm.transport.mpi import MPITransport
@@ -64,7 +66,7 @@ def _create(dist_opts, pg_options) -> ProcessGroupRingcomm:
                     cpu_error)
     else:
         members = list(dist_opts.global_ranks_in_group)
-        comm = bootstrap.group_comm(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+        comm = bootstrap.group_comm(store, dist_opts.group_rank, dist_opts.group_size,
                                     members, dist_opts.timeout)
         world_rank = members[dist_opts.group_rank] if members else dist_opts.group_rank
         hosts = bootstrap.host_layout(comm, world_rank, options.local_size)
@@ -73,7 +75,7 @@ def _create(dist_opts, pg_options) -> ProcessGroupRingcomm:
         transports = [MPITransport(c) for c in comms]
     pg = ProcessGroupRingcomm(dist_opts.group_rank, dist_opts.group_size, transports,
                               dist_opts.timeout, options, str(dist_opts.group_id),
-                              store=dist_opts.store, cpu_error=cpu_error, hosts=hosts)
+                              store=store, cpu_error=cpu_error, hosts=hosts)
     _groups.add(pg)
     return pg
 

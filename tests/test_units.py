@@ -215,3 +215,55 @@ def test_get_group_requires_ringcomm():
         ringcomm.get_group(gloo)
     with pytest.raises(ValueError, match="is not a ringcomm process group"):
         ringcomm.set_algorithm("allreduce", "ring", group=gloo)
+
+
+# -- a group's namespace in a store earlier processes wrote to -----------------------
+def _fresh_stores(store, size: int, timeout_s: float = 10) -> list:
+    """bootstrap.fresh_store run by ``size`` threads acting as the group's ranks; rank
+    0 comes last, so the others first find whatever lead token the store holds."""
+    import threading
+    import time
+
+    out: list = [None] * size
+
+    def rank(r: int) -> None:
+        if r == 0:
+            time.sleep(0.2)
+        try:
+            out[r] = bootstrap.fresh_store(store, r, size, timedelta(seconds=timeout_s))
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            out[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 5)
+    return out
+
+
+def test_fresh_store_ignores_what_earlier_processes_left():
+    """What torchrun's agent keeps across restarts: the keys of the first attempt
+    (its lead token, welcomes with that attempt's nonces, an MPI port name). The
+    restarted ranks agree on a new namespace in which none of it is visible, and a
+    second restart gets another one."""
+    store = dist.HashStore()
+    first = _fresh_stores(store, 3)
+    assert all(isinstance(s, dist.PrefixStore) for s in first), first
+    first[0].set("ringcomm/port", "a port of a process that is gone")
+    # the restarted ranks 1 and 2 come before the new rank 0: they read the old lead
+    second = _fresh_stores(store, 3)
+    assert all(isinstance(s, dist.PrefixStore) for s in second), second
+    assert not second[1].check(["ringcomm/port"]), "the first attempt's keys are visible"
+    second[0].set("ringcomm/token", "b")
+    assert [s.get("ringcomm/token") for s in second] == [b"b"] * 3, "ranks disagree"
+    assert not first[0].check(["ringcomm/token"]), "two attempts share a namespace"
+
+
+def test_fresh_store_names_the_ranks_that_never_came():
+    store = dist.HashStore()
+    with pytest.raises(dist.DistBackendError, match=r"ranks \[1\] did not arrive within 0.3 s"):
+        bootstrap.fresh_store(store, 0, 2, timedelta(seconds=0.3))
+    # rank 1 alone, with rank 0's token left from the call above but no rank 0
+    with pytest.raises(dist.DistBackendError, match="rank 0 did not answer rank 1 within 0.3 s"):
+        bootstrap.fresh_store(store, 1, 2, timedelta(seconds=0.3))

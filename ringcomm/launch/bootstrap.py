@@ -15,6 +15,10 @@ Three ways to start a job, one script:
 * ``srun`` without an MPI plugin: the job's SLURM_* variables are read as
   torchrun's (:mod:`ringcomm.launch.slurm`), then as under torchrun.
 
+Every group first agrees, through its store, on a namespace no earlier process
+used (:func:`fresh_store`): torchrun's agent keeps one store across restarts, so
+keys of the processes it replaced are still there.
+
 Subgroups are carved from the world communicator with ``Comm.Create_group``,
 which only the group's members call (as torch only calls the backend creator
 on members).
@@ -26,10 +30,13 @@ import os
 import socket
 import sys
 import threading
+import time
+import uuid
 from datetime import timedelta
 
 from ringcomm import settings
 from ringcomm.launch import network, slurm
+from ringcomm.pacing import Backoff
 
 log = logging.getLogger("ringcomm")
 
@@ -152,6 +159,60 @@ def host_layout(comm, world_rank: int, local_size: int = 0) -> tuple[int, ...]:
 def _store_wait(store, key: str, timeout: timedelta) -> bytes:
     store.wait([key], timeout)
     return store.get(key)
+
+
+def fresh_store(store, rank: int, size: int, timeout: timedelta):
+    """``store`` under a prefix that only this group's current processes use.
+
+    A store can outlive the processes that wrote to it: torchrun's agent hands the
+    same store to every restart of its workers, so a restarted rank would read,
+    say, the MPI port of a rank 0 that is gone. Rank 0 therefore picks a new random
+    token and publishes it under ``ringcomm/lead``; every other rank answers under
+    the token it reads with a nonce of its own, and takes the token once rank 0
+    has echoed that nonce back. A token left by earlier processes is never echoed
+    (its rank 0 is gone, and the nonce is new), so a rank that read one reads
+    ``ringcomm/lead`` again until rank 0's new token appears.
+
+    Raises:
+        DistBackendError: ranks were missing after ``timeout`` (names them).
+    """
+    import torch.distributed as dist
+
+    limit = timeout.total_seconds()
+    deadline = time.monotonic() + limit
+    pace = Backoff(max_nap_s=5e-3, first_nap_s=1e-4)
+    if rank == 0:
+        token = uuid.uuid4().hex
+        hellos = {r: f"ringcomm/{token}/hello/{r}" for r in range(1, size)}
+        store.set("ringcomm/lead", token)
+        while hellos:
+            for r, key in list(hellos.items()):
+                if store.check([key]):
+                    store.set(f"ringcomm/{token}/welcome/{r}", store.get(key))
+                    del hellos[r]
+            if hellos and time.monotonic() > deadline:
+                raise dist.DistBackendError(
+                    f"ringcomm: setting up a group of {size}: ranks {sorted(hellos)} did "
+                    f"not arrive within {limit:g} s")
+            pace.pause()
+    else:
+        nonce, token, answered = uuid.uuid4().hex.encode(), None, None
+        while token is None:
+            if store.check(["ringcomm/lead"]):
+                lead = store.get("ringcomm/lead").decode()
+                if lead != answered:  # rank 0's token, or one left by earlier processes
+                    store.set(f"ringcomm/{lead}/hello/{rank}", nonce)
+                    answered = lead
+                welcome = f"ringcomm/{lead}/welcome/{rank}"
+                if store.check([welcome]) and store.get(welcome) == nonce:
+                    token = lead
+                    break
+            if time.monotonic() > deadline:
+                raise dist.DistBackendError(
+                    f"ringcomm: setting up a group of {size}: rank 0 did not answer "
+                    f"rank {rank} within {limit:g} s")
+            pace.pause()
+    return dist.PrefixStore(f"ringcomm/{token}/", store)
 
 
 def mpi_started() -> bool:
