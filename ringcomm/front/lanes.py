@@ -239,16 +239,19 @@ class Lanes:
         engine = StreamEngine(tp, streams, lambda: what)
         return Lane(tp, engine, True)
 
-    def close(self, reason: str, nccl_wait_s: float) -> None:
+    def close(self, reason: str, nccl_wait_s: float) -> bool:
         """End every lane: the CPU lane's running collective is interrupted with
-        ``reason``; NCCL lanes are destroyed once idle (aborted after ``nccl_wait_s``)."""
+        ``reason``; NCCL lanes are destroyed once idle (aborted after ``nccl_wait_s``).
+        True when no CPU collective runs any more (one stuck in MPI past 5 s may)."""
+        idle = True
         for cpu in self.cpus:
-            cpu.engine.shutdown(wait_s=5.0, interrupt=reason)
+            idle = cpu.engine.shutdown(wait_s=5.0, interrupt=reason) and idle
             tp = cpu.tp
             assert isinstance(tp, Transport)
             tp.close()
         for lane in self._take_nccl():
             lane.engine.close(nccl_wait_s)
+        return idle
 
     def stop_threads(self, wait_s: float) -> None:
         """At interpreter exit: stop the progress thread; NCCL communicators are

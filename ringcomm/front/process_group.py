@@ -220,14 +220,22 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """Release the group: a collective still running on the CPU ends at once with
         an error, queued ones fail, later calls fail; NCCL communicators are destroyed
         once their work finished (aborted if that takes more than 10 s)."""
-        self.lanes.close("the process group was shut down while this collective ran", 10.0)
-        self.calls.clear()
+        self._release_calls(self.lanes.close(
+            "the process group was shut down while this collective ran", 10.0))
 
     def abort(self) -> None:
         """Like :meth:`shutdown`, without waiting for anything: NCCL communicators are
         aborted and their pending Works fail."""
-        self.lanes.close("the process group was aborted while this collective ran", 0.0)
-        self.calls.clear()
+        self._release_calls(self.lanes.close(
+            "the process group was aborted while this collective ran", 0.0))
+
+    def _release_calls(self, idle: bool) -> None:
+        """Forget the prepared calls; free their persistent MPI requests unless a
+        collective may still be using them (then they go with their objects)."""
+        if idle:
+            self.calls.close()
+        else:
+            self.calls.clear()
 
     def _stop_threads(self, wait_s: float) -> None:
         """At interpreter exit: stop the progress thread; NCCL lanes end without waiting."""

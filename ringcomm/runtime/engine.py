@@ -300,9 +300,13 @@ class Engine:
         return collective_error(op, where, e, timeout_s, isinstance(e, TransportTimeout),
                                 f" {e}")
 
-    def shutdown(self, wait_s: float = 5.0, interrupt: str | None = None) -> None:
+    def shutdown(self, wait_s: float = 5.0, interrupt: str | None = None) -> bool:
         """Stop the progress thread; queued collectives fail. With ``interrupt``, the
-        running collective's waits end at once with that reason. Idempotent."""
+        running collective's waits end at once with that reason. Idempotent.
+
+        Returns:
+            True when nothing runs on the lane any more (the thread ended and no
+            caller's thread holds the lane), within ``wait_s``."""
         if interrupt is not None:
             self.tp.interrupt(interrupt)
         with self._cv:
@@ -311,3 +315,9 @@ class Engine:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(wait_s)
+            if thread.is_alive():
+                return False
+        if not self._own.acquire(timeout=wait_s):  # a synchronous call on a caller's thread
+            return False
+        self._own.release()
+        return True

@@ -31,6 +31,8 @@ WARM = 10
 
 
 def usage() -> dict:
+    from mpi4py import MPI
+
     from ringcomm.transport.mpi import MPITransport, _limbo
 
     gc.collect()
@@ -41,8 +43,11 @@ def usage() -> dict:
         objs = gc.get_objects()
         groups = sum(isinstance(o, ringcomm.ProcessGroupRingcomm) for o in objs)
         transports = sum(isinstance(o, MPITransport) for o in objs)
+        # persistent requests not yet freed (a destroyed group frees its own)
+        requests = sum(isinstance(o, MPI.Prequest) and o != MPI.REQUEST_NULL for o in objs)
     return {"threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
-            "groups": groups, "transports": transports, "limbo": len(_limbo),
+            "groups": groups, "transports": transports, "requests": requests,
+            "limbo": len(_limbo),
             "rss_mb": round(rss_kb / 1024, 1)}
 
 
@@ -78,7 +83,7 @@ def main() -> None:
     c.check(wrong == 0, f"{wrong} allreduces on fresh groups were wrong")
     c.check(unraised == 0, f"{unraised} aborted collectives did not raise")
     c.check(slow < 1.0, f"an abort took {slow:.2f}s to end the running collective")
-    for key in ("threads", "fds", "groups", "transports"):
+    for key in ("threads", "fds", "groups", "transports", "requests"):
         c.check(after[key] <= before[key], f"{key}: {before[key]} after {WARM} groups, "
                                            f"{after[key]} after {n}")
     c.check(after["limbo"] <= before["limbo"] + 1,
