@@ -11,12 +11,31 @@ import sys
 import pytest
 import torch
 
-from conftest import RANKS, _env, assert_checks, checks_passed
+from conftest import RANKS, _env, assert_checks, checks_passed, mpirun, torchrun
 
 pytestmark = pytest.mark.parallel
 
 RUN = [sys.executable, "-m", "torch.distributed.run"]
 ELASTIC = str(RANKS / "elastic_check.py")
+
+
+@pytest.mark.parametrize("launch,n", [(mpirun, 4), (torchrun, 3)],
+                         ids=["mpiexec-4", "torchrun-3"])
+def test_dtensor_redistributions(launch, n):
+    """Every redistribution between Shard, Replicate and Partial on a 1-D mesh (uneven
+    and empty shards) and, at 4 ranks, a 2x2 mesh; ops that need collectives; against
+    gloo meshes and a single-process oracle (tests/ranks/styles_dtensor.py)."""
+    out = launch(n, "styles_dtensor.py", timeout=300).stdout
+    assert_checks(out, f"styles_dtensor {launch.__name__} n={n}", n)
+
+
+@pytest.mark.parametrize("launch", [mpirun, torchrun], ids=["mpiexec", "torchrun"])
+def test_tensor_parallel_and_fsdp2_tp(launch):
+    """Colwise/Rowwise/SequenceParallel and loss parallel on 4 ranks, FSDP2 x TP on a 2x2
+    mesh, and torch.compile of a TP block: forward, gradients and three optimizer
+    steps against gloo and one process (tests/ranks/styles_tp.py)."""
+    out = launch(4, "styles_tp.py", timeout=300).stdout
+    assert_checks(out, f"styles_tp {launch.__name__} n=4", 4)
 
 
 def _port() -> int:
