@@ -38,6 +38,27 @@ def test_tensor_parallel_and_fsdp2_tp(launch):
     assert_checks(out, f"styles_tp {launch.__name__} n=4", 4)
 
 
+@pytest.mark.parametrize("launch,n", [(mpirun, 2), (mpirun, 3), (torchrun, 2)],
+                         ids=["mpiexec-2", "mpiexec-3", "torchrun-2"])
+def test_pipeline_schedules(launch, n):
+    """torch.distributed.pipelining over a ringcomm group: GPipe, 1F1B (also with static
+    shapes), Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble and
+    DualPipeV; losses, outputs, gradients and three optimizer steps bit-identical to
+    gloo and equal to one process (tests/ranks/styles_pipeline.py)."""
+    out = launch(n, "styles_pipeline.py", timeout=300).stdout
+    assert_checks(out, f"styles_pipeline {launch.__name__} n={n}", n)
+
+
+@pytest.mark.parametrize("launch,n", [(mpirun, 3), (torchrun, 2)],
+                         ids=["mpiexec-3", "torchrun-2"])
+def test_context_parallel(launch, n):
+    """context_parallel over a ringcomm mesh, in the form torch runs on CPU (SDPA on
+    the math backend, not ring attention): outputs and q/k/v gradients against gloo
+    and one process's SDPA on the whole sequence (tests/ranks/styles_context.py)."""
+    out = launch(n, "styles_context.py", timeout=300).stdout
+    assert_checks(out, f"styles_context {launch.__name__} n={n}", n)
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
