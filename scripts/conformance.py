@@ -44,6 +44,10 @@ WHY = [
      "gloo (`dist.monitored_barrier`), whatever the backend can do"),
     (r"github\.com/pytorch/pytorch/(issues|pull)", "disabled by torch itself (the linked "
      "issue), for every backend"),
+    (r"Only Nccl supports (all_gather_v|reduce_scatter_v)", "the test puts its tensors on "
+     "CUDA devices (`.cuda(device_id)`), so no gate opens it on CPU; ringcomm's uneven "
+     "`all_gather` and `reduce_scatter` on CPU tensors are checked against gloo in "
+     "`tests/ranks/collectives_check.py` and `more_collectives_check.py`"),
     (r"CUDA|GPU|cuda|high priority stream|NCCL Batch|NCCL Send Recv|Nccl supports|NCCL supports"
      r"|Coalescing manager currently tests with NCCL|one of \{'nccl'\}",
      "needs CUDA devices (NCCL); there are none here. ringcomm's CUDA path is checked by "
