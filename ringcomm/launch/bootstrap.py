@@ -36,7 +36,6 @@ from datetime import timedelta
 
 from ringcomm import settings
 from ringcomm.launch import network, slurm
-from ringcomm.pacing import Backoff
 
 log = logging.getLogger("ringcomm")
 
@@ -169,9 +168,11 @@ def fresh_store(store, rank: int, size: int, timeout: timedelta):
     say, the MPI port of a rank 0 that is gone. Rank 0 therefore picks a new random
     token and publishes it under ``ringcomm/lead``; every other rank answers under
     the token it reads with a nonce of its own, and takes the token once rank 0
-    has echoed that nonce back. A token left by earlier processes is never echoed
-    (its rank 0 is gone, and the nonce is new), so a rank that read one reads
-    ``ringcomm/lead`` again until rank 0's new token appears.
+    has welcomed that nonce. A token left by earlier processes never welcomes a
+    new nonce (its rank 0 is gone), so a rank that read one reads ``ringcomm/lead``
+    again, at growing intervals, until rank 0's new token appears. Every wait is
+    the store's own (woken when the key is set), so a fresh store costs each rank
+    a few round trips.
 
     Raises:
         DistBackendError: ranks were missing after ``timeout`` (names them).
@@ -179,40 +180,43 @@ def fresh_store(store, rank: int, size: int, timeout: timedelta):
     import torch.distributed as dist
 
     limit = timeout.total_seconds()
-    deadline = time.monotonic() + limit
-    pace = Backoff(max_nap_s=5e-3, first_nap_s=1e-4)
     if rank == 0:
         token = uuid.uuid4().hex
-        hellos = {r: f"ringcomm/{token}/hello/{r}" for r in range(1, size)}
+        hellos = [f"ringcomm/{token}/hello/{r}" for r in range(1, size)]
         store.set("ringcomm/lead", token)
-        while hellos:
-            for r, key in list(hellos.items()):
-                if store.check([key]):
-                    store.set(f"ringcomm/{token}/welcome/{r}", store.get(key))
-                    del hellos[r]
-            if hellos and time.monotonic() > deadline:
+        if hellos:
+            try:
+                store.wait(hellos, timeout)
+            except dist.DistStoreError:
+                missing = [r for r, key in enumerate(hellos, 1) if not store.check([key])]
                 raise dist.DistBackendError(
-                    f"ringcomm: setting up a group of {size}: ranks {sorted(hellos)} did "
-                    f"not arrive within {limit:g} s")
-            pace.pause()
-    else:
-        nonce, token, answered = uuid.uuid4().hex.encode(), None, None
-        while token is None:
-            if store.check(["ringcomm/lead"]):
-                lead = store.get("ringcomm/lead").decode()
-                if lead != answered:  # rank 0's token, or one left by earlier processes
-                    store.set(f"ringcomm/{lead}/hello/{rank}", nonce)
-                    answered = lead
-                welcome = f"ringcomm/{lead}/welcome/{rank}"
-                if store.check([welcome]) and store.get(welcome) == nonce:
-                    token = lead
-                    break
-            if time.monotonic() > deadline:
+                    f"ringcomm: setting up a group of {size}: ranks {missing} did not "
+                    f"arrive within {limit:g} s") from None
+            nonces = store.multi_get(hellos)
+            store.multi_set([f"ringcomm/{token}/welcome/{n.decode()}" for n in nonces],
+                            [b"1"] * len(nonces))
+        return dist.PrefixStore(f"ringcomm/{token}/", store)
+    nonce, lead, look = uuid.uuid4().hex, None, 0.01
+    deadline = time.monotonic() + limit
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise dist.DistStoreError("out of time")
+            store.wait(["ringcomm/lead"], timedelta(seconds=left))
+            current = store.get("ringcomm/lead").decode()
+            if current != lead:  # rank 0's token, or one left by earlier processes
+                lead = current
+                store.set(f"ringcomm/{lead}/hello/{rank}", nonce)
+            store.wait([f"ringcomm/{lead}/welcome/{nonce}"],
+                       timedelta(seconds=max(1e-3, min(look, left))))
+            return dist.PrefixStore(f"ringcomm/{lead}/", store)
+        except dist.DistStoreError:
+            if time.monotonic() >= deadline:
                 raise dist.DistBackendError(
                     f"ringcomm: setting up a group of {size}: rank 0 did not answer "
-                    f"rank {rank} within {limit:g} s")
-            pace.pause()
-    return dist.PrefixStore(f"ringcomm/{token}/", store)
+                    f"rank {rank} within {limit:g} s") from None
+            look = min(2 * look, 0.5)
 
 
 def mpi_started() -> bool:
