@@ -34,8 +34,8 @@ test-cluster: install
 	$(PY) -m pytest -m cluster $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# DTensor, tensor and pipeline parallel, 2-D meshes, and torchrun's restarts and
-# elastic rendezvous (tests/test_parallel.py; a few minutes)
+# DTensor, tensor and pipeline parallel, FSDP2 and DCP, 2-D meshes, and torchrun's
+# restarts and elastic rendezvous (tests/test_parallel.py; about 4 minutes)
 test-parallel: install
 	$(PY) -m pytest -m parallel $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc

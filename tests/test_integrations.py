@@ -1,5 +1,6 @@
-"""The recipes of docs/integrations.md, run: DCP and FSDP2 with torch alone (always),
-PyTorch Lightning, HF Accelerate and the transformers Trainer where installed."""
+"""The recipes of docs/integrations.md, run: DCP and FSDP2 with torch alone (`make
+test-parallel`), PyTorch Lightning, HF Accelerate and the transformers Trainer
+(`make test-frameworks`)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,6 +11,7 @@ import pytest
 from conftest import assert_checks, mpirun, torchrun
 
 
+@pytest.mark.parallel  # make test-parallel, with the other parallel styles
 @pytest.mark.parametrize("launch", [mpirun, torchrun], ids=["mpiexec", "torchrun"])
 def test_dcp_and_fsdp2(launch, tmp_path):
     out = launch(2, "integrations_check.py", "torch", str(tmp_path), timeout=240).stdout

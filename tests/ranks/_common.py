@@ -48,6 +48,30 @@ class Checker:
         print(f"rank {self.rank}: {self.count} checks passed", flush=True)
 
 
+def init():
+    """ringcomm as the default group plus a gloo group over the same ranks: rank,
+    world size, the two groups by name, and a Checker."""
+    import torch.distributed as dist
+
+    import ringcomm  # noqa: F401  (registers the backend)
+
+    dist.init_process_group("ringcomm")
+    groups = {"ringcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    rank = dist.get_rank()
+    return rank, dist.get_world_size(), groups, Checker(rank)
+
+
+def done(c: Checker) -> None:
+    """End the run: every rank leaves the groups together (torch's threads are
+    joined now, not in destructors racing interpreter exit), then the checks'
+    verdict."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    c.finish()
+
+
 def check_trained(c: Checker, what: str, ours: list, ref: list, gloo, rtol: float,
                   atol: float) -> None:
     """Parameters trained on ringcomm (``ours``) match those trained on gloo (``ref``),

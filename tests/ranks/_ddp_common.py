@@ -23,19 +23,9 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Checker  # noqa: E402
+from _common import Checker, done, init  # noqa: E402,F401  (init, done: for the ddp_* programs)
 
 VOCAB, DIM, SEQ = 23, 12, 5
-
-
-def init() -> tuple[int, int, dict[str, dist.ProcessGroup], Checker]:
-    """ringcomm as the default group plus a gloo group over the same ranks."""
-    import ringcomm  # noqa: F401  (registers the backend)
-
-    dist.init_process_group("ringcomm")
-    groups = {"ringcomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
-    rank = dist.get_rank()
-    return rank, dist.get_world_size(), groups, Checker(rank)
 
 
 class Classifier(nn.Module):
@@ -65,15 +55,6 @@ def train_classifier(wrapper, model: nn.Module, group, *, bucket_cap_mb: float, 
         F.cross_entropy(ddp_model(x), y).backward()
         opt.step()
     return [p.detach().clone() for p in ddp_model.parameters()]
-
-
-def done(c: Checker) -> None:
-    """End the run: every rank leaves the groups together (torch's threads are
-    joined now, not in destructors racing interpreter exit), then the checks'
-    verdict."""
-    dist.barrier()
-    dist.destroy_process_group()
-    c.finish()
 
 
 class TinyLM(nn.Module):

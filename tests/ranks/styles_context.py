@@ -64,7 +64,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Checker  # noqa: E402
+from _common import Checker, done, init  # noqa: E402
 
 BATCH, HEADS, HEAD_DIM = 2, 2, 4
 TOL = {torch.float64: (1e-10, 1e-12), torch.float32: (1e-5, 1e-6)}
@@ -169,19 +169,12 @@ def check_case(c: Checker, case: dict, ring, gloo, world: int) -> None:
 
 
 def main() -> None:
-    import ringcomm  # noqa: F401  (registers the backend)
-
-    dist.init_process_group("ringcomm")
-    ring = dist.group.WORLD
-    gloo = dist.new_group(backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    c = Checker(rank)
+    rank, world, groups, c = init()
+    ring, gloo = groups["ringcomm"], groups["gloo"]
     c.check(dist.get_backend(ring) == "ringcomm", f"default group is {dist.get_backend(ring)}")
     for case in cases(world):
         check_case(c, case, ring, gloo, world)
-    dist.barrier()
-    dist.destroy_process_group()
-    c.finish()
+    done(c)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Checker  # noqa: E402
+from _common import Checker, done, init  # noqa: E402
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 from torch.distributed.tensor import (  # noqa: E402
@@ -451,12 +451,8 @@ def check_ops(c: Checker, m: Meshes, what_mesh: str, rank: int):
 
 
 def main() -> None:
-    import ringcomm  # noqa: F401  (registers the backend)
-
-    dist.init_process_group("ringcomm")
-    gloo = dist.new_group(backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    c = Checker(rank)
+    rank, world, groups, c = init()
+    gloo = groups["gloo"]
 
     m1 = Meshes(init_device_mesh("cpu", (world,), mesh_dim_names=("x",)),
                 DeviceMesh.from_group(gloo, "cpu", mesh_dim_names=("x",)))
@@ -481,9 +477,7 @@ def main() -> None:
         check_shard_alltoall(c, m2)
     report_refusals(m1, rank)
 
-    dist.barrier()
-    dist.destroy_process_group()
-    c.finish()
+    done(c)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ from torch.distributed.pipelining import (
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Checker  # noqa: E402
+from _common import Checker, done, init  # noqa: E402
 
 WIDTH, LAYERS, MB_SIZE, STEPS = 16, 12, 2, 3
 DTYPE = torch.float64
@@ -291,20 +291,13 @@ def _get(rec, key, *index):
 
 
 def main() -> None:
-    import ringcomm  # noqa: F401  (registers the backend)
-
-    dist.init_process_group("ringcomm")
-    ring = dist.group.WORLD
-    gloo = dist.new_group(backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    c = Checker(rank)
+    rank, world, groups, c = init()
+    ring, gloo = groups["ringcomm"], groups["gloo"]
     c.check(dist.get_backend(ring) == "ringcomm", f"default group is {dist.get_backend(ring)}")
     n_mb = max(4, 2 * world)
     for spec in SPECS:
         check_spec(c, spec, ring, gloo, n_mb)
-    dist.barrier()
-    dist.destroy_process_group()
-    c.finish()
+    done(c)
 
 
 if __name__ == "__main__":

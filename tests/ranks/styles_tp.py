@@ -44,7 +44,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Checker  # noqa: E402
+from _common import Checker, done, init  # noqa: E402
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
@@ -313,19 +313,13 @@ def check_compile(c: Checker, world: int, gloo) -> None:
 
 
 def main() -> None:
-    import ringcomm  # noqa: F401  (registers the backend)
-
-    dist.init_process_group("ringcomm")
-    gloo = dist.new_group(backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    c = Checker(rank)
+    rank, world, groups, c = init()
+    gloo = groups["gloo"]
     check_tp(c, world, gloo)
     if world == 4:
         check_fsdp_tp(c, rank, gloo)
     check_compile(c, world, gloo)
-    dist.barrier()
-    dist.destroy_process_group()
-    c.finish()
+    done(c)
 
 
 if __name__ == "__main__":
