@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 NP ?= 4
 
-.PHONY: install demo test test-cluster test-parallel test-frameworks check-nccl-api conformance bench clean
+.PHONY: install demo test test-cluster test-parallel test-bench test-frameworks check-nccl-api conformance bench clean
 
 install: $(VENV)/.installed
 
@@ -25,7 +25,7 @@ demo: install
 
 # pytest exits 5 when it collected no test: that is a failure here.
 test: install
-	$(PY) -m pytest -m "not cluster and not frameworks and not parallel" $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -m "not cluster and not frameworks and not parallel and not bench" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # jobs across network-namespace hosts and on a local Slurm cluster (about two
@@ -38,6 +38,12 @@ test-cluster: install
 # restarts and elastic rendezvous (tests/test_parallel.py; about 4 minutes)
 test-parallel: install
 	$(PY) -m pytest -m parallel $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# the benchmark tools (python -m ringcomm.bench, python -m ddp.bench) run on 2 ranks
+# and their outputs checked (tests/test_bench*.py; about a minute and a half)
+test-bench: install
+	$(PY) -m pytest -m bench $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # PyTorch Lightning, HF Accelerate and transformers training on ringcomm, each

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, _checked, _run, _which, mpirun, torchrun
+
+pytestmark = pytest.mark.bench  # make test-bench
 from ringcomm.bench import columns
 from ringcomm.bench import targets as bench_targets
 from ringcomm.bench.analysis import analyse

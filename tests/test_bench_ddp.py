@@ -13,6 +13,8 @@ import sys
 import pytest
 
 from conftest import ROOT, _checked, _env, mpirun
+
+pytestmark = pytest.mark.bench  # make test-bench
 from ddp.bench import cli, targets
 from ddp.bench.constants import DEFAULT_TARGETS, TARGETS_SCHEMA
 
