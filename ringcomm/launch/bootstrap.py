@@ -170,9 +170,9 @@ def fresh_store(store, rank: int, size: int, timeout: timedelta):
     the token it reads with a nonce of its own, and takes the token once rank 0
     has welcomed that nonce. A token left by earlier processes never welcomes a
     new nonce (its rank 0 is gone), so a rank that read one reads ``ringcomm/lead``
-    again, at growing intervals, until rank 0's new token appears. Every wait is
-    the store's own (woken when the key is set), so a fresh store costs each rank
-    a few round trips.
+    again, after a second, then at growing intervals, until rank 0's new token
+    appears. Every wait is the store's own (woken when the key is set), so a fresh
+    store costs each rank a few round trips.
 
     Raises:
         DistBackendError: ranks were missing after ``timeout`` (names them).
@@ -184,19 +184,20 @@ def fresh_store(store, rank: int, size: int, timeout: timedelta):
         token = uuid.uuid4().hex
         hellos = [f"ringcomm/{token}/hello/{r}" for r in range(1, size)]
         store.set("ringcomm/lead", token)
-        if hellos:
+        deadline = time.monotonic() + limit
+        for r, key in enumerate(hellos, 1):  # each rank welcomed as soon as it came
             try:
-                store.wait(hellos, timeout)
+                store.wait([key], timedelta(seconds=max(1e-3, deadline - time.monotonic())))
             except dist.DistStoreError:
-                missing = [r for r, key in enumerate(hellos, 1) if not store.check([key])]
+                missing = [q for q, k in enumerate(hellos, 1) if q >= r and not store.check([k])]
                 raise dist.DistBackendError(
                     f"ringcomm: setting up a group of {size}: ranks {missing} did not "
                     f"arrive within {limit:g} s") from None
-            nonces = store.multi_get(hellos)
-            store.multi_set([f"ringcomm/{token}/welcome/{n.decode()}" for n in nonces],
-                            [b"1"] * len(nonces))
+            store.set(f"ringcomm/{token}/welcome/{store.get(key).decode()}", b"1")
         return dist.PrefixStore(f"ringcomm/{token}/", store)
-    nonce, lead, look = uuid.uuid4().hex, None, 0.01
+    # the wait for the welcome is cut in slices (1 s, growing) only to read the lead
+    # again when it was one left by earlier processes
+    nonce, lead, look = uuid.uuid4().hex, None, 1.0
     deadline = time.monotonic() + limit
     while True:
         left = deadline - time.monotonic()
@@ -216,7 +217,7 @@ def fresh_store(store, rank: int, size: int, timeout: timedelta):
                 raise dist.DistBackendError(
                     f"ringcomm: setting up a group of {size}: rank 0 did not answer "
                     f"rank {rank} within {limit:g} s") from None
-            look = min(2 * look, 0.5)
+            look = min(2 * look, 5.0)
 
 
 def mpi_started() -> bool:
