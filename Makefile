@@ -23,42 +23,42 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: install
 	$(VENV)/bin/mpiexec -n $(NP) $(PY) -m ringcomm.demo
 
-# pytest exits 5 when it collected no test: that is a failure here.
-test: install
-	$(PY) -m pytest -m "not cluster and not frameworks and not parallel and not bench" $(PYTEST_ARGS); rc=$$?; \
+# pytest over $(1), then $(PYTEST_ARGS); its exit code 5 (it collected no test) is a
+# failure here
+define pytest
+	$(PY) -m pytest $(1) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+endef
+
+test: install
+	$(call pytest,-m "not cluster and not frameworks and not parallel and not bench")
 
 # jobs across network-namespace hosts and on a local Slurm cluster (about two
 # minutes; root, iproute2 and Debian's slurm-wlm, else they skip saying why)
 test-cluster: install
-	$(PY) -m pytest -m cluster $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	$(call pytest,-m cluster)
 
 # DTensor, tensor and pipeline parallel, FSDP2 and DCP, 2-D meshes, and torchrun's
 # restarts and elastic rendezvous (tests/test_parallel.py; about 4 minutes)
 test-parallel: install
-	$(PY) -m pytest -m parallel $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	$(call pytest,-m parallel)
 
 # the benchmark tools (python -m ringcomm.bench, python -m ddp.bench) run on 2 ranks
 # and their outputs checked (tests/test_bench*.py; about a minute and a half)
 test-bench: install
-	$(PY) -m pytest -m bench $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	$(call pytest,-m bench)
 
 # PyTorch Lightning, HF Accelerate and transformers training on ringcomm, each
 # under torchrun (about 30 s; the "frameworks" extra that make install brings)
 test-frameworks: install
-	$(PY) -m pytest -m frameworks $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	$(call pytest,-m frameworks)
 
 # FakeNccl (the NCCL stand-in CI's CUDA path runs on) against the real
 # cupy.cuda.nccl: CuPy's and NCCL's wheels (about 500 MB) import without a GPU
 check-nccl-api: install
 	$(PY) -m pip install "cupy-cuda12x>=13.6" "nvidia-nccl-cu12>=2.19"
 	$(PY) -c "from cupy.cuda import nccl; assert nccl.available, 'NCCL did not load'"
-	$(PY) -m pytest tests/test_fake_nccl_api.py; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	$(call pytest,tests/test_fake_nccl_api.py)
 
 # torch's own distributed test suite against ringcomm (world size 3, CPU; about
 # half an hour on 2 cores), then what 3 ranks skip for size at 4 and 8 ranks

@@ -313,7 +313,9 @@ class Engine:
             self._stopped = True
             self._cv.notify_all()
             thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None:
+            if thread is threading.current_thread():
+                return False  # called from this lane's own work: it is still running
             thread.join(wait_s)
             if thread.is_alive():
                 return False
