@@ -1,18 +1,21 @@
 """Reduce ops, dtype rules and local (single-process) reductions.
 
-Local reductions use torch ops on tensor views, so every dtype torch has
-(bfloat16 and float16 included) is covered without copies through numpy.
+:func:`reducer` gives torch's op for every dtype torch reduces (bfloat16 and
+float16 included); CUDA lanes and whole-tensor steps use it.
 
-The local work between a schedule's messages stays on the calling thread
-(:func:`serial_reducer`, :func:`serial_copy`), as MPI's and gloo's reductions
-do. From :data:`PARALLEL_FROM` elements on, torch spreads an elementwise op over
-its intra-op threads, which then spin for a while after it: with more ranks on a
-host than cores per rank (mpiexec and srun leave torch one thread per core in
-every rank), they take the cores that other ranks, and the network progress of
-this one, need (docs/multi-node.md: across hosts over a slow link, such ops made
-each exchange take several times the link's time).
+The local work between a schedule's point-to-point messages stays on the calling
+thread, as MPI's and gloo's reductions do: :func:`serial_reducer` and
+:func:`serial_copy`, on operands over raw memory (:func:`memory`,
+:func:`operand`). From :data:`PARALLEL_FROM` elements on, torch spreads an
+elementwise op over its intra-op threads, which then spin for a while after it:
+with more ranks on a host than cores per rank (mpiexec and srun leave torch one
+thread per core in every rank), they take the cores that other ranks, and the
+network progress of this one, need (docs/multi-node.md: across hosts over a slow
+link, such ops made each exchange take several times the link's time).
 """
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import torch
@@ -115,35 +118,82 @@ _NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.int8, torch.uint8
 _threads = torch.get_num_threads
 
 
-def serial_reducer(op: RedOpType):
-    """:func:`reducer`'s ``fn(dst, src)`` kept on the calling thread at every size
-    (see the module docstring): torch's op where torch would not split it, numpy's
-    ufunc (floating-point warnings off: an overflow gives inf, as in torch) for the
-    dtypes numpy has, else torch's op on slices below :data:`PARALLEL_FROM`."""
+#: torch dtype -> numpy's, for the dtypes of _NUMPY_DTYPES
+_NUMPY_OF = {d: torch.empty(0, dtype=d).numpy().dtype for d in _NUMPY_DTYPES}
+
+# numpy's floating-point warnings are turned off around each reduction (an overflow
+# gives inf, as in torch, and says nothing). ``np.errstate`` costs about 1 us a call,
+# more than a 4 KiB add; numpy 2 keeps that state in a context variable, which is
+# set directly where it exists (the same thing errstate does, for a tenth of the cost).
+try:
+    from numpy._core import _ufunc_config as _ufc
+    _ERR_STATE, _QUIET = _ufc._extobj_contextvar, _ufc._make_extobj(all="ignore")
+except (ImportError, AttributeError, TypeError):  # numpy 1.x: errstate
+    _ERR_STATE = _QUIET = None
+
+
+def _quiet(ufunc):
+    """``ufunc(dst, src, out=dst)`` with numpy's floating-point warnings off."""
+    if _ERR_STATE is None:
+        def reduce_quiet(dst: np.ndarray, src: np.ndarray) -> None:
+            with np.errstate(all="ignore"):
+                ufunc(dst, src, out=dst)
+        return reduce_quiet
+    var, quiet = _ERR_STATE, _QUIET
+
+    def reduce_quiet(dst: np.ndarray, src: np.ndarray) -> None:
+        token = var.set(quiet)
+        try:
+            ufunc(dst, src, out=dst)
+        finally:
+            var.reset(token)
+    return reduce_quiet
+
+
+def memory(ptr: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of CPU memory at address ``ptr`` as a uint8 array that holds no
+    reference to the memory's owner: the form in which the point-to-point executor
+    keeps a binding's local operands, like its persistent requests, valid whenever a
+    tensor at that address is passed again and never keeping a caller's tensor alive."""
+    if nbytes <= 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+def operand(mem: np.ndarray, dtype: torch.dtype) -> np.ndarray | torch.Tensor:
+    """``mem`` (from :func:`memory`) as the operand :func:`serial_reducer`'s function
+    takes for ``dtype``: a numpy array where numpy reduces ``dtype`` as torch does, a
+    tensor over the same memory otherwise (float16, bfloat16)."""
+    if dtype in _NUMPY_DTYPES:
+        return mem.view(_NUMPY_OF[dtype])
+    return torch.frombuffer(mem, dtype=dtype) if mem.size else torch.empty(0, dtype=dtype)
+
+
+def serial_reducer(op: RedOpType, dtype: torch.dtype):
+    """:func:`reducer`'s ``fn(dst, src)`` on :func:`operand` s of ``dtype``, kept on the
+    calling thread at every size (see the module docstring): numpy's ufunc for the
+    dtypes numpy reduces as torch does (a 4 KiB add costs half torch's; floating-point
+    warnings off), else torch's op, on slices below :data:`PARALLEL_FROM` where torch
+    would spread it over its threads."""
+    if dtype in _NUMPY_DTYPES:
+        ufunc = _NUMPY_UFUNC[op.value]
+        if dtype.is_floating_point:
+            return _quiet(ufunc)
+        return lambda dst, src: ufunc(dst, src, out=dst)  # integers and bools never warn
     fn = reducer(op)
-    ufunc = _NUMPY_UFUNC[op.value]
 
     def reduce_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
         n = dst.numel()
         if n < PARALLEL_FROM or _threads() == 1:
             fn(dst, src)
-        elif dst.dtype in _NUMPY_DTYPES:
-            d = dst.detach().numpy()
-            with np.errstate(all="ignore"):
-                ufunc(d, src.detach().numpy(), out=d)
         else:
             for i in range(0, n, PARALLEL_FROM):
                 fn(dst[i:i + PARALLEL_FROM], src[i:i + PARALLEL_FROM])
     return reduce_serial
 
 
-def serial_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` (same dtype and size) kept on the calling thread: bytes
-    copied by numpy from :data:`PARALLEL_FROM` elements on."""
-    if dst.numel() < PARALLEL_FROM or _threads() == 1:
-        dst.copy_(src)
-    else:
-        np.copyto(dst.detach().view(torch.uint8).numpy(), src.detach().view(torch.uint8).numpy())
+#: ``dst[:] = src`` on :func:`memory` arrays of one size: numpy copies on this thread
+serial_copy = np.copyto
 
 
 def reduce_(dst: torch.Tensor, src: torch.Tensor, op: RedOpType) -> None:

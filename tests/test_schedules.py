@@ -4,8 +4,10 @@ sizes 1-8), at 1, 2, 5 and 17 segments per chunk, with even, uneven and empty
 chunks, against a single-process computation."""
 from __future__ import annotations
 
+import gc
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,8 +15,9 @@ from ringcomm.schedules import checker
 from ringcomm import ops
 from ringcomm.algorithms import BUILTIN as SHIPPED
 from ringcomm.algorithms import NATIVE, REGISTRY, common
-from ringcomm.schedules.executors import P2PProgram
+from ringcomm.schedules.executors import GroupProgram, P2PProgram
 from ringcomm.schedules.plan import Plan
+from ringcomm.schedules.simulator import SimFabric
 from ringcomm.schedule import Context
 from ringcomm.testing import run_ranks, run_schedule
 
@@ -205,53 +208,106 @@ def test_split_even():
     assert [x.n for x in common.split_even(common.whole(0, 2), 5)] == [1, 1, 0, 0, 0]
 
 
-def test_kept_slices_follow_the_callers_tensors():
-    # a ring allreduce slices the caller's buffer for its local work; the slices are
-    # kept between calls only while they are slices of the tensor passed now
+def _ring_allreduce_runs(make_program, run):
+    """A 3-rank ring allreduce (its local work slices the caller's buffer) run by
+    ``run(programs, bufs)`` on the same tensors, on the same tensor objects moved to
+    new memory, on fresh flat views of 2-D tensors, on other tensors and on tensors
+    allocated where freed ones lay, each checked against a sum computed here."""
     p, n = 3, 30
     plans = [Plan(REGISTRY["allreduce"]["ring"](Context("allreduce", p, r, (n,))))
              for r in range(p)]
-    programs = [P2PProgram(pl, None, [torch.empty(k) for k in pl.scratch], ops.SUM)
-                for pl in plans]
-    assert programs[0]._callers, "the ring's local work should slice the caller's buffer"
-
-    def run(bufs):
-        def body(tp):
-            pr = programs[tp.rank]
-            pr.tp = tp
-            pr._bindings.clear()  # each run_ranks has new transports
-            pr.run([bufs[tp.rank]])
-        run_ranks(p, body)
+    programs = [make_program(pl) for pl in plans]
 
     def check(bufs, seed):
         want = sum(torch.arange(n, dtype=torch.float32) * (r + seed) for r in range(p))
         assert all(torch.equal(b, want) for b in bufs), seed
 
-    same = [torch.arange(n, dtype=torch.float32) * (r + 1) for r in range(p)]
-    run(same)
+    def fresh(seed):
+        return [torch.arange(n, dtype=torch.float32) * (r + seed) for r in range(p)]
+
+    same = fresh(1)
+    run(programs, same)
     check(same, 1)
-    for r in range(p):  # the same tensors again: the kept slices are used
-        same[r].copy_(torch.arange(n, dtype=torch.float32) * (r + 2))
-    assert programs[0]._sliced is not None
-    run(same)
+    for r in range(p):  # the same tensors again
+        same[r].copy_(fresh(2)[r])
+    run(programs, same)
     check(same, 2)
     for r in range(p):  # the same tensor objects moved to new memory
-        same[r].set_(torch.arange(n, dtype=torch.float32) * (r + 3))
-    run(same)
+        same[r].set_(fresh(3)[r])
+    run(programs, same)
     check(same, 3)
-    # a flat view made at every call of a stable 2-D tensor: its base keeps the slices
-    grid = [(torch.arange(n, dtype=torch.float32) * (r + 5)).view(5, 6) for r in range(p)]
-    run([g.view(-1) for g in grid])
-    kept = programs[0]._sliced
+    grid = [g.view(5, 6) for g in fresh(5)]  # a flat view made at every call
+    run(programs, [g.view(-1) for g in grid])
     for r in range(p):
-        grid[r].copy_((torch.arange(n, dtype=torch.float32) * (r + 6)).view(5, 6))
-    run([g.view(-1) for g in grid])
-    assert programs[0]._sliced is kept, "a new flat view of the same tensor re-sliced"
+        grid[r].copy_(fresh(6)[r].view(5, 6))
+    run(programs, [g.view(-1) for g in grid])
     check([g.view(-1) for g in grid], 6)
-    other = [torch.arange(n, dtype=torch.float32) * (r + 4) for r in range(p)]
-    run(other)
+    other = fresh(4)
+    run(programs, other)
     check(other, 4)
-    for pr in programs:  # the in-process transport's requests hold their tensors
+    del other  # new tensors, most likely where the freed ones lay
+    again = fresh(7)
+    run(programs, again)
+    check(again, 7)
+    return programs, again
+
+
+def test_p2p_local_work_follows_the_callers_memory():
+    # a binding's local work runs on arrays over the addresses of its regions: right
+    # whatever tensor sits at those addresses, and never keeping a caller's tensor alive
+    def run(programs, bufs):
+        def body(tp):
+            pr = programs[tp.rank]
+            pr.tp = tp
+            pr._bindings.clear()  # each run_ranks has new transports
+            pr.run([bufs[tp.rank]])
+        run_ranks(3, body)
+
+    def make(pl):
+        return P2PProgram(pl, None, [torch.empty(k) for k in pl.scratch], ops.SUM)
+
+    programs, again = _ring_allreduce_runs(make, run)
+    for r, pr in enumerate(programs):
+        operands = [x for _, work in pr._bindings[again[r].data_ptr()][0]
+                    for _, dst, src in work for x in (dst, src)]
+        assert operands, "the ring's local work should have operands"
+        assert all(isinstance(x, np.ndarray) and not isinstance(x.base, torch.Tensor)
+                   for x in operands)
+    # float16 reduces with torch's op, on tensors over the same memory
+    plans = [Plan(REGISTRY["allreduce"]["ring"](Context("allreduce", 3, r, (30,))))
+             for r in range(3)]
+    bufs = [torch.full((30,), r + 1.0, dtype=torch.float16) for r in range(3)]
+    run_ranks(3, lambda tp: P2PProgram(plans[tp.rank], tp, [
+        torch.empty(k, dtype=torch.float16) for k in plans[tp.rank].scratch], ops.SUM).run(
+            [bufs[tp.rank]]))
+    assert all(torch.equal(b, torch.full((30,), 6.0, dtype=torch.float16)) for b in bufs)
+
+
+def test_group_program_keeps_slices_while_the_callers_tensors_live():
+    # the NCCL-rules executor slices the caller's buffers (tensors, for the stream):
+    # the last call's slices are kept while the tensors they are slices of live
+    kept, fabric = [], SimFabric(3)
+
+    def run(programs, bufs):
+        for r, pr in enumerate(programs):
+            pr.run([bufs[r]])
+        fabric.drain()
+        kept.append(programs[0]._sliced)
+
+    comms = iter(range(3))
+
+    def make(pl):
+        return GroupProgram(pl, fabric.comm(next(comms)), [torch.empty(k) for k in pl.scratch],
+                            ops.SUM)
+
+    programs, again = _ring_allreduce_runs(make, run)
+    assert programs[0]._callers, "the ring's local work should slice the caller's buffer"
+    assert kept[1] is kept[0], "the same tensors again were sliced again"
+    assert kept[4] is kept[3], "a new flat view of the same tensor was sliced again"
+    assert kept[2] is not kept[1], "tensors moved to new memory kept their old slices"
+    kept.clear()
+    for pr in programs:
         pr._bindings.clear()
-    del other, same, grid  # the caller's tensors are gone: their slices are not kept
+    del again  # the caller's tensors are gone: their slices are not kept
+    gc.collect()  # the simulator's finished work holds them in reference cycles
     assert all(pr._sliced is None for pr in programs)

@@ -3,8 +3,10 @@ file, options, registration and launcher detection."""
 from __future__ import annotations
 
 import json
+import warnings
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,10 +71,17 @@ def test_avg_truncates_integers_like_nccl():
 
 @pytest.mark.parametrize("n", [5, ops.PARALLEL_FROM + 1, 3 * ops.PARALLEL_FROM + 17])
 def test_local_work_kept_on_the_calling_thread_equals_torchs_ops(n, monkeypatch):
-    """serial_reducer / serial_copy against torch's own ops (the oracle), every op and
-    dtype, below and above the size torch would split over threads, with two threads."""
+    """serial_reducer / serial_copy, on operands over the tensors' raw memory (as the
+    point-to-point executor binds them), against torch's own ops (the oracle): every op
+    and dtype, below and above the size torch would split over threads, with two
+    threads; numpy's floating-point error state neither warns, nor raises where a caller
+    set it so, nor changes."""
     monkeypatch.setattr(ops, "_threads", lambda: 2)
     g = torch.Generator().manual_seed(n)
+
+    def over(t):
+        return ops.operand(ops.memory(t.data_ptr(), t.nbytes), t.dtype)
+
     for op in (ops.SUM, ops.AVG, ops.PRODUCT, ops.MIN, ops.MAX, ops.BAND, ops.BOR, ops.BXOR):
         for dtype in sorted(ops.REDUCE_DTYPES, key=str):
             if (op in (ops.BAND, ops.BOR, ops.BXOR) and dtype.is_floating_point) or (
@@ -81,6 +90,9 @@ def test_local_work_kept_on_the_calling_thread_equals_torchs_ops(n, monkeypatch)
             if dtype.is_floating_point:
                 a, b = (torch.randn(n, generator=g).mul(1e4).to(dtype) for _ in range(2))
                 a[:3] = torch.tensor([float("inf"), float("nan"), -0.0]).to(dtype)
+                big = torch.finfo(dtype).max  # overflow and inf - inf: numpy would warn
+                a[3:5] = torch.tensor([big, float("inf")]).to(dtype)
+                b[3:5] = torch.tensor([big, float("-inf")]).to(dtype)
             elif dtype == torch.bool:
                 a, b = (torch.randint(0, 2, (n,), generator=g).bool() for _ in range(2))
             else:
@@ -90,13 +102,19 @@ def test_local_work_kept_on_the_calling_thread_equals_torchs_ops(n, monkeypatch)
             want = a.clone()
             ops.reducer(op)(want, b)
             got = a.clone()
-            ops.serial_reducer(op)(got, b)
+            before = np.geterr()
+            with warnings.catch_warnings(), np.errstate(all="raise"):
+                warnings.simplefilter("error")
+                ops.serial_reducer(op, dtype)(over(got), over(b))
+                assert set(np.geterr().values()) == {"raise"}
+            assert np.geterr() == before
             assert torch.equal(got, want) or (dtype.is_floating_point and torch.allclose(
                 got, want, equal_nan=True, rtol=0, atol=0)), (op, dtype, n)
     for dtype in (torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.complex64):
         src = torch.randn(n, generator=g).to(dtype)
         dst = torch.zeros(n, dtype=dtype)
-        ops.serial_copy(dst, src)
+        ops.serial_copy(ops.memory(dst.data_ptr(), dst.nbytes),
+                        ops.memory(src.data_ptr(), src.nbytes))
         assert torch.equal(dst, src), dtype
 
 

@@ -9,7 +9,8 @@ local work. Three kinds:
 
 * :class:`P2PProgram`, over a :class:`ringcomm.transport.Transport` (MPI for
   CPU tensors, in-process threads for tests). Messages are persistent requests
-  (made once per binding), so a step's sends may go out, and its receives be
+  and the local work's operands are arrays over the regions' addresses (both
+  made once per binding, neither holding the caller's tensors), so a step's sends may go out, and its receives be
   posted, before earlier steps finished, as long as no data they touch is still
   in use: a segment reduced in step s is forwarded at once while later segments
   are still arriving. Sends and receives keep schedule order, so messages
@@ -56,72 +57,15 @@ def _key(bufs: Sequence[torch.Tensor | None]) -> Any:
 
 
 class _Program:
-    """What every program shares: the plan, its scratch, the views of the regions
-    its local work touches, and the bindings."""
+    """What every program shares: the plan, its scratch and the bindings."""
 
     def __init__(self, plan: Plan, scratch: Sequence[torch.Tensor]):
         self.plan = plan
         self.scratch = list(scratch)  # held: persistent requests point into it
         self._bindings: collections.OrderedDict = collections.OrderedDict()
-        nbuf = plan.nbuffers
-        # local work's regions: scratch ones are sliced once, caller ones when the
-        # caller's tensors change (see _local_views)
+        # the regions local work touches, numbered in the order of the steps' lists
         used = sorted({v for _, _, local in plan.steps for _, d, s in local for v in (d, s)})
         self._lpos = {v: i for i, v in enumerate(used)}
-        self._recipe = []
-        for v in used:
-            buf, a, e, whole = plan.regions[v]
-            if buf >= nbuf:
-                t = self.scratch[buf - nbuf]
-                self._recipe.append((2, t if whole else t[a:e], a, e))
-            else:
-                self._recipe.append((0 if whole else 1, buf, a, e))
-        self._static = all(k == 2 for k, *_ in self._recipe)
-        self._fixed = [x[1] for x in self._recipe] if self._static else None
-        # the common small case: caller buffers whole (no slicing) next to scratch
-        self._whole = (None if self._static or any(k == 1 for k, *_ in self._recipe) else
-                       ([x[1] if x[0] == 2 else None for x in self._recipe],
-                        [(i, x[1]) for i, x in enumerate(self._recipe) if x[0] == 0]))
-        # otherwise caller buffers are sliced: the last call's slices are kept while the
-        # caller's tensors, or the tensors they are views of, live (weak references to
-        # them: a slice held after they are gone would keep their memory), so DDP's
-        # buckets, FSDP's flat parameters and any tensor passed again are sliced once
-        self._callers = sorted({x for k, x, _, _ in self._recipe if k != 2})
-        self._sliced: tuple | None = None
-        me = weakref.ref(self)
-
-        def forget(ref: weakref.ref) -> None:
-            program = me()
-            last = program._sliced if program is not None else None
-            if last is not None and any(r is ref for r, _ in last[0]):
-                program._sliced = None
-
-        self._forget = forget
-
-    def _local_views(self, bufs: Sequence) -> list:
-        if self._static:
-            return self._fixed  # type: ignore[return-value]
-        if self._whole is not None:
-            out, callers = self._whole
-            out = out.copy()
-            for i, b in callers:
-                out[i] = bufs[b]
-            return out
-        last = self._sliced
-        if last is not None:
-            for (ref, ptr), b in zip(last[0], self._callers):
-                t = bufs[b]
-                if ref() is not _owner(t) or t.data_ptr() != ptr:
-                    break
-            else:
-                return last[1]
-        # views of detached tensors, whole buffers too: a view keeps its base tensor
-        # alive, and a kept caller tensor would never die
-        out = [x if kind == 2 else bufs[x].detach()[a:e] for kind, x, a, e in self._recipe]
-        forget = self._forget
-        self._sliced = ([(weakref.ref(_owner(bufs[b]), forget), bufs[b].data_ptr())
-                         for b in self._callers], out)
-        return out
 
     def _views(self, bufs: Sequence) -> list:
         """A view of every region (to bind messages)."""
@@ -169,8 +113,7 @@ class P2PProgram(_Program):
     def __init__(self, plan: Plan, tp, scratch: Sequence[torch.Tensor], op, epoch: int = 0):
         super().__init__(plan, scratch)
         self.tp = tp
-        # the local work between messages stays on this thread (ringcomm.ops)
-        self._reduce = ops.serial_reducer(op) if op is not None else None
+        self.op = op
         self._base = epoch * TAG_SPAN
 
     def _bind(self, bufs: Sequence) -> tuple:
@@ -190,7 +133,7 @@ class P2PProgram(_Program):
         rreq = [tp.recv_init(views[v], peer, tag("r", peer)) for peer, v in plan.recv_list]
         batch, rw = tp.batch, plan.recv_waits
         steps, ns, nr = [], 0, 0
-        lpos, reduce_, copy_ = self._lpos, self._reduce, ops.serial_copy
+        work_of = self._local_work(bufs)
         for i, (send_upto, recv_upto, mine, send_waits, local) in enumerate(plan.p2p_steps):
             actions: list = []
             # receives that wait for no send go first: posted before the matching send
@@ -215,13 +158,35 @@ class P2PProgram(_Program):
             waits = [rreq[j] for j in mine] + [sreq[k] for k in send_waits]
             if waits:
                 actions.append((True, batch(waits)))
-            work = [(reduce_ if is_reduce else copy_, lpos[d], lpos[s])
-                    for is_reduce, d, s in local]
-            steps.append((actions, work))
+            steps.append((actions, [work_of(*w) for w in local]))
         tail = [sreq[k] for k in plan.tail_sends]
         if tail:
             steps.append(([(True, batch(tail))], []))
         return steps, sreq + rreq
+
+    def _local_work(self, bufs: Sequence):
+        """``work_of(is_reduce, dst, src)``: one local step bound to the memory of
+        this binding's regions (numbers of ``plan.regions``), as ``(fn, dst, src)``
+        for ``fn(dst, src)``: operands over raw addresses (:func:`ringcomm.ops.memory`),
+        made once, holding no reference to the caller's tensors."""
+        full = [*bufs, *self.scratch]
+        reducers: dict = {}
+
+        def mem(v: int) -> tuple:
+            buf, a, e, _ = self.plan.regions[v]
+            t = full[buf]
+            size = t.element_size()
+            return ops.memory(t.data_ptr() + a * size, (e - a) * size), t.dtype
+
+        def work_of(is_reduce: bool, d: int, s: int) -> tuple:
+            (dm, dtype), (sm, _) = mem(d), mem(s)
+            if not is_reduce:
+                return ops.serial_copy, dm, sm
+            fn = reducers.get(dtype)
+            if fn is None:
+                fn = reducers[dtype] = ops.serial_reducer(self.op, dtype)
+            return fn, ops.operand(dm, dtype), ops.operand(sm, dtype)
+        return work_of
 
     def _release(self, bd: tuple) -> None:
         self.tp.free(bd[1])
@@ -237,16 +202,9 @@ class P2PProgram(_Program):
         bd = self._bindings.get(key)
         if bd is None:
             key, bd = self._binding(bufs)
-        whole = self._whole
-        if whole is not None:  # _local_views, written out for the common small case
-            lv = whole[0].copy()
-            for i, b in whole[1]:
-                lv[i] = bufs[b]
-        else:
-            lv = self._local_views(bufs)
-        tp = self.tp
         if trace.active():
-            return self._run_traced(key, bd, bufs, lv)
+            return self._run_traced(key, bd, bufs)
+        tp = self.tp
         start, wait = tp.start, tp.wait
         try:
             for actions, work in bd[0]:
@@ -256,12 +214,12 @@ class P2PProgram(_Program):
                     else:
                         start(b)
                 for fn, d, s in work:
-                    fn(lv[d], lv[s])
+                    fn(d, s)
         except BaseException:
             self._drop(key, bd, bufs)
             raise
 
-    def _run_traced(self, key: Any, bd: tuple, bufs: Sequence, lv: list) -> None:
+    def _run_traced(self, key: Any, bd: tuple, bufs: Sequence) -> None:
         """:meth:`run`, each step recorded in the trace."""
         plan, tp = self.plan, self.tp
         trace.annotate(peers=plan.peers, steps=len(plan.steps))
@@ -271,7 +229,7 @@ class P2PProgram(_Program):
                 for is_wait, b in actions:
                     (tp.wait if is_wait else tp.start)(b)
                 for fn, d, s in work:
-                    fn(lv[d], lv[s])
+                    fn(d, s)
                 if k < len(plan.steps):
                     t0, k = plan.trace_step(k, t0), k + 1
         except BaseException:
@@ -307,6 +265,39 @@ class GroupProgram(_Program):
 
     def __init__(self, plan: Plan, comm: GroupComm, scratch: Sequence[torch.Tensor], op):
         super().__init__(plan, scratch)
+        nbuf = plan.nbuffers
+        # local work's regions: scratch ones are sliced once, caller ones when the
+        # caller's tensors change (see _local_views)
+        self._recipe = []
+        for v in self._lpos:
+            buf, a, e, whole = plan.regions[v]
+            if buf >= nbuf:
+                t = self.scratch[buf - nbuf]
+                self._recipe.append((2, t if whole else t[a:e], a, e))
+            else:
+                self._recipe.append((0 if whole else 1, buf, a, e))
+        self._static = all(k == 2 for k, *_ in self._recipe)
+        self._fixed = [x[1] for x in self._recipe] if self._static else None
+        # the common small case: caller buffers whole (no slicing) next to scratch
+        self._whole = (None if self._static or any(k == 1 for k, *_ in self._recipe) else
+                       ([x[1] if x[0] == 2 else None for x in self._recipe],
+                        [(i, x[1]) for i, x in enumerate(self._recipe) if x[0] == 0]))
+        # otherwise caller buffers are sliced: the last call's slices are kept while the
+        # caller's tensors, or the tensors they are views of, live (weak references to
+        # them: a slice held after they are gone would keep their memory), so DDP's
+        # buckets, FSDP's flat parameters and any tensor passed again are sliced once
+        self._callers = sorted({x for k, x, _, _ in self._recipe if k != 2})
+        self._sliced: tuple | None = None
+        me = weakref.ref(self)
+
+        def forget(ref: weakref.ref) -> None:
+            program = me()
+            last = program._sliced if program is not None else None
+            if last is not None and any(r is ref for r, _ in last[0]):
+                program._sliced = None
+
+        self._forget = forget
+
         self.comm = comm
         self.op = op
         self._labels = [f"step {i}" for i in range(len(plan.steps))]
@@ -317,6 +308,31 @@ class GroupProgram(_Program):
             self._local = (reduce_, torch.Tensor.copy_)
         else:
             self._local = (lambda d, s: comm.local_reduce(d, s, op), comm.local_copy)
+
+    def _local_views(self, bufs: Sequence) -> list:
+        if self._static:
+            return self._fixed  # type: ignore[return-value]
+        if self._whole is not None:
+            out, callers = self._whole
+            out = out.copy()
+            for i, b in callers:
+                out[i] = bufs[b]
+            return out
+        last = self._sliced
+        if last is not None:
+            for (ref, ptr), b in zip(last[0], self._callers):
+                t = bufs[b]
+                if ref() is not _owner(t) or t.data_ptr() != ptr:
+                    break
+            else:
+                return last[1]
+        # views of detached tensors, whole buffers too: a view keeps its base tensor
+        # alive, and a kept caller tensor would never die
+        out = [x if kind == 2 else bufs[x].detach()[a:e] for kind, x, a, e in self._recipe]
+        forget = self._forget
+        self._sliced = ([(weakref.ref(_owner(bufs[b]), forget), bufs[b].data_ptr())
+                         for b in self._callers], out)
+        return out
 
     def _bind(self, bufs: Sequence) -> list:
         comm, views, lpos = self.comm, self._views(bufs), self._lpos
