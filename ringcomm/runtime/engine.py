@@ -101,7 +101,8 @@ class Engine:
             async_op: False lets the call run on the caller's thread when the lane is idle.
             timeout_s: deadline for the collective, counted from when it starts.
         """
-        if _current() is self._thread:
+        thread = self._thread  # None until the first asynchronous call
+        if thread is not None and _current() is thread:
             # a future callback of this lane issues a collective: it runs now (see the
             # module docstring), so a wait for it inside the callback returns
             with self._cv:  # the watcher must not hand the lane on meanwhile
