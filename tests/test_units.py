@@ -3,6 +3,7 @@ file, options, registration and launcher detection."""
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from datetime import timedelta
 
@@ -285,3 +286,36 @@ def test_fresh_store_names_the_ranks_that_never_came():
     # rank 1 alone, with rank 0's token left from the call above but no rank 0
     with pytest.raises(dist.DistBackendError, match="rank 0 did not answer rank 1 within 0.3 s"):
         bootstrap.fresh_store(store, 1, 2, timedelta(seconds=0.3))
+
+
+def test_mpi_wait_loop_tests_in_order_and_honours_deadline_and_stop():
+    # transport.mpi.complete: each request is tested with its own status until it is
+    # done, then never again; the loop ends at the deadline, or when stop() says so
+    from ringcomm.transport import mpi
+
+    class Req:
+        def __init__(self, polls, log):
+            self.polls, self.log = polls, log
+
+        def Test(self, status):
+            assert self.polls >= 0, "a completed request was tested again"
+            self.log.append((self, status))
+            self.polls -= 1
+            return self.polls < 0
+
+    log: list = []
+    reqs = [Req(k, log) for k in (0, 40, 3, 100)]
+    statuses = ["s0", "s1", None, "s3"]
+    assert mpi.complete(reqs, statuses, float("inf"), 0.01, 1e-3)
+    assert [r for r, _ in log] == [reqs[0]] + [reqs[1]] * 41 + [reqs[2]] * 4 + [reqs[3]] * 101
+    assert all(st == statuses[reqs.index(r)] for r, st in log)
+    log.clear()
+    assert mpi.complete([Req(5, log)], [None], float("inf"), 0.01, 1e-3, done=1) is True
+    assert not log, "a request known complete was tested"
+    never = [Req(10 ** 9, log)]
+    t0 = time.monotonic()
+    assert not mpi.complete(never, [None], t0 + 0.05, 0.01, 1e-3)
+    assert 0.05 <= time.monotonic() - t0 < 1.0
+    calls = []
+    assert not mpi.complete(never, [None], float("inf"), 0.01, 1e-3,
+                            stop=lambda: calls.append(1) or len(calls) > 3)
