@@ -15,8 +15,6 @@ link, such ops made each exchange take several times the link's time).
 """
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -157,7 +155,18 @@ def memory(ptr: int, nbytes: int) -> np.ndarray:
     tensor at that address is passed again and never keeping a caller's tensor alive."""
     if nbytes <= 0:
         return np.empty(0, dtype=np.uint8)
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+    return np.asarray(_Address(ptr, nbytes))
+
+
+class _Address:
+    """Memory by address, for numpy (its array interface); unlike a ctypes array of
+    each size, it leaves no type behind per size."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__array_interface__ = {"data": (ptr, False), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
 
 
 def operand(mem: np.ndarray, dtype: torch.dtype) -> np.ndarray | torch.Tensor:
