@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import ringcomm
+from ringcomm import ops
 from ringcomm.bench import model
 from ringcomm.bench.check import check
 from ringcomm.bench.columns import TORCH_PG_METHOD, Column, buffers, static_unsupported, torch_dtype
@@ -237,27 +238,28 @@ class Bench:
 
     # -- the local reduction, for the cost model ------------------------------
     def gamma_for(self, dtype_name: str, op: str) -> float:
-        """Seconds per byte of a local reduction (``dst op= src``), measured here."""
+        """Seconds per byte of a local reduction (``dst op= src``), measured here: the
+        one a CPU schedule's steps run (:func:`ringcomm.ops.serial_reducer`, on operands
+        over the tensors' memory, as the point-to-point executor binds them)."""
         key = f"{dtype_name}/{op}"
         if key in self.gamma:
             return self.gamma[key]
         dtype = torch_dtype(dtype_name)
         esize = ELEMENT_SIZE[dtype_name]
-        f = {"sum": lambda d, s: d.add_(s), "avg": lambda d, s: d.add_(s),
-             "prod": lambda d, s: d.mul_(s),
-             "min": lambda d, s: torch.minimum(d, s, out=d),
-             "max": lambda d, s: torch.maximum(d, s, out=d)}[op]
+        reduce_ = ops.serial_reducer({"sum": ops.SUM, "avg": ops.AVG, "prod": ops.PRODUCT,
+                                      "min": ops.MIN, "max": ops.MAX}[op], dtype)
         samples = []
         top = max(64 << 10, min(self.args.maxbytes, 16 << 20))
         for nbytes in sorted({64 << 10, 1 << 20, top}):
             n = max(1, nbytes // esize)
             d, s = torch.ones(n, dtype=dtype), torch.ones(n, dtype=dtype)
-            f(d, s)
+            dv, sv = (ops.operand(ops.memory(t.data_ptr(), t.nbytes), dtype) for t in (d, s))
+            reduce_(dv, sv)
             reps = max(3, min(200, (32 << 20) // nbytes))
             ts = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                f(d, s)
+                reduce_(dv, sv)
                 ts.append(time.perf_counter() - t0)
             samples.append((self.s.p, n * esize, float(np.median(ts))))
         g = model.fit("local", None, samples, segment_bytes=1).beta
