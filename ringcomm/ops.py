@@ -183,7 +183,9 @@ def serial_reducer(op: RedOpType, dtype: torch.dtype):
     calling thread at every size (see the module docstring): numpy's ufunc for the
     dtypes numpy reduces as torch does (a 4 KiB add costs half torch's; floating-point
     warnings off), else torch's op, on slices below :data:`PARALLEL_FROM` where torch
-    would spread it over its threads."""
+    would spread it over its threads. Results are torch's bit for bit, but for MIN and
+    MAX with a NaN operand: numpy writes the canonical NaN where torch writes its own
+    (a NaN either way, the same on every rank)."""
     if dtype in _NUMPY_DTYPES:
         ufunc = _NUMPY_UFUNC[op.value]
         if dtype.is_floating_point:

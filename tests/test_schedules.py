@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from ringcomm.schedules.plan import Plan
 from ringcomm.schedules.simulator import SimFabric
 from ringcomm.schedule import Context
 from ringcomm.testing import run_ranks, run_schedule
+from ringcomm.testing.local import LocalFabric, LocalTransport
 
 # the built-in schedules; the algorithm library (registered like a user's) has
 # tests/test_library.py
@@ -252,27 +254,57 @@ def _ring_allreduce_runs(make_program, run):
     return programs, again
 
 
+class _ByAddress(LocalTransport):
+    """The in-process transport holding each message's memory by address, as MPI's
+    persistent requests do: no reference to the caller's tensor."""
+
+    @staticmethod
+    def _raw(t):
+        return (torch.frombuffer(ops.memory(t.data_ptr(), t.nbytes), dtype=torch.uint8)
+                if t.nbytes else torch.empty(0, dtype=torch.uint8))
+
+    def send_init(self, buf, peer, tag):
+        return super().send_init(self._raw(buf), peer, tag)
+
+    def recv_init(self, buf, peer, tag):
+        return super().recv_init(self._raw(buf), peer, tag)
+
+
 def test_p2p_local_work_follows_the_callers_memory():
-    # a binding's local work runs on arrays over the addresses of its regions: right
-    # whatever tensor sits at those addresses, and never keeping a caller's tensor alive
+    # a binding's local work runs on arrays over the addresses of its regions: bound
+    # once per address and reused, right whatever tensor sits at those addresses, and
+    # never keeping a caller's tensor alive
+    fabric = LocalFabric(3)
+    transports = [_ByAddress(fabric, r) for r in range(3)]
+    bound = []
+
     def run(programs, bufs):
-        def body(tp):
-            pr = programs[tp.rank]
-            pr.tp = tp
-            pr._bindings.clear()  # each run_ranks has new transports
-            pr.run([bufs[tp.rank]])
-        run_ranks(3, body)
+        def body(r):
+            tp = transports[r]
+            tp.begin(10.0)
+            try:
+                programs[r].run([bufs[r]])
+            finally:
+                tp.end()
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        bound.append({k: id(v) for k, v in programs[0]._bindings.items()})
 
-    def make(pl):
-        return P2PProgram(pl, None, [torch.empty(k) for k in pl.scratch], ops.SUM)
-
-    programs, again = _ring_allreduce_runs(make, run)
-    for r, pr in enumerate(programs):
-        operands = [x for _, work in pr._bindings[again[r].data_ptr()][0]
-                    for _, dst, src in work for x in (dst, src)]
-        assert operands, "the ring's local work should have operands"
-        assert all(isinstance(x, np.ndarray) and not isinstance(x.base, torch.Tensor)
-                   for x in operands)
+    plans_made = iter(range(3))
+    programs, again = _ring_allreduce_runs(
+        lambda pl: P2PProgram(pl, transports[next(plans_made)],
+                              [torch.empty(k) for k in pl.scratch], ops.SUM), run)
+    assert bound[1] == bound[0], "the same tensors again were bound again"
+    assert len(bound[2]) == 2, "tensors moved to new memory did not get a binding of their own"
+    watched = weakref.ref(again[0])
+    key = again[0].data_ptr()
+    assert key in programs[0]._bindings
+    del again
+    assert watched() is None, "a binding kept the caller's tensor alive"
+    assert key in programs[0]._bindings
     # float16 reduces with torch's op, on tensors over the same memory
     plans = [Plan(REGISTRY["allreduce"]["ring"](Context("allreduce", 3, r, (30,))))
              for r in range(3)]
@@ -281,6 +313,25 @@ def test_p2p_local_work_follows_the_callers_memory():
         torch.empty(k, dtype=torch.float16) for k in plans[tp.rank].scratch], ops.SUM).run(
             [bufs[tp.rank]]))
     assert all(torch.equal(b, torch.full((30,), 6.0, dtype=torch.float16)) for b in bufs)
+
+
+def test_p2p_local_work_outside_its_buffer_is_refused():
+    # raw memory has no bounds: a malformed (unchecked) schedule's region past its
+    # buffer is refused when the binding is made, and nothing is written
+    from ringcomm.schedule import Builder, Copy, Region
+
+    def build(ctx):
+        b = Builder(ctx)
+        tmp = b.scratch(4)
+        b.step(local=[Copy(Region(tmp, 2, 4), Region(0, 0, 4))])
+        return b.build()
+
+    plan = Plan(build(Context("allreduce", 1, 0, (4,))))
+    backing = torch.zeros(16)
+    program = P2PProgram(plan, None, [backing[:4]], ops.SUM)
+    with pytest.raises(RuntimeError, match="ValueError: .*malformed schedule"):
+        run_ranks(1, lambda tp: setattr(program, "tp", tp) or program.run([torch.arange(4.0)]))
+    assert torch.equal(backing, torch.zeros(16))
 
 
 def test_group_program_keeps_slices_while_the_callers_tensors_live():

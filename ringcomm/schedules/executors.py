@@ -129,12 +129,13 @@ class P2PProgram(_Program):
             counts[kind, peer] = k + 1
             return (base + k % TAG_SPAN) % limit
 
+        work_of = self._local_work(bufs)  # first: it may refuse the binding
+        work = [[work_of(*w) for w in step[4]] for step in plan.p2p_steps]
         sreq = [tp.send_init(views[v], peer, tag("s", peer)) for peer, v in plan.send_list]
         rreq = [tp.recv_init(views[v], peer, tag("r", peer)) for peer, v in plan.recv_list]
         batch, rw = tp.batch, plan.recv_waits
         steps, ns, nr = [], 0, 0
-        work_of = self._local_work(bufs)
-        for i, (send_upto, recv_upto, mine, send_waits, local) in enumerate(plan.p2p_steps):
+        for i, (send_upto, recv_upto, mine, send_waits, _) in enumerate(plan.p2p_steps):
             actions: list = []
             # receives that wait for no send go first: posted before the matching send
             # arrives, a message skips MPI's unexpected queue
@@ -158,7 +159,7 @@ class P2PProgram(_Program):
             waits = [rreq[j] for j in mine] + [sreq[k] for k in send_waits]
             if waits:
                 actions.append((True, batch(waits)))
-            steps.append((actions, [work_of(*w) for w in local]))
+            steps.append((actions, work[i]))
         tail = [sreq[k] for k in plan.tail_sends]
         if tail:
             steps.append(([(True, batch(tail))], []))
@@ -173,13 +174,25 @@ class P2PProgram(_Program):
         reducers: dict = {}
 
         def mem(v: int) -> tuple:
+            # checked here, once per binding: raw memory has no bounds of its own, and
+            # an unchecked schedule's region past its buffer would write past it
             buf, a, e, _ = self.plan.regions[v]
             t = full[buf]
+            if t is None or not 0 <= a <= e <= t.numel():
+                raise ValueError(f"ringcomm: local work on elements [{a}, {e}) of buffer "
+                                 f"{buf}, which has "
+                                 f"{'none' if t is None else t.numel()}: a malformed schedule")
             size = t.element_size()
+            if e > a and not t.data_ptr():
+                raise ValueError(f"ringcomm: buffer {buf} has {t.numel()} elements but no "
+                                 "memory (its storage was freed or resized to 0)")
             return ops.memory(t.data_ptr() + a * size, (e - a) * size), t.dtype
 
         def work_of(is_reduce: bool, d: int, s: int) -> tuple:
-            (dm, dtype), (sm, _) = mem(d), mem(s)
+            (dm, dtype), (sm, sdtype) = mem(d), mem(s)
+            if dm.size != sm.size or dtype != sdtype:
+                raise ValueError(f"ringcomm: local work between regions of {dm.size} and "
+                                 f"{sm.size} bytes ({dtype}, {sdtype}): a malformed schedule")
             if not is_reduce:
                 return ops.serial_copy, dm, sm
             fn = reducers.get(dtype)
