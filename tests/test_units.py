@@ -319,3 +319,25 @@ def test_mpi_wait_loop_tests_in_order_and_honours_deadline_and_stop():
     calls = []
     assert not mpi.complete(never, [None], float("inf"), 0.01, 1e-3,
                             stop=lambda: calls.append(1) or len(calls) > 3)
+
+
+def test_finished_works_with_small_results_are_kept_and_large_ones_not():
+    # runtime.work.keep_if_small: what torch's C++ side may still read (counts, flags)
+    # stays alive a while; a view keeps its whole storage, so the storage is measured
+    from ringcomm.runtime import work
+
+    class W:
+        pass
+
+    def kept(value) -> bool:
+        w = W()
+        work.keep_if_small(w, value)
+        return any(x is w for x in work._retained)
+
+    small, big = torch.ones(16), torch.ones(work.RETAIN_BYTES // 4 + 1)
+    assert kept([small]) and kept(small) and kept([small, torch.ones(3)]) and kept([])
+    assert not kept([big]) and not kept(big)
+    assert not kept([big[:2]]), "a small view of a large storage was kept"
+    assert not kept([torch.nn.Parameter(big[:2])])
+    assert not kept([small, big]) and not kept(["not a tensor"])
+    assert kept([torch.nn.Parameter(torch.ones(2))])

@@ -43,6 +43,11 @@ def keep_if_small(work: "BaseWork", value: Any) -> None:
     """Keep ``work`` among the :data:`RETAINED` last ones if its result ``value`` (tensors,
     or a list of them) fits in :data:`RETAIN_BYTES` of storage (a view keeps all of
     its storage alive). The caller has dropped what would keep its group alive."""
+    if type(value) is list and len(value) == 1 and type(value[0]) is torch.Tensor:
+        t = value[0]  # the common case (one tensor, as allreduce returns it), in short
+        if t.nbytes <= RETAIN_BYTES and t.untyped_storage().nbytes() <= RETAIN_BYTES:
+            _retained.append(work)
+        return
     ts = value if isinstance(value, (list, tuple)) else [value]
     total = 0
     for t in ts:
