@@ -8,7 +8,6 @@ import gc
 import threading
 import weakref
 
-import numpy as np
 import pytest
 import torch
 
@@ -279,18 +278,7 @@ def test_p2p_local_work_follows_the_callers_memory():
     bound = []
 
     def run(programs, bufs):
-        def body(r):
-            tp = transports[r]
-            tp.begin(10.0)
-            try:
-                programs[r].run([bufs[r]])
-            finally:
-                tp.end()
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
+        run_ranks(3, lambda tp: programs[tp.rank].run([bufs[tp.rank]]), 10.0, transports)
         bound.append({k: id(v) for k, v in programs[0]._bindings.items()})
 
     plans_made = iter(range(3))
@@ -332,6 +320,11 @@ def test_p2p_local_work_outside_its_buffer_is_refused():
     with pytest.raises(RuntimeError, match="ValueError: .*malformed schedule"):
         run_ranks(1, lambda tp: setattr(program, "tp", tp) or program.run([torch.arange(4.0)]))
     assert torch.equal(backing, torch.zeros(16))
+    # and memory that is not the CPU's is never taken by address
+    fine = Plan(REGISTRY["allreduce"]["ring"](Context("allreduce", 2, 0, (4,))))
+    with pytest.raises(RuntimeError, match="ValueError: .*CPU memory; buffer 0 is on meta"):
+        run_ranks(1, lambda tp: P2PProgram(fine, tp, [torch.empty(k) for k in fine.scratch],
+                                           ops.SUM).run([torch.empty(4, device="meta")]))
 
 
 def test_group_program_keeps_slices_while_the_callers_tensors_live():

@@ -10,8 +10,8 @@ local work. Three kinds:
 * :class:`P2PProgram`, over a :class:`ringcomm.transport.Transport` (MPI for
   CPU tensors, in-process threads for tests). Messages are persistent requests
   and the local work's operands are arrays over the regions' addresses (both
-  made once per binding, neither holding the caller's tensors), so a step's sends may go out, and its receives be
-  posted, before earlier steps finished, as long as no data they touch is still
+  made once per binding, neither holding the caller's tensors), so a step's
+  sends may go out, and its receives be posted, before earlier steps finished, as long as no data they touch is still
   in use: a segment reduced in step s is forwarded at once while later segments
   are still arriving. Sends and receives keep schedule order, so messages
   between a pair still match step by step.
@@ -63,9 +63,6 @@ class _Program:
         self.plan = plan
         self.scratch = list(scratch)  # held: persistent requests point into it
         self._bindings: collections.OrderedDict = collections.OrderedDict()
-        # the regions local work touches, numbered in the order of the steps' lists
-        used = sorted({v for _, _, local in plan.steps for _, d, s in local for v in (d, s)})
-        self._lpos = {v: i for i, v in enumerate(used)}
 
     def _views(self, bufs: Sequence) -> list:
         """A view of every region (to bind messages)."""
@@ -178,6 +175,9 @@ class P2PProgram(_Program):
             # an unchecked schedule's region past its buffer would write past it
             buf, a, e, _ = self.plan.regions[v]
             t = full[buf]
+            if t is not None and t.device.type != "cpu":
+                raise ValueError(f"ringcomm: the point-to-point executor works on CPU "
+                                 f"memory; buffer {buf} is on {t.device}")
             if t is None or not 0 <= a <= e <= t.numel():
                 raise ValueError(f"ringcomm: local work on elements [{a}, {e}) of buffer "
                                  f"{buf}, which has "
@@ -279,8 +279,11 @@ class GroupProgram(_Program):
     def __init__(self, plan: Plan, comm: GroupComm, scratch: Sequence[torch.Tensor], op):
         super().__init__(plan, scratch)
         nbuf = plan.nbuffers
-        # local work's regions: scratch ones are sliced once, caller ones when the
-        # caller's tensors change (see _local_views)
+        # the regions local work touches, numbered in the order of the steps' lists;
+        # scratch ones are sliced once, caller ones when the caller's tensors change
+        # (see _local_views)
+        used = sorted({v for _, _, local in plan.steps for _, d, s in local for v in (d, s)})
+        self._lpos = {v: i for i, v in enumerate(used)}
         self._recipe = []
         for v in self._lpos:
             buf, a, e, whole = plan.regions[v]

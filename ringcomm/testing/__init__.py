@@ -35,18 +35,23 @@ from ringcomm.transport.base import Transport
 EXECUTORS = ("threads", "nccl-sim")
 
 
-def run_ranks(size: int, fn: Callable[[Transport], Any], timeout_s: float = 30.0) -> list[Any]:
+def run_ranks(size: int, fn: Callable[[Transport], Any], timeout_s: float = 30.0,
+              transports: Sequence[Transport] | None = None) -> list[Any]:
     """Call ``fn(transport)`` on ``size`` threads, one per rank; return their results
-    in rank order.
+    in rank order. The transports are a new :class:`LocalFabric`'s, or ``transports``
+    (one per rank, kept by the caller from run to run, as programs bound to them
+    need).
 
     Raises:
         RuntimeError: some rank raised (the first error is chained) or did not finish
             within ``timeout_s``.
     """
-    fabric = LocalFabric(size)
+    if transports is None:
+        fabric = LocalFabric(size)
+        transports = [fabric.transport(r) for r in range(size)]
 
     def body(rank: int) -> Any:
-        tp = fabric.transport(rank)
+        tp = transports[rank]
         tp.begin(timeout_s)
         try:
             return fn(tp)

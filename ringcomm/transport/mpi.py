@@ -75,7 +75,7 @@ def complete(reqs: list, statuses: list, deadline: float, spin_s: float,
     n, i = len(reqs), done
     if i == n:
         return True
-    pace = busy_until = None
+    pace = None
     # the request waited on is tested with its bound method and status: every poll
     # lets MPI's progress copy the next cell of a large message, so the time between
     # polls adds up (a 256 KiB exchange took 2 us longer with a test that indexed)
@@ -95,12 +95,8 @@ def complete(reqs: list, statuses: list, deadline: float, spin_s: float,
         now = _monotonic()
         if now >= deadline or (stop is not None and stop()):
             return False
-        if busy_until is None:
-            busy_until = now + _BUSY_S
-        if now < busy_until:  # the peer is likely on another core: poll again at once
-            continue
-        if pace is None:  # made only once the busy spin is over
-            pace = Backoff(_BUSY_S, spin_s, max_sleep_s, start=busy_until - _BUSY_S)
+        if pace is None:  # made only once the first tests found work left
+            pace = Backoff(_BUSY_S, spin_s, max_sleep_s, start=now)
         pace.pause(now)
 
 
