@@ -2,22 +2,36 @@
 #   make demo   - the allreduce demo under mpiexec -n 4
 #   make test   - the test suite
 # Both create .venv on first use. TORCH_SPEC picks the torch to put in first:
-# the CPU build by default; GPU users pass e.g. TORCH_SPEC=torch (or leave
-# their CUDA torch in place with TORCH_SPEC=).
+# the CPU build of 2.13 by default; GPU users pass e.g. TORCH_SPEC=torch (or
+# leave their CUDA torch in place with TORCH_SPEC=). Any other torch gets an
+# environment of its own, .venv-<spec> (`make test TORCH_SPEC=torch==2.15.0`).
 PYTHON ?= python3
-VENV ?= .venv
-TORCH_SPEC ?= torch==2.13.0
+DEFAULT_TORCH := torch==2.13.0
+TORCH_SPEC ?= $(DEFAULT_TORCH)
+OTHER_TORCH := $(filter-out $(DEFAULT_TORCH),$(TORCH_SPEC))
+VENV ?= $(if $(OTHER_TORCH),.venv-$(subst <,lt,$(subst >,gt,$(subst =,-,$(subst ==,-,$(TORCH_SPEC))))),.venv)
 PY := $(VENV)/bin/python
 NP ?= 4
+# The frameworks' recipes need the newest torch they were written for; another
+# torch's environment gets the test and plot extras.
+EXTRAS ?= $(if $(OTHER_TORCH),test$(comma)plot,test$(comma)plot$(comma)frameworks)
+comma := ,
+# A machine-wide pip constraint that caps torch would take another torch back
+# down: that environment installs without the machine's pip configuration. Every
+# environment pins the torch its first step put in, so no extra swaps it.
+PIP_ENV := $(if $(OTHER_TORCH),PIP_CONFIG_FILE=/dev/null)
+# the newest and the oldest torch ringcomm supports (make test-compat)
+COMPAT_TORCH ?= torch==2.15.0 torch==2.7.1
 
-.PHONY: install demo test test-cluster test-parallel test-bench test-frameworks check-nccl-api conformance bench clean
+.PHONY: install demo test test-compat test-compat-one test-cluster test-parallel test-bench test-frameworks check-nccl-api conformance bench clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install -e ".[test,plot,frameworks]"
+	if [ -n "$(TORCH_SPEC)" ]; then $(PIP_ENV) $(PY) -m pip install "$(TORCH_SPEC)"; fi
+	$(PY) -m pip freeze | grep -i '^torch==' > $(VENV)/torch-pin.txt || true
+	$(PIP_ENV) $(PY) -m pip install -c $(VENV)/torch-pin.txt -e ".[$(EXTRAS)]"
 	touch $@
 
 demo: install
@@ -32,6 +46,16 @@ endef
 
 test: install
 	$(call pytest,-m "not cluster and not frameworks and not parallel and not bench")
+
+# torch's backend contract, the collectives, DDP, batch p2p and the init idioms
+# on the newest and the oldest supported torch (COMPAT_TORCH), each in its own
+# environment (about 3 GB each: PyPI's torch for x86_64 is a CUDA build, which
+# runs on the CPU)
+test-compat:
+	for spec in $(COMPAT_TORCH); do $(MAKE) test-compat-one TORCH_SPEC=$$spec || exit 1; done
+
+test-compat-one: install
+	$(call pytest,-m compat)
 
 # jobs across network-namespace hosts and on a local Slurm cluster (about two
 # minutes; root, iproute2 and Debian's slurm-wlm, else they skip saying why)

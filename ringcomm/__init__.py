@@ -9,15 +9,23 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+from datetime import timedelta
 import logging
-import weakref
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
+
+#: the oldest torch ringcomm is tested on (``make test-compat``; docs/integrations.md)
+OLDEST_TORCH = "2.7"
+if torch.__version__ < OLDEST_TORCH:  # torch.__version__ compares as a version
+    raise ImportError(f"ringcomm needs torch >= {OLDEST_TORCH}; this is torch {torch.__version__}")
+
+import torch.distributed as dist  # noqa: E402
 
 from ringcomm import schedule, settings, trace
-from ringcomm.algorithms import REGISTRY, expand_choices, register_algorithm, unregister_algorithm
+from ringcomm.algorithms import REGISTRY, register_algorithm, unregister_algorithm
+from ringcomm.front.create import GROUPS
+from ringcomm.front.create import register as register_backend
 from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.launch import bootstrap, slurm
 from ringcomm.schedules import checker
@@ -25,7 +33,7 @@ from ringcomm.settings import Options
 
 __version__ = "0.1.0"
 __all__ = ["Options", "ProcessGroupRingcomm", "register_algorithm", "unregister_algorithm",
-           "register_msccl", "set_algorithm", "algorithm", "get_group", "REGISTRY", "checker", "schedule",
+           "register_backend", "register_msccl", "set_algorithm", "algorithm", "set_timeout", "get_group", "REGISTRY", "checker", "schedule",
            "__version__"]
 
 log = logging.getLogger("ringcomm")
@@ -37,52 +45,9 @@ if _level in ("INFO", "DETAIL"):
         _h.setFormatter(logging.Formatter("[%(name)s %(levelname)s] %(message)s"))
         log.addHandler(_h)
 
-_groups: "weakref.WeakSet[ProcessGroupRingcomm]" = weakref.WeakSet()
-
-
-def _create(dist_opts, pg_options) -> ProcessGroupRingcomm:
-    """Backend creator torch calls (extended API) for each ringcomm group."""
-    if pg_options is not None and not isinstance(pg_options, Options):
-        raise TypeError(f"ringcomm: pg_options must be ringcomm.Options, got "
-                        f"{type(pg_options).__name__}")
-    options = (pg_options or Options()).resolve()
-    # names checked before any connection is made
-    options.algorithms = expand_choices(options.algorithms)
-    transports, cpu_error, hosts = None, None, ()
-    store = bootstrap.fresh_store(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                                  dist_opts.timeout)
-    # before MPI starts (importing the MPI transport starts it): its network path
-    bootstrap.prepare_network(store, dist_opts.group_rank, dist_opts.group_size,
-                              dist_opts.timeout)
-    try:
-        from ringcomm.transport.mpi import MPITransport
-    except (ImportError, RuntimeError, OSError) as e:
-        # A GPU-only machine may lack the MPI library: CUDA tensors still run over
-        # NCCL, CPU tensors get this reason.
-        if not torch.cuda.is_available():
-            raise
-        cpu_error = f"{type(e).__name__}: {e}"
-        log.warning("ringcomm: MPI is not available (%s); only CUDA tensors can be used",
-                    cpu_error)
-    else:
-        members = list(dist_opts.global_ranks_in_group)
-        comm = bootstrap.group_comm(store, dist_opts.group_rank, dist_opts.group_size,
-                                    members, dist_opts.timeout)
-        world_rank = members[dist_opts.group_rank] if members else dist_opts.group_rank
-        hosts = bootstrap.host_layout(comm, world_rank, options.local_size)
-        # one communicator per channel: messages of different channels never match
-        comms = [comm, *(comm.Dup() for _ in range(options.num_channels - 1))]
-        transports = [MPITransport(c) for c in comms]
-    pg = ProcessGroupRingcomm(dist_opts.group_rank, dist_opts.group_size, transports,
-                              dist_opts.timeout, options, str(dist_opts.group_id),
-                              store=store, cpu_error=cpu_error, hosts=hosts)
-    _groups.add(pg)
-    return pg
-
-
 def _shutdown_all() -> None:
     # Before mpi4py finalizes MPI: no progress thread may be inside MPI then.
-    for pg in list(_groups):
+    for pg in list(GROUPS):
         pg._stop_threads(wait_s=1.0)
 
 
@@ -109,6 +74,16 @@ def set_algorithm(collective: str, name: str, group=None) -> None:
     get_group(group).set_algorithm(collective, name)
 
 
+def set_timeout(timeout: timedelta, group=None) -> None:
+    """The time limit of every later collective of ``group`` (default: the world),
+    on any torch (``dist.set_timeout`` does the same from torch 2.15).
+
+    Raises:
+        ValueError: ``timeout`` is not a positive ``timedelta``, or not a ringcomm group.
+    """
+    get_group(group).set_timeout(timeout)
+
+
 @contextlib.contextmanager
 def algorithm(name: str, collective: str = "allreduce", group=None) -> Iterator[None]:
     """Context manager: ``with ringcomm.algorithm("ring"): dist.all_reduce(t)``."""
@@ -128,7 +103,7 @@ elif bootstrap.launched_by_mpi():
 elif slurm.launched_by_slurm():  # srun without an MPI plugin: read as torchrun's
     slurm.setup_env()
 
-dist.Backend.register_backend("ringcomm", _create, extended_api=True, devices=["cpu", "cuda"])
+register_backend()
 trace.start_from_environment()
 atexit.register(_shutdown_all)
 

@@ -227,11 +227,17 @@ def worker(args: argparse.Namespace) -> int:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("ringcomm")
+    # torch's GPU idiom: the group bound to this rank's device, its NCCL
+    # communicators made at once (eager_connect_single_device); every check below
+    # runs on the bound group
+    dist.init_process_group("ringcomm", device_id=device)
     nccl_group = dist.new_group(backend="nccl")
     world = dist.get_world_size()
     failures: list[str] = []
-    checks = 0
+    checks = 1
+    bound = dist.group.WORLD.bound_device_id
+    if bound != device:
+        failures.append(f"init_process_group(device_id={device}): bound_device_id is {bound}")
     t0 = time.monotonic()
     try:
         checks += check_collectives(ringcomm.get_group(), device)

@@ -40,6 +40,7 @@ RUNS = [
     ("failure_check.py", ["refused"], 3, {}),
     ("failure_check.py", ["mismatch"], 3, {"RINGCOMM_DEBUG": "DETAIL"}),
     ("failure_check.py", ["mismatch_op"], 3, {"RINGCOMM_DEBUG": "DETAIL"}),
+    ("failure_check.py", ["tags"], 3, {}),
     ("failure_check.py", ["abort"], 3, {}),
     ("world_check.py", ["env"], 2, {"WORLD_SIZE": "3"}),
     ("world_check.py", ["explicit"], 2, {}),

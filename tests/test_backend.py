@@ -8,19 +8,20 @@ import pytest
 from conftest import assert_checks, mpirun, torchrun
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5])  # 4 ranks: tests/test_properties.py, in-process
+@pytest.mark.parametrize("n", [1, 2, pytest.param(3, marks=pytest.mark.compat), 5])  # 4: test_properties
 def test_collectives_mpiexec(n):
     out = mpirun(n, "collectives_check.py", timeout=240).stdout
     assert_checks(out, f"collectives_check mpiexec n={n}", n)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("n", [2])  # 3 ranks: mpiexec above; torchrun on 3 hosts: test_multinode
 def test_collectives_torchrun(n):
     out = torchrun(n, "collectives_check.py", timeout=240).stdout
     assert_checks(out, f"collectives_check torchrun n={n}", n)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])  # 4 ranks: test_properties; 5: collectives_check
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.compat), 3])  # 4: test_properties; 5: collectives_check
 def test_more_collectives_mpiexec(n):
     extra = ["--compile"] if n == 2 else []  # torch.compile costs ~10 s a launch: once
     out = mpirun(n, "more_collectives_check.py", *extra, timeout=240).stdout
@@ -33,6 +34,7 @@ def test_more_collectives_torchrun(n):
     assert_checks(out, f"more_collectives_check torchrun n={n}", n)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("launch", [mpirun, torchrun], ids=["mpiexec", "torchrun"])
 def test_torch_ddp_matches_gloo(launch):
     out = launch(2, "torch_ddp_check.py", timeout=180).stdout
@@ -59,6 +61,10 @@ FAILURE_CASES = {
                                                {"RINGCOMM_DEBUG": "DETAIL"}),
     "an op mismatch is named in debug mode": ("failure_check.py mismatch_op", 3,
                                               {"RINGCOMM_DEBUG": "DETAIL"}),
+    "torch's DETAIL turns on the cross-rank checks": ("failure_check.py mismatch", 3,
+                                                     {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
+    "mismatches are named from the message tags without debug mode": (
+        "failure_check.py tags", 3, None),
     # 40 groups after the warm-up (scripts/reliability_report.py runs 100)
     "groups created, broken and destroyed leak nothing": ("lifecycle_check.py 50", 3, None),
     "a soak of mixed async collectives on two groups": ("soak_check.py 3000", 2, None),

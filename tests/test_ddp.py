@@ -161,12 +161,13 @@ def test_describe_mismatch_names_first_difference_and_ranks():
 
 
 # -- multi-rank programs ------------------------------------------------------------
-@pytest.mark.parametrize("world", [1, 2, 3])  # 4 ranks on 2 cores add time, not cases
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.compat), 3])  # 4 ranks on 2 cores add time, not cases
 def test_equivalence_with_single_process(world):
     out = mpirun(world, "ddp_equivalence.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, f"ddp_equivalence mpiexec n={world}", world)
 
 
+@pytest.mark.compat
 def test_features_against_torch_ddp_and_oracles():
     out = mpirun(3, "ddp_features.py", timeout=LAUNCH_TIMEOUT,
                  env={"PYTHONWARNINGS": "ignore::FutureWarning"}).stdout  # broadcast_buffers
@@ -221,6 +222,7 @@ def test_mismatched_models_fail_on_every_rank():
     assert_checks(out, "ddp_mismatch mpiexec n=3", 3)
 
 
+@pytest.mark.compat
 def test_under_torchrun():
     out = torchrun(2, "ddp_equivalence.py", "--quick", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_equivalence --quick torchrun n=2", 2)

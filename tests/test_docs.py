@@ -214,3 +214,19 @@ def test_autos_rows_for_two_ranks_are_the_committed_runs_measured_tuning():
     assert json.loads(select.MEASURED.read_text()) == measured
     for coll, rows in measured.items():
         assert select.DEFAULT_TUNING[coll]["2"] == rows["2"], coll
+
+
+def test_torch_version_table_is_the_rendering_of_its_json_and_shows_no_failure():
+    spec = importlib.util.spec_from_file_location("torch_compat",
+                                                  ROOT / "scripts" / "torch_compat.py")
+    torch_compat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(torch_compat)
+    data = json.loads(torch_compat.DATA.read_text())
+    text = torch_compat.DOC.read_text()
+    assert torch_compat.rendered(text, data) == text, "run scripts/torch_compat.py --render-only"
+    minors = {".".join(r["torch"].split(".")[:2]) for r in data["results"]}
+    # the oldest supported torch, the GPU machine's, the default and the newest
+    assert {"2.7", "2.11", "2.13", "2.15"} <= minors, minors
+    assert all(run["ok"] for r in data["results"] for run in r["runs"]), \
+        [(r["torch"], run["program"]) for r in data["results"] for run in r["runs"] if not run["ok"]]
+    assert not any("FAILED" in cell for r in data["results"] for cell in r["rows"].values())

@@ -6,6 +6,7 @@ import pytest
 from conftest import mpirun, torchrun
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("launch", [torchrun], ids=["torchrun"])  # mpiexec: the loss curves
 def test_train_example(launch):
     out = launch(2, "examples/train.py", "--epochs", "2", "--steps", "3", timeout=120).stdout

@@ -18,6 +18,7 @@ from ringcomm.launch import bootstrap
 from ringcomm.algorithms import REGISTRY, register_algorithm, select
 from ringcomm import settings
 from ringcomm.algorithms import expand_choices
+from ringcomm.front.create import create_group
 
 R = dist.ReduceOp
 
@@ -29,18 +30,18 @@ def test_backend_registered():
 
 def test_pg_options_of_another_type_are_refused_by_ringcomm():
     # ringcomm's own check, ahead of anything that needs a running job
-    with pytest.raises(TypeError, match="pg_options must be ringcomm.Options, got dict"):
-        ringcomm._create(object(), {"algorithms": {"allreduce": "ring"}})
+    with pytest.raises(TypeError, match="pg_options must be ringcomm.Options .*, got dict"):
+        create_group(object(), {"algorithms": {"allreduce": "ring"}})
 
 
 def test_unknown_algorithm_names_are_refused_before_connecting(monkeypatch):
     # dist_opts is a bare object: reaching the network would fail otherwise
     monkeypatch.setenv("RINGCOMM_ALGO", "warp")
     with pytest.raises(ValueError, match="no collective has an algorithm 'warp'"):
-        ringcomm._create(object(), None)
+        create_group(object(), None)
     monkeypatch.delenv("RINGCOMM_ALGO")
     with pytest.raises(ValueError, match="no allreduce algorithm 'warp'"):
-        ringcomm._create(object(), ringcomm.Options(algorithms={"allreduce": "warp"}))
+        create_group(object(), ringcomm.Options(algorithms={"allreduce": "warp"}))
 
 
 @pytest.mark.parametrize("op", [R.BAND, R.BOR, R.BXOR])

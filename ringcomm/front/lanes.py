@@ -16,7 +16,11 @@ from typing import Any, Callable
 
 import torch
 
+from ringcomm.schedules.executors import CollectiveMismatch
 from ringcomm.transport import Link, Transport
+
+#: where a rank of the group reports a collective mismatch it found (the group's store)
+_FAILURE_KEY = "ringcomm/mismatch"
 
 
 class _Turn(threading.local):
@@ -67,6 +71,8 @@ class Lanes:
             # a failed collective leaves the ranks in an unknown state: the whole group
             # is unusable, whichever channel it ran on
             lane.engine.on_failure = self.mark_broken
+            if store is not None and isinstance(lane.tp, Transport):
+                lane.tp.peer_failure = self._peer_failure
         # the channel the next collective runs on (see :meth:`turn_to`), per thread: a
         # future callback's collective takes its own lane's (ringcomm.runtime.engine)
         self._turn = _Turn()
@@ -169,10 +175,41 @@ class Lanes:
             return False
         return True
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """NCCL communicators made from now on wait at most ``timeout_s`` for peers."""
+        self._timeout_s = timeout_s
+
+    def error(self) -> BaseException | None:
+        """The failure that made the group unusable, if one did."""
+        for lane in [*self.cpus, *self._nccl()]:
+            if lane.engine.error is not None:
+                return lane.engine.error
+        return None
+
     def mark_broken(self, err: BaseException) -> None:
-        """Every lane of the group refuses later collectives with ``err``."""
+        """Every lane of the group refuses later collectives with ``err``. A
+        collective mismatch found here is reported to the group's other ranks: the
+        ranks that wait for this one's messages learn of it at their next look
+        (:meth:`ringcomm.transport.mpi.MPITransport.wait`), not at their deadline."""
         for lane in [*self.cpus, *self._nccl()]:
             lane.engine.mark_broken(err)
+        cause = err
+        while cause is not None and not isinstance(cause, CollectiveMismatch):
+            cause = cause.__cause__
+        if cause is not None and self._store is not None:
+            try:
+                self._store.set(_FAILURE_KEY, f"{cause} (found by rank {self.rank})")
+            except Exception:  # noqa: BLE001  (a store that is gone: the peers time out)
+                pass
+
+    def _peer_failure(self) -> str | None:
+        """What a rank of the group reported with :meth:`mark_broken`, if any."""
+        try:
+            if self._store.check([_FAILURE_KEY]):
+                return self._store.get(_FAILURE_KEY).decode(errors="replace")
+        except Exception:  # noqa: BLE001  (a store that is gone tells nothing)
+            pass
+        return None
 
     def pair(self, device: torch.device, peer: int, op: str) -> tuple[Lane, int]:
         """The two-rank NCCL communicator (and its own stream) this rank uses for

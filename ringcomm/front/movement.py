@@ -26,7 +26,7 @@ class _Broadcast(Call):
     def __init__(self, g: Group, lane: Lane, t: torch.Tensor, root: int):
         nbytes = nbytes_of(t)
         prepared = g.planner.prepare(lane, "broadcast", (nbytes,), _uint8, nbytes=nbytes,
-                                     root=root)
+                                     root=root, as_dtype=t.dtype)
         super().__init__(g, lane, "broadcast", [prepared])
         self.run = self.programs[0].run
         self.fields = [t.numel(), root, dtype_code(t.dtype)]
@@ -48,7 +48,7 @@ def broadcast(g: Group, tensors: list[torch.Tensor], opts: Any = None) -> tuple:
     root = g.inputs.root(opts.rootRank, "broadcast")
     if getattr(opts, "rootTensor", 0) != 0:
         raise ValueError(f"ringcomm broadcast: rootTensor must be 0, got {opts.rootTensor}")
-    key = ("broadcast", nbytes_of(t), t.device, root, g.lanes.turn,
+    key = ("broadcast", nbytes_of(t), t.dtype, t.device, root, g.lanes.turn,
            g.planner.algos["broadcast"], algorithms.generation)
     call = lookup(g, key, lambda: _Broadcast(g, g.lanes.for_tensor(t, "broadcast"), t, root))
     return call, (t, tensors)

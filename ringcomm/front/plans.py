@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import zlib
 from typing import Any, Callable
 
 import torch
@@ -29,6 +30,10 @@ from ringcomm.transport import Link, Transport
 
 log = logging.getLogger("ringcomm")
 
+#: collectives whose layout on a rank holds that rank's sizes only (not in signatures)
+_OWN_LAYOUT = ("alltoall", "gather", "scatter")
+#: collectives with a root (their signatures name it)
+_ROOTED = ("broadcast", "reduce", "gather", "scatter")
 #: compiled schedules kept per group (least recently used dropped first)
 PLAN_CACHE_SIZE = 512
 #: what :meth:`Planner.prepare` returns: ``run(bufs)`` runs one collective on the
@@ -55,6 +60,8 @@ class Planner:
         self._plans: collections.OrderedDict = collections.OrderedDict()
         #: bumped by :meth:`refused`; part of every message tag
         self.epoch = 0
+        #: this rank's call signatures, by hash (the newest PLAN_CACHE_SIZE)
+        self._signatures: dict[int, str] = {}
         self._lock = threading.Lock()
         self._logged: set = set()
 
@@ -74,15 +81,16 @@ class Planner:
         return name
 
     def prepare(self, lane: Lane, collective: str, layout: tuple, dtype: torch.dtype, *,
-                nbytes: int, root: int = 0, op: Any = None,
-                name: str | None = None, bands: bool = True) -> tuple[str, Program]:
+                nbytes: int, root: int = 0, op: Any = None, name: str | None = None,
+                bands: bool = True, as_dtype: torch.dtype | None = None) -> tuple[str, Program]:
         """Choose the algorithm for one call shape and return ``(name, program)``: the
         program runs it on ``lane`` (``program.run(bufs)``, the caller's buffers in the
         order of ``ringcomm.schedule.BUFFERS``). A new program every time: the caller
         (a prepared call) owns it, and closes it when it is dropped.
 
         Runs on the caller's thread, so a schedule a user's builder gets wrong is
-        refused here, on every rank alike, before anything is sent.
+        refused here, on every rank alike, before anything is sent. ``as_dtype``: the
+        caller's dtype where the call moves bytes (it tells calls apart in the tags).
         """
         chosen = name is None and self.algos[collective] == "auto"
         if name is None:
@@ -112,8 +120,40 @@ class Planner:
             # auto's band went to an algorithm that does not serve this call (an MSCCL
             # file and a count its chunks do not divide): the table's choice runs it
             return self.prepare(lane, collective, layout, dtype, nbytes=nbytes, root=root,
-                                op=op, bands=False)
-        return name, program(tp, plan, dtype, op, self.epoch)
+                                op=op, bands=False, as_dtype=as_dtype)
+        sig = self.signature(collective, name, layout, root, dtype, op, as_dtype)
+        return name, program(tp, plan, dtype, op, self.epoch, sig, self.call_named)
+
+    def signature(self, collective: str, name: str, layout: tuple, root: int,
+                  dtype: torch.dtype, op: Any, as_dtype: torch.dtype | None) -> tuple[int, str]:
+        """``(hash, text)`` of what a call is, equal on every rank making the same call
+        (its hash goes into the call's message tags); this rank's calls are kept by
+        hash, to name a peer's call in a mismatch."""
+        unit = "bytes" if dtype == torch.uint8 and as_dtype is None else \
+            str(as_dtype or dtype).replace("torch.", "")
+        if collective in _OWN_LAYOUT:  # each rank knows only its own sizes
+            layout, what = (), f"{unit}, each rank its own sizes,"
+        elif len(set(layout)) == 1 and len(layout) > 1:
+            what = f"{len(layout)} x {layout[0]} {unit}"
+        else:
+            what = "x".join(map(str, layout[:8])) + ("..." if len(layout) > 8 else "") + f" {unit}"
+        text = (f"{collective}[{name}] of {what}"
+                + (f" {getattr(op, 'name', op)}" if op is not None else "")
+                + (f" from root {root}" if collective in _ROOTED else ""))
+        code = zlib.crc32(repr((text, layout)).encode())
+        with self._lock:
+            self._signatures[code] = text
+            if len(self._signatures) > PLAN_CACHE_SIZE:
+                del self._signatures[next(iter(self._signatures))]
+        return code, text
+
+    def call_named(self, part: int, bits: int) -> str | None:
+        """The one call this rank made whose signature hash ends in the ``bits``
+        bits ``part`` (what a tag keeps), or None (none, or several)."""
+        mask = (1 << bits) - 1
+        with self._lock:
+            found = {t for c, t in self._signatures.items() if c & mask == part}
+        return found.pop() if len(found) == 1 else None
 
     def plan(self, collective: str, name: str, build: Callable, layout: tuple, root: int,
              dtype: torch.dtype) -> Plan:
@@ -145,10 +185,13 @@ class Planner:
         self.epoch += 1
 
 
-def program(link: Link, plan: Plan, dtype: torch.dtype, op: Any, epoch: int = 0):
+def program(link: Link, plan: Plan, dtype: torch.dtype, op: Any, epoch: int = 0,
+            signature: tuple[int, str] = (0, "this call"), names: Any = None):
     """The program that runs ``plan`` on ``link``: over point-to-point messages on a
-    transport, one group per step on an NCCL communicator."""
+    transport (tagged with the call's ``signature``, see
+    :class:`ringcomm.schedules.executors.TagLayout`), one group per step on an NCCL
+    communicator."""
     scratch = [link.scratch(i, n, dtype) for i, n in enumerate(plan.scratch)]
     if isinstance(link, Transport):
-        return P2PProgram(plan, link, scratch, op, epoch)
+        return P2PProgram(plan, link, scratch, op, epoch, signature, names)
     return GroupProgram(plan, link, scratch, op)

@@ -11,6 +11,7 @@ the lane's engine, which runs it (or queues it) and returns torch's ``Work``.
 """
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from ringcomm import trace
 from ringcomm.algorithms import check_choice
 from ringcomm.front import movement, reductions, requests
+from ringcomm.front.contract import TorchContract, forward_collectives
 from ringcomm.front.arguments import Inputs
 from ringcomm.front.fingerprints import Fingerprints
 from ringcomm.front.lanes import Lane, Lanes
@@ -59,7 +61,7 @@ METHODS: dict[str, Callable[..., tuple]] = {
 }
 
 
-class ProcessGroupRingcomm(dist.ProcessGroup):
+class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
     """A torch process group whose collectives run ringcomm's algorithms: over MPI
     for CPU tensors, over NCCL (through CuPy) for CUDA tensors, chosen per call by
     the tensors' device.
@@ -83,12 +85,18 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             ``"cpu"`` with :class:`ringcomm.testing.FakeNccl` to run the NCCL path
             on CPU tensors.
         hosts: the host of every rank (:class:`ringcomm.schedule.Context`); empty: one host.
+        torch_store: the store torch gave the group (``split_group`` prefixes it).
+        global_ranks: the members' world ranks in group-rank order; empty: the world.
+
+    What torch reads off a backend besides collectives (``_get_backend``, device
+    binding, timeouts, errors, splitting) is :class:`ringcomm.front.contract.TorchContract`.
     """
 
     def __init__(self, rank: int, size: int, transport: Transport | list[Transport] | None,
                  timeout: timedelta, options: Options | None = None, group_id: str = "", *,
                  store: Any = None, cpu_error: str | None = None, nccl: Any = None,
-                 nccl_device_type: str = "cuda", hosts: tuple = ()):
+                 nccl_device_type: str = "cuda", hosts: tuple = (), torch_store: Any = None,
+                 global_ranks: list[int] | tuple = ()):
         super().__init__(rank, size)
         # plain ints: rank() and size() cross into C++ on every call
         self._rank, self._size = rank, size
@@ -97,10 +105,16 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._group_desc = ""
         self.inputs = Inputs(rank, size, nccl_device_type)
         resolved = (options or Options()).resolve()
+        self._options = resolved
+        self._torch_store = torch_store if torch_store is not None else store
+        self._global_ranks = list(global_ranks)
         self.planner = Planner(rank, size, resolved, hosts)
         self.fingerprints = Fingerprints(self.planner)
-        #: RINGCOMM_DEBUG=DETAIL: every call is compared across ranks before it runs
-        self.detail = get("RINGCOMM_DEBUG") == "DETAIL"
+        #: RINGCOMM_DEBUG=DETAIL, or torch's TORCH_DISTRIBUTED_DEBUG=DETAIL (whose
+        #: checking wrapper torch puts around C++ backends only): every call is
+        #: compared across ranks before it runs
+        self.detail = "DETAIL" in (get("RINGCOMM_DEBUG"),
+                                   os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper())
         channels = resolved.num_channels
         transports = [] if transport is None else \
             list(transport) if isinstance(transport, (list, tuple)) else [transport]
@@ -356,3 +370,4 @@ _allreduce.__doc__ = reductions.allreduce.__doc__
 _allreduce.__name__ = "allreduce"
 _allreduce.__qualname__ = "ProcessGroupRingcomm.allreduce"
 ProcessGroupRingcomm.allreduce = _allreduce
+forward_collectives([*METHODS, "send", "recv", "recv_anysource"])

@@ -20,6 +20,9 @@ from ringcomm.front.requests import Call, Group, flat_view, lookup, nbytes_of
 _Tensor = torch.Tensor
 _strided = torch.strided
 _AllreduceOptions = dist.AllreduceOptions
+#: torch < 2.8's options have no asyncOp: every call is then taken as asynchronous
+#: (torch waits on the Work of a synchronous one), as the generic path does
+_ASYNC_OP = hasattr(_AllreduceOptions(), "asyncOp")
 
 
 # -- reductions -----------------------------------------------------------------
@@ -95,7 +98,7 @@ def allreduce_prepared(g: Group, tensors: Any, opts: Any) -> Any:
                 g.seq += 1
                 timeout = opts.timeout
                 return call.lane.engine.submit(
-                    call, (t, tensors), opts.asyncOp,
+                    call, (t, tensors), opts.asyncOp if _ASYNC_OP else True,
                     g.timeout_s if timeout.days < 0 or not timeout else timeout.total_seconds())
     return None
 

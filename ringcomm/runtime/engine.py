@@ -78,6 +78,11 @@ class Engine:
         last = self._last
         return (lambda: None) if last is None else (lambda: last.wait() and None)
 
+    @property
+    def error(self) -> BaseException | None:
+        """The failure that made this lane refuse collectives, if any."""
+        return self._error
+
     def mark_broken(self, err: BaseException) -> None:
         """Fail every later collective with ``err`` (a failure outside a running
         collective, e.g. a user's algorithm that raised while being built)."""

@@ -301,6 +301,11 @@ class StreamEngine:
                     self._watchdog.start()
         return work
 
+    @property
+    def error(self) -> BaseException | None:
+        """The failure that made this lane refuse collectives, if any."""
+        return self._error
+
     def mark_broken(self, err: BaseException) -> None:
         """Refuse every later collective with ``err`` (a failure outside enqueueing,
         e.g. a user's algorithm that raised while being built)."""

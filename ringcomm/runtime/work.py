@@ -24,6 +24,7 @@ def collective_error(op: str, where: str, cause: BaseException, timeout_s: float
         msg = f"ringcomm {op} failed ({where}): {type(cause).__name__}: {cause}"
     err = dist.DistBackendError(msg)
     err.__cause__ = cause
+    err.timed_out = timed_out  # for the group's get_error()
     return err
 
 

@@ -35,9 +35,43 @@ from ringcomm.schedules.plan import Plan
 
 #: bindings (sets of caller buffer addresses) a program keeps, least recent dropped
 BINDINGS = 4
-#: the tag of a schedule's message: its number among the messages it exchanges with
-#: that peer in that direction, modulo this, plus the group's epoch times this
-TAG_SPAN = 1 << 16
+#: A schedule's message tag, from its top bit down: the call's signature (a hash of
+#: what the call is: collective, algorithm, sizes, root, dtype, reduce op), the
+#: group's epoch, and the message's number among those it exchanges with that peer in
+#: that direction. Each field is cut to these many bits, the signature taking what the
+#: transport's tag range leaves (MPICH's 2^30: 10 bits; MPI's smallest, 2^15: none),
+#: so messages of two different calls, or of two epochs, rarely match, and a rank
+#: that waits can tell its peer runs another call (:class:`TagLayout`).
+NUMBER_BITS, EPOCH_BITS, SIGNATURE_BITS = 14, 6, 16
+
+
+class CollectiveMismatch(RuntimeError):
+    """This rank and a peer run different calls (found from a message's tag)."""
+
+
+class TagLayout:
+    """The fields of a transport's tags (see :data:`NUMBER_BITS`)."""
+
+    __slots__ = ("number_bits", "epoch_bits", "signature_bits")
+
+    def __init__(self, limit: int):
+        bits = max(limit, 1).bit_length() - 1  # 2**bits <= limit
+        self.number_bits = min(NUMBER_BITS, bits)
+        self.epoch_bits = min(EPOCH_BITS, bits - self.number_bits)
+        self.signature_bits = min(SIGNATURE_BITS, bits - self.number_bits - self.epoch_bits)
+
+    def base(self, signature: int, epoch: int) -> int:
+        """The tag of a call's first message to a peer (the k-th adds k modulo the
+        number field)."""
+        sig = signature & ((1 << self.signature_bits) - 1)
+        ep = epoch & ((1 << self.epoch_bits) - 1)
+        return ((sig << self.epoch_bits) | ep) << self.number_bits
+
+    def split(self, tag: int) -> tuple[int, int, int]:
+        """``(signature, epoch, number)`` of a tag."""
+        n = tag & ((1 << self.number_bits) - 1)
+        rest = tag >> self.number_bits
+        return rest >> self.epoch_bits, rest & ((1 << self.epoch_bits) - 1), n
 
 
 def _owner(t: torch.Tensor) -> torch.Tensor:
@@ -104,27 +138,35 @@ class P2PProgram(_Program):
         tp: the transport.
         scratch: the schedule's scratch buffers (held by the program).
         op: the reduce op (None for collectives that do not reduce).
-        epoch: the group's epoch (see :data:`TAG_SPAN`).
+        epoch: the group's epoch (see :data:`NUMBER_BITS`).
+        signature: ``(hash, text)`` of what the call is, the same on every rank
+            that makes the same call (the hash goes into the tags).
+        names: ``names(part, bits) -> text | None``: the call this rank made whose
+            hash ends in the ``bits`` bits ``part``, to name a peer's call in a
+            mismatch.
     """
 
-    def __init__(self, plan: Plan, tp, scratch: Sequence[torch.Tensor], op, epoch: int = 0):
+    def __init__(self, plan: Plan, tp, scratch: Sequence[torch.Tensor], op, epoch: int = 0,
+                 signature: tuple[int, str] = (0, "this call"), names=None):
         super().__init__(plan, scratch)
         self.tp = tp
         self.op = op
-        self._base = epoch * TAG_SPAN
+        self.signature, self.epoch, self._names = signature, epoch, names
+        self._layout: TagLayout | None = None  # the transport's, at the first binding
 
     def _bind(self, bufs: Sequence) -> tuple:
         """Persistent requests for every message, and per step the batches to start
         and wait for, in the order :class:`Plan` worked out."""
         plan, tp = self.plan, self.tp
         views = self._views(bufs)
-        limit, base = tp.tag_limit, self._base
+        lay = self._layout = TagLayout(tp.tag_limit)
+        base, span = lay.base(self.signature[0], self.epoch), 1 << lay.number_bits
         counts: dict = collections.defaultdict(int)
 
         def tag(kind: str, peer: int) -> int:
             k = counts[kind, peer]
             counts[kind, peer] = k + 1
-            return (base + k % TAG_SPAN) % limit
+            return base + k % span
 
         work_of = self._local_work(bufs)  # first: it may refuse the binding
         work = [[work_of(*w) for w in step[4]] for step in plan.p2p_steps]
@@ -228,9 +270,32 @@ class P2PProgram(_Program):
                         start(b)
                 for fn, d, s in work:
                     fn(d, s)
-        except BaseException:
+        except BaseException as e:
             self._drop(key, bd, bufs)
+            if isinstance(e, getattr(self.tp, "Mismatch", ())):
+                raise self._mismatch(e) from e
             raise
+
+    def _mismatch(self, e: Any) -> CollectiveMismatch:
+        """The error of a call whose peer runs another: what each runs, as far as
+        this rank can tell from the peer's tag."""
+        lay, me = self._layout, self.tp.rank
+        sig, epoch, _ = lay.split(e.found)
+        mine_sig, mine_epoch, _ = lay.split(e.expected)
+        if epoch != mine_epoch:
+            theirs = ("a call of another epoch (a call before it was refused on some "
+                      "ranks only: bad input there)")
+        elif sig == mine_sig:
+            theirs = "the same call with its messages in another order"
+        else:
+            name = (self._names(sig, lay.signature_bits)
+                    if self._names is not None and lay.signature_bits else None)
+            theirs = (f"{name} (as far as its message tags tell)" if name else
+                      f"a call rank {me} has not made")
+        return CollectiveMismatch(f"collective mismatch: rank {me} runs {self.signature[1]}, "
+                                  f"but rank {e.peer} runs {theirs}. Every rank must make the "
+                                  "same calls in the same order, with the same reduce op, "
+                                  "dtype, sizes and root")
 
     def _run_traced(self, key: Any, bd: tuple, bufs: Sequence) -> None:
         """:meth:`run`, each step recorded in the trace."""
@@ -245,8 +310,10 @@ class P2PProgram(_Program):
                     fn(d, s)
                 if k < len(plan.steps):
                     t0, k = plan.trace_step(k, t0), k + 1
-        except BaseException:
+        except BaseException as e:
             self._drop(key, bd, bufs)
+            if isinstance(e, getattr(self.tp, "Mismatch", ())):
+                raise self._mismatch(e) from e
             raise
 
 

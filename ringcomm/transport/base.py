@@ -31,6 +31,23 @@ class TransportAborted(RuntimeError):
     """The process group was shut down or aborted while a wait was in progress."""
 
 
+class TransportMismatch(RuntimeError):
+    """While a receive from ``peer`` waited for a message tagged ``expected``, a
+    message from ``peer`` tagged ``found`` arrived that nothing here will receive:
+    the peer runs another call (messages between two ranks arrive in the order they
+    were sent, so the awaited one would have come first)."""
+
+    def __init__(self, peer: int, expected: int, found: int):
+        super().__init__(f"rank {peer} sent a message tagged {found} where one tagged "
+                         f"{expected} was awaited")
+        self.peer, self.expected, self.found = peer, expected, found
+
+
+class TransportPeerFailed(RuntimeError):
+    """A peer of the group found that the ranks run different calls (it said so
+    where the group's ranks meet, the store) while this rank waited."""
+
+
 class Handle:
     """One message of a prepared schedule (a persistent request), or a user's send or
     receive. ``buf`` keeps its memory alive where the handle owns that duty (user
@@ -138,8 +155,13 @@ class Transport(Link):
     the deadline every wait of that collective honours.
     """
 
-    #: tags are taken modulo this
+    #: what :meth:`wait` raises when a peer runs another call (it may never)
+    Mismatch: type = TransportMismatch
+    #: tags lie in [0, tag_limit)
     tag_limit: int = 1 << 30
+    #: ``peer_failure() -> text | None``: what a peer of the group reported, if any
+    #: (the group's front sets it); a long wait looks at it
+    peer_failure = None
 
     def __init__(self, rank: int, size: int, device: torch.device):
         super().__init__(rank, size, device)

@@ -8,6 +8,11 @@ Modes:
   mismatch  ranks call allreduce with different sizes, then broadcast with different
             dtypes, under RINGCOMM_DEBUG=DETAIL; every rank must get an error naming
             the mismatch.
+  tags      the same mismatches without debug mode: the calls' message tags differ,
+            so a rank that waits names the mismatch within seconds, well before
+            the group timeout (op, collective, dtype), and the ranks waiting on it
+            learn of it from the store; a broadcast whose every rank is its root
+            sends no message anyone receives and stays undetected (documented).
   abort     rank 0 never joins an allreduce; rank 1 aborts its group, rank 2 shuts it
             down, half a second in: the running collective must end within a second
             (the group timeout is a minute), and later calls must fail at once.
@@ -87,6 +92,42 @@ def main(mode: str) -> None:
         t = torch.ones(8, dtype=torch.float32 if rank == 0 else torch.int32)
         expect_error(c, "dtype mismatch", lambda: dist.broadcast(t, src=0, group=fresh),
                      "mismatch", "broadcast")
+    elif mode == "tags":
+        p = dist.get_world_size()
+        limit = 3.0  # the group timeout: every error must come before it
+        op = dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX
+        took = expect_error(c, "op mismatch, no debug mode",
+                            lambda: dist.all_reduce(torch.ones(1000), op=op), "mismatch")
+        c.check(took < limit - 0.5, f"op mismatch named after {took:.2f}s")
+        other = dist.new_group(backend="ringcomm")
+        call = (lambda: dist.all_reduce(torch.ones(8), group=other)) if rank == 0 else \
+            (lambda: dist.broadcast(torch.ones(8), src=1, group=other))
+        if rank == 0:
+            took = expect_error(c, "allreduce against broadcast, no debug mode", call,
+                                "mismatch", "allreduce")
+            c.check(took < limit - 0.5, f"allreduce against broadcast named after {took:.2f}s")
+        else:  # ranks 1.. form a broadcast of their own: theirs may complete
+            try:
+                call()
+            except dist.DistBackendError as e:
+                c.check("mismatch" in str(e), f"broadcast side: {e}")
+            c.check(True, "broadcast side")
+        fresh = dist.new_group(backend="ringcomm")
+        t = torch.ones(8, dtype=torch.float32 if rank == 0 else torch.int32)
+        if rank == 0:  # the root only sends: it cannot see the receivers' dtype
+            dist.broadcast(t, src=0, group=fresh)
+            c.check(True, "root")
+        else:
+            took = expect_error(c, "dtype mismatch, no debug mode",
+                                lambda: dist.broadcast(t, src=0, group=fresh), "mismatch",
+                                "int32")
+            c.check(took < limit - 0.5, f"dtype mismatch named after {took:.2f}s")
+        # every rank its own root: no rank receives, no message can tell
+        alone = dist.new_group(backend="ringcomm")
+        x = torch.full((4,), float(rank))
+        dist.broadcast(x, src=rank, group=alone)
+        c.check(torch.equal(x, torch.full((4,), float(rank))) and p > 1,
+                "a broadcast from every rank returns each rank's own tensor")
     elif mode == "short":
         # Rank 1 sends fewer elements than the root expects: MPI itself would accept
         # the short message and leave stale data; ringcomm must say so.
@@ -106,9 +147,9 @@ def main(mode: str) -> None:
             expect_error(c, "op mismatch", dist.barrier, "allreduce")
     elif mode == "refused":
         # Bad input on the root only: the root gets a ValueError at once; the others
-        # are already inside the scatter and time out; then everyone's next collective
-        # must fail cleanly too (the refused call still consumed its sequence number,
-        # so the root's next collective cannot pair with the others' scatter).
+        # are already inside the scatter and learn of it from the tags of the root's
+        # next call, which carry its new epoch, so that call cannot pair with their
+        # scatter; every rank's error names the mismatch.
         p = dist.get_world_size()
         if rank == 0:
             try:
@@ -118,10 +159,11 @@ def main(mode: str) -> None:
                 c.case("scatter with a list too long, on the root only", e)
                 c.check("expected one per rank" in str(e), f"message: {e}")
             expect_error(c, "root's next call", lambda: dist.all_reduce(torch.ones(4)),
-                         "timed out")
+                         "mismatch", "another epoch")
         else:
+            # the root's next call carries the new epoch's tags: named, not a timeout
             expect_error(c, "scatter without root", lambda: dist.scatter(torch.empty(4), src=0),
-                         "scatter", "timed out", "rank 0")
+                         "scatter", "mismatch", "rank 0 runs a call of another epoch")
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     c.finish()
