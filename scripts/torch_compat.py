@@ -55,10 +55,13 @@ def run(python: str, program: str, n: int, args: tuple, timeout: float = 600) ->
         out, rc = "", 124
     checks = [int(k) for _, k in sorted(re.findall(r"rank (\d+): (\d+) checks passed", out))]
     features = {}
-    for line in out.splitlines():
-        if line.startswith("feature: "):
-            f = json.loads(line[len("feature: "):])
-            features.setdefault(f["feature"], f["outcome"])
+    decoder = json.JSONDecoder()
+    for m in re.finditer(r"feature: ", out):  # ranks' lines may run into each other
+        try:
+            f, _ = decoder.raw_decode(out, m.end())
+        except ValueError:
+            continue
+        features.setdefault(f["feature"], f["outcome"])
     return {"program": program, "ranks": n, "exit_status": rc, "checks": checks,
             "ok": rc == 0 and len(checks) == n, "features": features,
             "seconds": round(time.monotonic() - t0, 1),

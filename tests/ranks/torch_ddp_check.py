@@ -99,8 +99,14 @@ def main() -> None:
 
     c.check(isinstance(world, ringcomm.ProcessGroupRingcomm), "FSDP mesh group is ringcomm")
     ours = c.run("FSDP2 on ringcomm", train_fsdp, world, 3)
-    ref = train_fsdp(gloo, 3)
-    if ours is not None:
+    # torch 2.7's gloo reduces reduce_scatter_tensor with SUM whatever op it is
+    # given (more_collectives_check.py shows it against one process), so it is no
+    # oracle for FSDP2's reduce-scatter there
+    ref = train_fsdp(gloo, 3) if torch.__version__ >= "2.8" else None
+    if ref is None:
+        print("torch_ddp_check: FSDP2 not compared on torch < 2.8 (gloo's "
+              "reduce_scatter_tensor ignores the reduce op)", flush=True)
+    if ours is not None and ref is not None:
         for i, (a, b) in enumerate(zip(ours, ref)):
             c.check(torch.allclose(a, b, rtol=1e-6, atol=1e-7),
                     f"FSDP2 parameter {i}: max diff {(a - b).abs().max().item()}")
