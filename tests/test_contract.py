@@ -39,7 +39,7 @@ def test_device_id_binds_the_group():
     assert "init_process_group(device_id=cpu:0)" in out
 
 
-def _fresh(code: str, *, entry_points: bool) -> subprocess.CompletedProcess:
+def _fresh(code: str) -> subprocess.CompletedProcess:
     """``code`` in a new interpreter that never imports ringcomm itself."""
     env = _env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": "29561"})
@@ -64,7 +64,7 @@ def test_backend_found_by_name_without_import():
     ``torch.distributed.backends``: ringcomm's (pyproject.toml) registers it.
     Older torch has no such group: there ``import ringcomm`` stays needed, and the
     name is refused as unknown."""
-    proc = _fresh(BY_NAME, entry_points=True)
+    proc = _fresh(BY_NAME)
     if torch.__version__ >= "2.15":
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "by name: ok ProcessGroupRingcomm" in proc.stdout
@@ -126,7 +126,6 @@ def test_contract_refuses_bad_input():
     from ringcomm.testing import nccl_groups
 
     def body(pg):
-        errors = []
         for bad in (timedelta(0), timedelta(seconds=-3), 5):
             with pytest.raises(ValueError, match="positive"):
                 pg.set_timeout(bad)
@@ -138,7 +137,6 @@ def test_contract_refuses_bad_input():
             pg.split_group([0, 0])
         pg.set_timeout(timedelta(seconds=7))
         assert pg.options._timeout == timedelta(seconds=7)
-        return errors
 
     nccl_groups(2, body)
 
@@ -160,7 +158,7 @@ def test_too_old_torch_fails_at_import_naming_both_versions():
         torch.__version__ = torch.torch_version.TorchVersion("2.6.0")
         import ringcomm
     """
-    proc = _fresh(code, entry_points=False)
+    proc = _fresh(code)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last == "ImportError: ringcomm needs torch >= 2.7; this is torch 2.6.0", last
