@@ -73,3 +73,18 @@ def test_type_and_op_codes_are_nccls():
     for op, const in ((ops.SUM, "NCCL_SUM"), (ops.PRODUCT, "NCCL_PROD"),
                       (ops.MAX, "NCCL_MAX"), (ops.MIN, "NCCL_MIN")):
         assert getattr(nccl, const) == transport.OP_CODES[op.value], const
+
+
+def test_its_errors_read_as_cupys_and_ncclgetlasterror_is_found():
+    nccl = _real()
+    from ringcomm.testing.fake_nccl import FakeNcclError
+
+    for status in transport.ERROR_NAMES:
+        if status == 7:
+            continue  # CuPy's table stops at 6
+        real, fake = nccl.NcclError(status), FakeNcclError(status)
+        assert real.status == fake.status == status
+        assert str(real).split(":")[0] == str(fake).split(":")[0] == transport.ERROR_NAMES[status]
+    nccl.get_version()  # the library is loaded
+    assert transport._find_get_last_error(), "ncclGetLastError not found in the loaded NCCL"
+    assert isinstance(transport.last_error(nccl), str)

@@ -268,7 +268,9 @@ class Lanes:
 
         if self._store is None:
             raise ValueError("ringcomm: this group has no store to set up NCCL communicators")
-        streams = streams_for(device)
+        # a stand-in for NCCL brings the streams that go with it (FakeNccl's keep CUDA's
+        # rules on CPU tensors)
+        streams = getattr(lib, "ringcomm_streams", streams_for)(device)
         comm = connect(lib, self._store, prefix, rank, size, self._timeout_s,
                        streams.device_context)
         tp = NcclTransport(lib, comm, rank, size, device, streams.handle)

@@ -291,9 +291,8 @@ class _PairMessage:
 
     def execute(self, t: torch.Tensor) -> list:
         tp = self.lane.tp
-        tp.group_start()
-        (tp.send if self.send else tp.recv)(t.view(-1).view(torch.uint8), self.peer)
-        tp.group_end("send" if self.send else "recv")
+        with tp.group("send" if self.send else "recv"):
+            (tp.send if self.send else tp.recv)(t.view(-1).view(torch.uint8), self.peer)
         return [t]
 
     def touched(self, args: tuple) -> list:

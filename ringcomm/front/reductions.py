@@ -134,6 +134,7 @@ class _AllreduceCoalesced(Call):
             parts.append((pr[1].run, flat, offs, op))
         super().__init__(g, lane, "allreduce_coalesced", prepared)
         self.parts = parts
+        self.owned = tuple(flat for _, flat, _, _ in parts)
         self.size = g.inputs.size
 
     def execute(self, ts: list, tensors: list) -> list:
@@ -180,6 +181,7 @@ class _Reduce(Call):
         self.root, self.me, self.size, self.op = root, g.inputs.rank, g.inputs.size, op
         self.work = None if self.me == root else torch.empty(t.numel(), dtype=t.dtype,
                                                              device=t.device)
+        self.owned = () if self.work is None else (self.work,)
         self.fields = [t.numel(), int(op), root, dtype_code(t.dtype)]
 
     def execute(self, t: torch.Tensor, tensors: list) -> list:
@@ -236,6 +238,7 @@ class _ReduceScatter(Call):
             mine.append((pr[1].run, work, chunks, out.numel()))
         super().__init__(g, lane, name, prepared)
         self.jobs, self.op, self.size = mine, op, g.inputs.size
+        self.owned = tuple(work for _, work, _, _ in mine)
 
     def execute(self, jobs: list, value: Any) -> Any:
         for (out, ins), (run, work, chunks, n) in zip(jobs, self.jobs):

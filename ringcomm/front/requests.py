@@ -84,10 +84,14 @@ class Call:
         name: the call's name in errors, logs and traces (``"allreduce[ring]"``).
         lane: where it runs.
         programs: the programs it owns (closed with it).
+        owned: buffers of the call's own that its collectives read or write (made on
+            the caller's stream with the call, so recorded on the lane's stream at
+            every run: a call dropped while its work is still queued on a GPU must
+            not free them to the caller's stream).
         blocking: waiting on it blocks the CPU even on a stream (barrier).
     """
 
-    __slots__ = ("name", "lane", "programs", "detail", "g")
+    __slots__ = ("name", "lane", "programs", "detail", "g", "owned")
     blocking = False
 
     def __init__(self, g: Group, lane: Lane, op: str, prepared: Sequence[tuple]):
@@ -97,15 +101,17 @@ class Call:
         self.programs = [p for _, p in prepared]
         self.detail = g.detail
         self.g = g
+        self.owned: tuple[torch.Tensor, ...] = ()
 
     def execute(self, *args: Any) -> Any:
         """Run the collective on this call's tensors; return the Work's result."""
         raise NotImplementedError
 
     def touched(self, args: Sequence) -> list[torch.Tensor]:
-        """The tensors the call reads or writes, its scratch included (kept alive
-        while it runs on a stream)."""
-        return [*tensors_in(args), *(t for p in self.programs for t in getattr(p, "scratch", ()))]
+        """The tensors the call reads or writes, its own buffers and its programs'
+        scratch included (recorded on the stream it runs on)."""
+        return [*tensors_in(args), *self.owned,
+                *(t for p in self.programs for t in getattr(p, "scratch", ()))]
 
     def same_call(self, op: str, fields: list[int]) -> None:
         """``RINGCOMM_DEBUG=DETAIL``: every rank runs the same call."""

@@ -42,6 +42,9 @@ log = logging.getLogger("ringcomm")
 
 #: how often the watchdog looks at pending collectives
 WATCHDOG_INTERVAL_S = 0.05
+#: how long closing a group waits, beyond its own wait, for a thread that is
+#: enqueuing (on a GPU an enqueue takes microseconds unless it is stuck in NCCL)
+CLOSE_GRACE_S = 2.0
 
 
 class CudaStreams:
@@ -212,10 +215,18 @@ class StreamWork(BaseWork):
         return self._finished
 
     def synchronize(self) -> None:
-        """Block the CPU until the collective completed."""
-        self._block(0.0)
+        """As torch's NCCL Work: make the caller's current stream wait for the
+        collective (the CPU goes on); with ``RINGCOMM_BLOCKING_WAIT=1`` (or for a
+        barrier) block the CPU until it completed.
+
+        Raises:
+            torch.distributed.DistBackendError: the collective failed.
+        """
+        if self._exc is None and self._blocking:
+            self._block(0.0)
         if self._exc is not None:
             raise self._exc
+        self._streams.wait_on_current(self._end)
 
 
 class StreamEngine:
@@ -326,9 +337,11 @@ class StreamEngine:
             if self._error is None:
                 where = (f"{self._describe()}, rank {self.tp.rank} of {self.tp.size}, "
                          f"{self.tp.device}")
+                explain = getattr(self.tp, "explain", None)
                 err = collective_error(op, where, cause, timeout_s,
                                        isinstance(cause, TimeoutError),
-                                       "; the NCCL communicator was aborted")
+                                       "; the NCCL communicator was aborted",
+                                       explain(cause) if explain is not None else "")
                 self._error = err
                 for w in self._pending:
                     if not w.is_completed():
@@ -371,9 +384,9 @@ class StreamEngine:
             self._abort_between_enqueues(op, e, 0.0)
             return False
         if enqueuing is not None and now > enqueuing[1]:
-            # Stuck inside NCCL (e.g. waiting for a peer to connect): only an abort
-            # from another thread ends that call.
-            self._fail(enqueuing[0], TimeoutError("enqueueing did not finish"), enqueuing[2])
+            # stuck inside NCCL (e.g. waiting for a peer to connect)
+            self._abort_between_enqueues(enqueuing[0], TimeoutError("enqueueing did not finish"),
+                                         enqueuing[2])
             return False
         if head is not None and now > head._deadline:
             self._abort_between_enqueues(head._op, TimeoutError("it did not complete"),
@@ -381,10 +394,15 @@ class StreamEngine:
             return False
         return True
 
-    def _abort_between_enqueues(self, op: str, cause: BaseException, timeout_s: float) -> None:
-        """:meth:`_fail` from the watchdog. NCCL forbids using a communicator from two
-        threads at once, so the abort waits until no enqueue is running, unless that
-        enqueue is itself stuck past its deadline."""
+    def _abort_between_enqueues(self, op: str, cause: BaseException, timeout_s: float,
+                                give_up_s: float = _INF) -> None:
+        """:meth:`_fail` from any thread but the enqueuing one (the watchdog, or
+        :meth:`close`). NCCL forbids using a communicator from two threads at once,
+        and CuPy's ``abort()`` frees it under a thread still inside NCCL on it, so
+        the abort waits until no enqueue is running. Only an enqueue stuck inside
+        NCCL past its deadline (or, for :meth:`close`, past ``give_up_s``) is
+        aborted under it: a call blocked in NCCL has no other way out."""
+        give_up = time.monotonic() + give_up_s
         while True:
             if self._lock.acquire(timeout=WATCHDOG_INTERVAL_S):
                 try:
@@ -393,7 +411,10 @@ class StreamEngine:
                     self._lock.release()
                 return
             enqueuing = self._enqueuing
-            if enqueuing is not None and time.monotonic() > enqueuing[1]:
+            now = time.monotonic()
+            if enqueuing is not None and (now > enqueuing[1] or now > give_up):
+                log.warning("ringcomm %s: %s is stuck inside NCCL; aborting its "
+                            "communicator under it", enqueuing[0], self._describe())
                 self._fail(op, cause, timeout_s)
                 return
 
@@ -409,19 +430,27 @@ class StreamEngine:
     def close(self, wait_s: float = 10.0) -> None:
         """Shut down and release the communicator: destroyed once its work finished;
         aborted, failing the pending Works, if that takes longer than ``wait_s`` (0:
-        abort at once) or the group had failed."""
+        abort at once) or the group had failed. Neither runs while another thread
+        is enqueuing on it (that enqueue finishes first, unless it is stuck inside
+        NCCL for ``wait_s`` plus :data:`CLOSE_GRACE_S`)."""
         self.shutdown()
         deadline = time.monotonic() + wait_s
-        with self._state:
-            pending = list(self._pending)
-        while self._error is None and not all(w.is_completed() for w in pending):
-            if time.monotonic() >= deadline:
-                self._fail("collective", RuntimeError(
-                    "the process group was shut down or aborted before it completed"), 0.0)
-                return
-            time.sleep(0.01)
-        if self._error is None:
-            self.tp.close()
-        else:
-            self.tp.abort()
+        gone = RuntimeError("the process group was shut down or aborted before it completed")
+        if not self._lock.acquire(timeout=wait_s + CLOSE_GRACE_S):
+            self._abort_between_enqueues("collective", gone, 0.0, give_up_s=0.0)
+            return
+        try:  # no enqueue can start now: the pending list is complete
+            with self._state:
+                pending = list(self._pending)
+            while self._error is None and not all(w.is_completed() for w in pending):
+                if time.monotonic() >= deadline:
+                    self._fail("collective", gone, 0.0)
+                    return
+                time.sleep(0.01)
+            if self._error is None:
+                self.tp.close()
+            else:
+                self.tp.abort()
+        finally:
+            self._lock.release()
 

@@ -12,16 +12,19 @@ import torch.distributed as dist
 
 
 def collective_error(op: str, where: str, cause: BaseException, timeout_s: float,
-                     timed_out: bool, detail: str = "") -> dist.DistBackendError:
+                     timed_out: bool, detail: str = "",
+                     cause_text: str = "") -> dist.DistBackendError:
     """The error a collective fails with, for both engines: past its deadline (the
     words "timed out ... timeout" are those torch's own tests, and gloo's, look for;
-    ``detail`` says what was pending or what was done about it), or failed."""
+    ``detail`` says what was pending or what was done about it), or failed
+    (``cause_text``: the cause as the transport explains it)."""
     if timed_out:
         msg = (f"ringcomm {op} timed out after {timeout_s:g}s, the timeout of this "
                f"collective ({where}){detail}. Every rank must call the same collectives "
                "in the same order with matching sizes; the group is unusable now.")
     else:
-        msg = f"ringcomm {op} failed ({where}): {type(cause).__name__}: {cause}"
+        msg = (f"ringcomm {op} failed ({where}): "
+               f"{cause_text or f'{type(cause).__name__}: {cause}'}")
     err = dist.DistBackendError(msg)
     err.__cause__ = cause
     err.timed_out = timed_out  # for the group's get_error()

@@ -331,6 +331,10 @@ class GroupComm(Protocol):
 
     def group_end(self, label: str = "") -> None: ...
 
+    def close_groups(self) -> None:
+        """Close the groups that an exception left open (NCCL's depth is per thread:
+        an open one would swallow every later call of the thread)."""
+
     def send(self, buf: torch.Tensor, peer: int) -> None: ...
 
     def recv(self, buf: torch.Tensor, peer: int) -> None: ...
@@ -456,12 +460,16 @@ class GroupProgram(_Program):
         if ops_ is None or trace.active():
             return self._run_traced(bufs)
         lv = self._local_views(bufs)
-        for fn, args in ops_:
-            if fn is None:
-                f, d, s = args
-                f(lv[d], lv[s])
-            else:
-                fn(*args)
+        try:
+            for fn, args in ops_:
+                if fn is None:
+                    f, d, s = args
+                    f(lv[d], lv[s])
+                else:
+                    fn(*args)
+        except BaseException:
+            self.comm.close_groups()
+            raise
 
     def _run_traced(self, bufs: Sequence) -> None:
         """:meth:`run` on a first binding or with the trace on (each step recorded)."""
@@ -473,15 +481,19 @@ class GroupProgram(_Program):
         comm = self.comm
         trace.annotate(peers=self.plan.peers, steps=len(self.plan.steps))
         t0 = trace.now()
-        for i, (grouped, msgs, work, label) in enumerate(steps):
-            if grouped:
-                comm.group_start()
-                for fn, args in msgs:
-                    fn(*args)
-                comm.group_end(label)
-            for fn, d, s in work:
-                fn(lv[d], lv[s])
-            t0 = self.plan.trace_step(i, t0)  # the time to enqueue the step
+        try:
+            for i, (grouped, msgs, work, label) in enumerate(steps):
+                if grouped:
+                    comm.group_start()
+                    for fn, args in msgs:
+                        fn(*args)
+                    comm.group_end(label)
+                for fn, d, s in work:
+                    fn(lv[d], lv[s])
+                t0 = self.plan.trace_step(i, t0)  # the time to enqueue the step
+        except BaseException:
+            comm.close_groups()
+            raise
         self._bindings.pop(key, None)  # traced bindings keep the steps: not reused
 
 

@@ -130,6 +130,10 @@ class SimComm:
                 self.fabric.rules.add_group(self.rank, group, label or "group")
                 self.fabric._cv.notify_all()
 
+    def close_groups(self) -> None:
+        """Drop a group an exception left open (nothing of it was enqueued)."""
+        self._depth, self._group = 0, None
+
     def send(self, buf: torch.Tensor, peer: int) -> None:
         self._op("send", buf, peer, lambda: buf)
 

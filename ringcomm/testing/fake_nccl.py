@@ -2,10 +2,25 @@
 group's CUDA path (communicators through the store, pointers, byte counts, type
 codes, groups, NCCL's own collectives, aborts) runs where there is no GPU.
 :func:`ringcomm.testing.nccl_groups` runs process groups over it on threads.
+
+It is meant to fail where NCCL and CUDA fail, not to be kinder:
+
+* group depth is per thread, and an error inside a group is raised at once and
+  again at the outermost ``groupEnd``; a thread that never closes its group
+  queues every later call it makes, which then never runs;
+* a communicator after ``abort()`` or ``destroy()`` refuses every call (CuPy
+  zeroes its handle: NCCL's "invalid argument");
+* ``abort()`` or ``destroy()`` while another thread is inside NCCL on the same
+  communicator (a use after free in NCCL) is recorded in ``unsafe``;
+* :class:`FakeStreams` issues collectives "on a stream" as CUDA's engine does,
+  and refuses memory that NCCL used but that was not recorded on that stream
+  (CUDA's caching allocator could hand it to another stream meanwhile);
+* ``ncclAvg`` multiplies each input by 1/nRanks before summing, as NCCL does.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
 import threading
@@ -13,8 +28,26 @@ from typing import Any
 
 import torch
 
+from ringcomm.runtime.streams import HostStreams
 from ringcomm.schedules.simulator import SimFabric
-from ringcomm.transport.nccl import DTYPE_CODES
+from ringcomm.transport.nccl import DTYPE_CODES, ERROR_NAMES
+
+#: ncclGetErrorString's text per status (nccl.h ncclResult_t)
+_ERROR_TEXT = {1: "unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
+               2: "unhandled system error (run with NCCL_DEBUG=INFO for details)",
+               3: "internal error - please report this issue to the NCCL developers",
+               4: "invalid argument (run with NCCL_DEBUG=WARN for details)",
+               5: "invalid usage (run with NCCL_DEBUG=WARN for details)",
+               6: "remote process exited or there was a network error",
+               7: "NCCL operation in progress"}
+
+
+class FakeNcclError(RuntimeError):
+    """CuPy's ``NcclError``: the status code in ``status``, ``"NAME: text"`` as message."""
+
+    def __init__(self, status: int):
+        self.status = status
+        super().__init__(f"{ERROR_NAMES.get(status, status)}: {_ERROR_TEXT.get(status, '')}")
 
 
 class FakeNccl:
@@ -43,6 +76,7 @@ class FakeNccl:
     """
 
     available = True
+    NcclError = FakeNcclError
 
     def __init__(self, id_form: str = "bytes", timeout_s: float = 60.0, record: bool = False):
         if id_form not in ("bytes", "tuple"):
@@ -54,6 +88,31 @@ class FakeNccl:
         self._lock = threading.Lock()
         self._tls = threading.local()
         self.calls: dict[str, int] = collections.defaultdict(int)  # per method, for tests
+        #: what NCCL would have done wrong (a use after free): abort or destroy while
+        #: another thread was inside NCCL on that communicator
+        self.unsafe: list[str] = []
+        #: faults to inject: (method, rank) -> NCCL status the next such call returns
+        self.faults: dict[tuple[str, int], int] = {}
+        #: what ncclGetLastError would say after the last error
+        self.last_error_text = ""
+        self._detail = ""
+
+    def fail_next(self, method: str, rank: int, status: int = 2,
+                  detail: str = "injected by FakeNccl.fail_next") -> None:
+        """Make ``rank``'s next call of ``method`` (a communicator method, or
+        ``"NcclCommunicator"``: its creation) fail with ``status`` (2: a system
+        error, as a lost socket gives) and ``detail`` as ncclGetLastError's text."""
+        self.faults[(method, rank)] = status
+        self._detail = detail
+
+    def last_error(self) -> str:
+        """What ``ncclGetLastError`` returns: the detail of the last error."""
+        return self.last_error_text
+
+    def ringcomm_streams(self, device: torch.device) -> "FakeStreams":
+        """The streams ringcomm's engine drives over this stand-in (its CUDA
+        semantics; see :class:`FakeStreams`)."""
+        return FakeStreams(device, self)
 
     @staticmethod
     def get_version() -> int:
@@ -75,6 +134,9 @@ class FakeNccl:
             if not 0 <= rank < ndev:
                 raise ValueError(f"FakeNccl: rank {rank} does not fit a communicator of {ndev}")
             return _RecordingComm(self, rank, ndev)
+        status = self.faults.pop(("NcclCommunicator", rank), None)
+        if status is not None:
+            raise self._error(status, self._detail)
         key = bytes(x & 0xFF for x in uid)
         with self._lock:
             fabric = self._fabrics.setdefault(key, SimFabric(ndev))
@@ -91,19 +153,57 @@ class FakeNccl:
         depth = getattr(self._tls, "depth", 0)
         if depth == 0:
             self._tls.ops = []
+            self._tls.error = None
         self._tls.depth = depth + 1
 
     def groupEnd(self) -> None:  # noqa: N802
+        self.calls["groupEnd"] += 1
         if self.record:
-            self.calls["groupEnd"] += 1
             return
         depth = getattr(self._tls, "depth", 0)
         if depth == 0:
-            raise RuntimeError("FakeNccl: groupEnd without groupStart")
+            raise self._error(5, "ncclGroupEnd: not in a group call")
+        # as ncclGroupEndInternal: the depth drops first, whatever follows
         self._tls.depth = depth - 1
         if depth == 1:
             ops, self._tls.ops = self._tls.ops, []
+            err, self._tls.error = self._tls.error, None
+            if err is not None:  # the group's first error, and nothing of it runs
+                raise err
             self._run(ops)
+
+    def group_depth(self) -> int:
+        """This thread's group depth (NCCL's ``ncclGroupDepth``), for tests."""
+        return getattr(self._tls, "depth", 0)
+
+    def _error(self, status: int, detail: str) -> FakeNcclError:
+        self.last_error_text = detail
+        return FakeNcclError(status)
+
+    def _enter(self, comm: "_FakeComm", method: str) -> None:
+        """The checks NCCL makes on entry of a communicator call: a failure is
+        raised now and, inside a group, again at its outermost ``groupEnd``."""
+        self.calls[method] += 1
+        status = self.faults.pop((method, comm.rank), None)
+        err = None
+        if comm.handle == 0:
+            err = self._error(4, f"{method}: comm argument is NULL (the communicator was "
+                                 f"{comm.ended})")
+        elif status is not None:
+            err = self._error(status, self._detail)
+        if err is not None:
+            if getattr(self._tls, "depth", 0) and self._tls.error is None:
+                self._tls.error = err
+            raise err
+
+    def _touch(self, comm: "_FakeComm", ptr: int, count: int, code: int,
+               what: str) -> torch.Tensor:
+        """The memory a call reads or writes, noted for :class:`FakeStreams`."""
+        t = memory_at(ptr, count, code)
+        touched = getattr(self._tls, "touched", None)
+        if touched is not None and t.numel():
+            touched.append((ptr, t.numel() * t.element_size(), what))
+        return t
 
     def _enqueue(self, comm: "_FakeComm", sends: list, recvs: list, post=None) -> None:
         """``sends``: ``(peer, tensor)``; ``recvs``: ``(peer, tensor)``; ``post``: runs
@@ -119,20 +219,27 @@ class FakeNccl:
         for comm, _, _, _ in items:
             if comm not in comms:
                 comms.append(comm)
+        me = threading.get_ident()
         for c in comms:
-            c.sim.group_start()
-        for comm, sends, recvs, _ in items:
-            for peer, t in sends:
-                comm.sim.send(t, peer)
-            for peer, t in recvs:
-                comm.sim.recv(t, peer)
-        for c in comms:
-            c.sim.group_end("group")
-        for c in comms:
-            c.sim.synchronize(self.timeout_s)
-        for _, _, _, post in items:
-            if post is not None:
-                post()
+            c.inside.add(me)
+        try:
+            for c in comms:
+                c.sim.group_start()
+            for comm, sends, recvs, _ in items:
+                for peer, t in sends:
+                    comm.sim.send(t, peer)
+                for peer, t in recvs:
+                    comm.sim.recv(t, peer)
+            for c in comms:
+                c.sim.group_end("group")
+            for c in comms:
+                c.sim.synchronize(self.timeout_s)
+            for _, _, _, post in items:
+                if post is not None:
+                    post()
+        finally:
+            for c in comms:
+                c.inside.discard(me)
 
 
 #: NCCL type code -> torch dtype
@@ -150,6 +257,12 @@ def memory_at(ptr: int, count: int, code: int) -> torch.Tensor:
 
 
 def _fold(parts: list, op: int) -> torch.Tensor:
+    if op == 4 and parts[0].is_floating_point():
+        # ncclAvg on floating types is ncclDevPreMulSum: each input times 1/nRanks
+        # (rounded to the element type), then a sum
+        scale = float(torch.tensor(1.0 / len(parts), dtype=parts[0].dtype))
+        parts = [x * scale for x in parts]
+        op = 0
     acc = parts[0].clone()
     for x in parts[1:]:
         if op in (0, 4):
@@ -162,9 +275,8 @@ def _fold(parts: list, op: int) -> torch.Tensor:
             torch.minimum(acc, x, out=acc)
         else:
             raise ValueError(f"FakeNccl: unknown op code {op}")
-    if op == 4:
-        acc = acc / len(parts) if acc.is_floating_point() else torch.div(
-            acc, len(parts), rounding_mode="trunc")
+    if op == 4:  # integers: a sum, then a division truncating toward zero
+        acc = torch.div(acc, len(parts), rounding_mode="trunc")
     return acc
 
 
@@ -175,65 +287,82 @@ class _FakeComm:
         self.lib = lib
         self.sim = sim
         self.rank, self.size = sim.rank, sim.size
-        self.aborted = False
+        #: CuPy's ``_comm``: 0 once aborted or destroyed
+        self.handle = id(self)
+        self.ended = ""
+        #: threads inside a call of this communicator now
+        self.inside: set[int] = set()
+
+    @property
+    def aborted(self) -> bool:
+        return self.ended == "aborted"
 
     def _others(self) -> list[int]:
         return [r for r in range(self.size) if r != self.rank]
 
+    def _mem(self, ptr: int, count: int, code: int, what: str) -> torch.Tensor:
+        return self.lib._touch(self, ptr, count, code, what)
+
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
-        self.lib.calls["send"] += 1
-        self.lib._enqueue(self, [(peer, memory_at(sendbuf, count, datatype))], [])
+        self.lib._enter(self, "send")
+        self.lib._enqueue(self, [(peer, self._mem(sendbuf, count, datatype, f"send to {peer}"))],
+                          [])
 
     def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
-        self.lib.calls["recv"] += 1
-        self.lib._enqueue(self, [], [(peer, memory_at(recvbuf, count, datatype))])
+        self.lib._enter(self, "recv")
+        self.lib._enqueue(self, [], [(peer, self._mem(recvbuf, count, datatype,
+                                                      f"recv from {peer}"))])
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,  # noqa: N802
                   stream: int) -> None:
-        self.lib.calls["allReduce"] += 1
-        mine = memory_at(sendbuf, count, datatype)
+        self.lib._enter(self, "allReduce")
+        mine = self._mem(sendbuf, count, datatype, "sendbuf")
         theirs = {r: torch.empty_like(mine) for r in self._others()}
+        dst = self._mem(recvbuf, count, datatype, "recvbuf")
 
         def post():
             parts = [mine if r == self.rank else theirs[r] for r in range(self.size)]
-            memory_at(recvbuf, count, datatype).copy_(_fold(parts, op))
+            dst.copy_(_fold(parts, op))
 
         self.lib._enqueue(self, [(r, mine) for r in theirs], list(theirs.items()), post)
 
     def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int,
                stream: int) -> None:
-        self.lib.calls["reduce"] += 1
-        mine = memory_at(sendbuf, count, datatype)
+        self.lib._enter(self, "reduce")
+        mine = self._mem(sendbuf, count, datatype, "sendbuf")
         if self.rank != root:
             self.lib._enqueue(self, [(root, mine)], [])
             return
         theirs = {r: torch.empty_like(mine) for r in self._others()}
+        dst = self._mem(recvbuf, count, datatype, "recvbuf")
 
         def post():
             parts = [mine if r == self.rank else theirs[r] for r in range(self.size)]
-            memory_at(recvbuf, count, datatype).copy_(_fold(parts, op))
+            dst.copy_(_fold(parts, op))
 
         self.lib._enqueue(self, [], list(theirs.items()), post)
 
     def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int,
                   stream: int) -> None:
-        self.lib.calls["broadcast"] += 1
+        self.lib._enter(self, "broadcast")
         if self.rank == root:
-            src = memory_at(sendbuff, count, datatype)
+            src = self._mem(sendbuff, count, datatype, "sendbuff")
+            dst = self._mem(recvbuff, count, datatype, "recvbuff")
 
             def post():
                 if sendbuff != recvbuff:
-                    memory_at(recvbuff, count, datatype).copy_(src)
+                    dst.copy_(src)
 
             self.lib._enqueue(self, [(r, src) for r in self._others()], [], post)
         else:
-            self.lib._enqueue(self, [], [(root, memory_at(recvbuff, count, datatype))])
+            self.lib._enqueue(self, [], [(root, self._mem(recvbuff, count, datatype, "recvbuff"))])
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,  # noqa: N802
                   stream: int) -> None:
-        self.lib.calls["allGather"] += 1
-        mine = memory_at(sendbuf, count, datatype)
-        out = memory_at(recvbuf, count * self.size, datatype).view(self.size, -1) if count else None
+        self.lib._enter(self, "allGather")
+        mine = self._mem(sendbuf, count, datatype, "sendbuf")
+        out = (self._mem(recvbuf, count * self.size, datatype, "recvbuf").view(self.size, -1)
+               if count else None)
 
         def post():
             if out is not None:
@@ -244,15 +373,16 @@ class _FakeComm:
 
     def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int,  # noqa: N802
                       op: int, stream: int) -> None:
-        self.lib.calls["reduceScatter"] += 1
+        self.lib._enter(self, "reduceScatter")
         if not recvcount:
             return
-        blocks = memory_at(sendbuf, recvcount * self.size, datatype).view(self.size, -1)
+        blocks = self._mem(sendbuf, recvcount * self.size, datatype, "sendbuf").view(self.size, -1)
         theirs = {r: torch.empty_like(blocks[0]) for r in self._others()}
+        dst = self._mem(recvbuf, recvcount, datatype, "recvbuf")
 
         def post():
             parts = [blocks[r] if r == self.rank else theirs[r] for r in range(self.size)]
-            memory_at(recvbuf, recvcount, datatype).copy_(_fold(parts, op))
+            dst.copy_(_fold(parts, op))
 
         self.lib._enqueue(self, [(r, blocks[r]) for r in theirs], list(theirs.items()), post)
 
@@ -261,12 +391,70 @@ class _FakeComm:
 
     def abort(self) -> None:
         self.lib.calls["abort"] += 1
-        self.aborted = True
+        self._end("aborted")
         self.sim.abort()
 
     def destroy(self) -> None:
         self.lib.calls["destroy"] += 1
+        self._end("destroyed")
         self.sim.close()
+
+    def _end(self, how: str) -> None:
+        """As CuPy: a no-op once ended; otherwise the communicator is freed and its
+        handle zeroed. Freeing it under a thread still inside NCCL on it is a use
+        after free in NCCL: recorded."""
+        if not self.handle:
+            return
+        others = self.inside - {threading.get_ident()}
+        if others:
+            self.lib.unsafe.append(f"rank {self.rank}: the communicator was {how} while "
+                                   f"{len(others)} other thread(s) were inside NCCL on it")
+        self.handle, self.ended = 0, how
+
+
+class FakeStreams(HostStreams):
+    """The streams of a CUDA device as ringcomm's stream engine drives them, over
+    :class:`FakeNccl`: the collective is issued as on a GPU (the internal stream
+    made to wait for the caller's, the work issued "on" it, its tensors recorded on
+    it with ``record_stream``), though each group has completed when ``groupEnd``
+    returns.
+
+    What CUDA's caching allocator would punish is refused here: every byte that an
+    NCCL call of the collective read or wrote must lie in a tensor recorded on the
+    stream (:meth:`keep_alive`). Memory allocated on the caller's stream and used
+    on the internal one without that can be handed out again, on the caller's
+    stream, while NCCL still uses it.
+    """
+
+    inline = False
+    keeps = True
+
+    def __init__(self, device: torch.device, lib: FakeNccl):
+        super().__init__(device)
+        self.lib = lib
+        self.handle = 0x57  # a stream handle as an int, as CUDA's
+        self._kept: list[tuple[int, int]] = []
+
+    @contextlib.contextmanager
+    def on_stream(self) -> Any:
+        tls = self.lib._tls
+        tls.touched, self._kept = [], []
+        try:
+            yield
+            touched = tls.touched
+        finally:
+            tls.touched = None
+        for ptr, n, what in touched:
+            if not any(a <= ptr and ptr + n <= e for a, e in self._kept):
+                raise RuntimeError(
+                    f"FakeNccl: NCCL's {what} used {n} bytes at {ptr:#x} that were not "
+                    "recorded on the collective's stream (record_stream): CUDA's caching "
+                    "allocator could hand them to another stream while NCCL still uses them")
+
+    def keep_alive(self, tensors: Any) -> None:
+        for t in tensors:
+            st = t.untyped_storage()
+            self._kept.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
 
 
 class _RecordingComm:

@@ -6,18 +6,26 @@ with every CuPy version. Point-to-point messages travel as bytes; only NCCL's
 own collectives (algorithm ``native``) need the element type.
 
 Everything here only *enqueues* work on a stream. Each schedule step is one
-``groupStart()``/``groupEnd()`` pair (:func:`ringcomm.schedules.executors.run_grouped`),
+``groupStart()``/``groupEnd()`` pair (:class:`ringcomm.schedules.executors.GroupProgram`),
 local reductions are torch ops issued on the same stream, and waiting, time
 limits and errors belong to :class:`ringcomm.runtime.streams.StreamEngine`.
+
+NCCL keeps the group depth per thread, and a call that fails inside a group
+leaves the group open: every later NCCL call of that thread, on any
+communicator, would be queued and never launched. So every group opened here is
+closed on every path (:meth:`NcclTransport.close_groups`), as torch's
+``AutoNcclGroup`` does.
 
 CuPy is imported on first use only: ``import ringcomm`` works without it, and a
 CUDA tensor without it gets an error naming the extra to install.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -40,6 +48,27 @@ OP_CODES = {ops.SUM.value: 0, ops.AVG.value: 0, ops.PRODUCT.value: 1, ops.MAX.va
 #: collectives NCCL has (torch's NCCL backend builds the others from send/recv,
 #: as ringcomm's own algorithms do)
 NCCL_COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter")
+
+#: NCCL's error codes (ncclResult_t), as CuPy's NcclError names them
+ERROR_NAMES = {1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR", 2: "NCCL_ERROR_SYSTEM_ERROR",
+               3: "NCCL_ERROR_INTERNAL_ERROR", 4: "NCCL_ERROR_INVALID_ARGUMENT",
+               5: "NCCL_ERROR_INVALID_USAGE", 6: "NCCL_ERROR_REMOTE_ERROR",
+               7: "NCCL_ERROR_IN_PROGRESS"}
+#: what each error usually means for a ringcomm user
+_ERROR_CAUSES = {
+    1: "a CUDA call inside NCCL failed: is a GPU visible to this process "
+       "(CUDA_VISIBLE_DEVICES), its driver loaded, and not out of memory?",
+    2: "a system call inside NCCL failed: a socket (is NCCL_SOCKET_IFNAME an interface "
+       "that reaches the other ranks?), or shared memory (a container's /dev/shm is often "
+       "too small: docker --shm-size)",
+    3: "NCCL found itself in an inconsistent state",
+    4: "NCCL refused an argument (a pointer not on this device, a rank out of range, or "
+       "a communicator used after it was aborted or destroyed)",
+    5: "NCCL refused how it was used: two ranks on one GPU (\"Duplicate GPU\") need NCCL "
+       ">= 2.30.3 and NCCL_MULTI_RANK_GPU_ENABLE=1; or mismatched calls across ranks",
+    6: "a remote rank exited or the network between the ranks failed",
+    7: "NCCL's operation is still in progress",
+}
 
 
 class NcclUnavailable(RuntimeError):
@@ -104,6 +133,63 @@ def decode_id(data: bytes) -> Any:
     return tuple(x - 256 if x > 127 else x for x in raw)
 
 
+def last_error(lib: Any) -> str:
+    """What NCCL's ``ncclGetLastError`` says of the last failure, or "".
+
+    CuPy does not bind it, so it is called in the NCCL library CuPy loaded (found
+    in this process's memory map); a stand-in answers through ``last_error()``."""
+    own = getattr(lib, "last_error", None)
+    if own is not None:
+        return own()
+    global _get_last_error
+    if _get_last_error is None:
+        _get_last_error = _find_get_last_error()
+    if not _get_last_error:
+        return ""
+    try:
+        text = _get_last_error(None)
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return ""
+    return text.decode(errors="replace").strip() if text else ""
+
+
+_get_last_error: Any = None
+
+
+def _find_get_last_error() -> Any:
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libnccl.so" in line}
+    except OSError:
+        return False
+    for path in sorted(paths):
+        try:
+            fn = ctypes.CDLL(path).ncclGetLastError
+        except (OSError, AttributeError):
+            continue
+        fn.restype, fn.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+        return fn
+    return False
+
+
+def explain(lib: Any, err: BaseException) -> str:
+    """``err`` from an NCCL call, with what NCCL said of it (``ncclGetLastError``)
+    and what it usually means; other errors as they are."""
+    status = getattr(err, "status", None)
+    if status not in ERROR_NAMES:
+        return f"{type(err).__name__}: {err}"
+    parts = [str(err)]
+    detail = last_error(lib)
+    if detail:
+        parts.append(f"NCCL said: {detail}")
+    parts.append(f"this usually means {_ERROR_CAUSES[status]}")
+    if not os.environ.get("NCCL_DEBUG"):
+        parts.append("NCCL_DEBUG=WARN prints NCCL's own account")
+    return "; ".join(parts)
+
+
 def connect(lib: Any, store: Any, prefix: str, rank: int, size: int, timeout_s: float,
             device_context: Callable[[], Any]) -> Any:
     """A new NCCL communicator over ``size`` ranks, its unique id passed through ``store``.
@@ -137,9 +223,11 @@ def connect(lib: Any, store: Any, prefix: str, rank: int, size: int, timeout_s: 
         with device_context():
             return lib.NcclCommunicator(size, uid, rank)
     except Exception as e:  # noqa: BLE001 - NCCL's and CUDA's errors, named with the group
+        why = (explain(lib, e) if getattr(e, "status", None) in ERROR_NAMES else
+               f"{type(e).__name__}: {e}. Is CUDA usable here (a GPU visible, its driver "
+               "loaded)?")
         raise RuntimeError(f"ringcomm: creating the NCCL communicator {prefix!r} (rank {rank} "
-                           f"of {size}) failed: {type(e).__name__}: {e}. Is CUDA usable here "
-                           "(a GPU visible, its driver loaded, NCCL able to use it)?") from e
+                           f"of {size}) failed: {why}") from e
 
 
 class NcclTransport(Link):
@@ -171,13 +259,42 @@ class NcclTransport(Link):
         # The watchdog checks and aborts from its own thread: never two of these at once
         # (CuPy clears its communicator handle only after ncclCommAbort returned).
         self._life = threading.Lock()
+        #: groups this transport opened and has not closed (one thread uses it at a
+        #: time: the stream engine's lock)
+        self.depth = 0
 
     # -- the GroupComm interface --------------------------------------------------
     def group_start(self) -> None:
         self.lib.groupStart()
+        self.depth += 1
 
     def group_end(self, label: str = "") -> None:
+        # NCCL lowers the depth before it reports the group's error
+        self.depth -= 1
         self.lib.groupEnd()
+
+    def close_groups(self) -> None:
+        """Close the groups a failure left open (their error is the one already
+        raised; what they queued never runs). Call after any exception between
+        ``group_start`` and ``group_end``."""
+        while self.depth > 0:
+            self.depth -= 1
+            try:
+                self.lib.groupEnd()
+            except Exception:  # noqa: BLE001 - the group's stored error, already raised
+                pass
+
+    @contextlib.contextmanager
+    def group(self, label: str = "") -> Iterator[None]:
+        """One NCCL group around the calls of the ``with`` body, closed however the
+        body ends."""
+        self.group_start()
+        try:
+            yield
+        except BaseException:
+            self.close_groups()
+            raise
+        self.group_end(label)
 
     def send(self, buf: torch.Tensor, peer: int) -> None:
         # Both sides skip an empty message alike (a schedule's pairs have equal sizes).
@@ -246,12 +363,11 @@ class NcclTransport(Link):
             if len(set(counts)) == 1 and packed(chunks) is not None:
                 c.allGather(inp.data_ptr(), chunks[0].data_ptr(), counts[0], _UINT8, s)
             else:  # uneven or scattered outputs: one broadcast per rank, in one group
-                self.group_start()
-                for r, x in enumerate(chunks):
-                    if x.numel():
-                        src = inp if r == me else x
-                        c.broadcast(src.data_ptr(), x.data_ptr(), x.numel(), _UINT8, r, s)
-                self.group_end()
+                with self.group():
+                    for r, x in enumerate(chunks):
+                        if x.numel():
+                            src = inp if r == me else x
+                            c.broadcast(src.data_ptr(), x.data_ptr(), x.numel(), _UINT8, r, s)
         elif collective == "reduce_scatter":
             chunks, out = bufs[:p], bufs[p]
             code, nop = DTYPE_CODES[dtype], OP_CODES[op.value]
@@ -259,16 +375,20 @@ class NcclTransport(Link):
             if len(set(counts)) == 1 and packed(chunks) is not None:
                 c.reduceScatter(chunks[0].data_ptr(), out.data_ptr(), counts[0], code, nop, s)
             else:  # uneven: one reduce per rank, in one group
-                self.group_start()
-                for r, x in enumerate(chunks):
-                    if x.numel():
-                        dst = out if r == me else x
-                        c.reduce(x.data_ptr(), dst.data_ptr(), x.numel(), code, nop, r, s)
-                self.group_end()
+                with self.group():
+                    for r, x in enumerate(chunks):
+                        if x.numel():
+                            dst = out if r == me else x
+                            c.reduce(x.data_ptr(), dst.data_ptr(), x.numel(), code, nop, r, s)
         else:
             raise ValueError(f"ringcomm: NCCL has no native {collective!r}")
 
     # -- failure and teardown ---------------------------------------------------------
+    def explain(self, err: BaseException) -> str:
+        """An NCCL error with what NCCL said of it and what it usually means; "" for
+        any other error."""
+        return explain(self.lib, err) if getattr(err, "status", None) in ERROR_NAMES else ""
+
     def check_async_error(self) -> None:
         """Raise the communicator's asynchronous error, if it has one."""
         with self._life:

@@ -1,0 +1,226 @@
+"""The CUDA path where NCCL and CUDA are unforgiving, over a stand-in that is not
+kinder than they are (:mod:`ringcomm.testing.fake_nccl`): groups closed on every
+path, memory recorded on the stream that uses it, no abort under a thread inside
+NCCL, AVG as NCCL computes it, torch's Work semantics, and NCCL errors that say why.
+Each test here failed before the fix it guards."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringcomm.front.process_group import ProcessGroupRingcomm
+from ringcomm.runtime.streams import StreamWork
+from ringcomm.testing import FakeNccl, nccl_groups
+from ringcomm.testing.fake_nccl import FakeNcclError
+from ringcomm.transport import nccl
+
+
+def _group(rank: int, size: int, store, lib: FakeNccl, name: str) -> ProcessGroupRingcomm:
+    return ProcessGroupRingcomm(rank, size, None, timedelta(seconds=10), None, name,
+                                store=store, cpu_error="not used", nccl=lib,
+                                nccl_device_type="cpu")
+
+
+# -- 1. a group is closed however its calls end ------------------------------------------
+
+@pytest.mark.parametrize("algorithm,method,call", [
+    ("ring", "send", lambda pg, t: pg.allreduce([t])),
+    ("native", "broadcast",  # uneven allgather: NCCL's own broadcasts, one group
+     lambda pg, t: pg.allgather([[torch.empty(r + 1) for r in range(2)]],
+                                [torch.ones(pg.rank() + 1)])),
+])
+def test_a_call_failing_inside_a_group_leaves_no_group_open(algorithm, method, call):
+    lib = FakeNccl(timeout_s=10)
+    second_store = dist.HashStore()
+
+    def body(pg):
+        me = pg.rank()
+        coll = "allreduce" if method == "send" else "allgather"
+        pg.set_algorithm(coll, algorithm)
+        call(pg, torch.ones(8)).wait()  # both ranks' communicators made
+        second = _group(me, 2, second_store, lib, "second")
+        second.set_algorithm("allreduce", "ring")
+        second.allreduce([torch.ones(2)]).wait()
+        if me == 0:
+            lib.fail_next(method, rank=0)
+        with pytest.raises(dist.DistBackendError) as failed:
+            call(pg, torch.ones(8)).wait()
+        depth = lib.group_depth()
+        # the same thread, another group: its calls must run, not queue in an open group
+        u = torch.full((6,), float(me + 1))
+        second.allreduce([u]).wait()
+        second.shutdown()
+        return str(failed.value), depth, u
+
+    results = nccl_groups(2, body, lib=lib, timeout_s=30)
+    assert "NCCL_ERROR_SYSTEM_ERROR" in results[0][0]
+    assert [depth for _, depth, _ in results] == [0, 0]
+    for _, _, u in results:
+        assert torch.equal(u, torch.full((6,), 3.0))
+
+
+def test_the_stand_in_holds_a_groups_error_to_its_outermost_end():
+    lib = FakeNccl()
+    comm = lib.NcclCommunicator(1, lib.get_unique_id(), 0)
+    comm.abort()
+    lib.groupStart()
+    lib.groupStart()
+    with pytest.raises(FakeNcclError, match="INVALID_ARGUMENT"):
+        comm.send(0, 0, 1, 0, 0)
+    lib.groupEnd()  # inner: nothing yet
+    with pytest.raises(FakeNcclError, match="INVALID_ARGUMENT"):
+        lib.groupEnd()
+    assert lib.group_depth() == 0
+    assert "aborted" in lib.last_error()
+
+
+# -- 2. memory a call owns is recorded on the stream it is used on ---------------------
+
+@pytest.mark.parametrize("what", ["allreduce_coalesced", "reduce", "reduce_scatter"])
+def test_buffers_a_call_owns_are_recorded_on_its_stream(what):
+    def body(pg):
+        me, p = pg.rank(), pg.size()
+        if what == "allreduce_coalesced":
+            a, b = torch.ones(5), torch.ones(3, dtype=torch.int64)
+            pg.allreduce_coalesced([a, b]).wait()
+            return a, torch.full((5,), 2.0)
+        if what == "reduce":
+            o = dist.ReduceOptions()
+            o.rootRank = 0
+            t = torch.full((7,), float(me + 1))
+            pg.reduce([t], o).wait()
+            return t, torch.full((7,), 3.0 if me == 0 else float(me + 1))
+        out = torch.empty(4)
+        pg._reduce_scatter_base(out, torch.arange(4.0 * p), dist.ReduceScatterOptions())
+        return out, torch.arange(4.0 * p).view(p, -1)[me] * p
+
+    for got, want in nccl_groups(2, body):
+        assert torch.equal(got, want)
+
+
+def test_the_stand_in_refuses_memory_not_recorded_on_the_stream():
+    lib = FakeNccl()
+    streams = lib.ringcomm_streams(torch.device("cpu"))
+    comm = lib.NcclCommunicator(1, lib.get_unique_id(), 0)
+    kept, other = torch.ones(4), torch.ones(4)
+    with streams.on_stream():  # recorded: fine
+        comm.allReduce(kept.data_ptr(), kept.data_ptr(), 4, 7, 0, streams.handle)
+        streams.keep_alive([kept])
+    with pytest.raises(RuntimeError, match="not recorded on the collective's stream"):
+        with streams.on_stream():
+            comm.allReduce(other.data_ptr(), other.data_ptr(), 4, 7, 0, streams.handle)
+            streams.keep_alive([kept])
+
+
+# -- 3. no abort under a thread inside NCCL ------------------------------------------------
+
+def test_closing_a_group_waits_for_the_thread_inside_nccl():
+    lib = FakeNccl()
+
+    def body(pg):
+        pg.set_algorithm("allreduce", "ring")
+        pg.allreduce([torch.ones(4)]).wait()
+        t = torch.full((4,), float(pg.rank() + 1))
+        if pg.rank() == 1:
+            time.sleep(1.0)  # rank 0 waits inside NCCL's group meanwhile
+            pg.allreduce([t]).wait()
+            return t
+        closer = threading.Timer(0.3, pg.shutdown)  # another thread of rank 0
+        closer.start()
+        pg.allreduce([t]).wait()
+        closer.join()
+        return t
+
+    results = nccl_groups(2, body, lib=lib)
+    assert lib.unsafe == []
+    assert all(torch.equal(t, torch.full((4,), 3.0)) for t in results)
+    assert lib.calls["destroy"] >= 1
+
+
+def test_the_stand_in_records_a_destroy_under_a_thread_inside_nccl():
+    lib = FakeNccl(timeout_s=5)
+    comms = []
+
+    def body(pg):
+        pg.set_algorithm("allreduce", "ring")
+        pg.allreduce([torch.ones(4)]).wait()
+        comms.append(pg.lanes.for_device(torch.device("cpu"), "test").tp.comm)
+        if pg.rank() == 0:
+            threading.Timer(0.3, lambda: [c.destroy() for c in comms if c.rank == 0]).start()
+            with pytest.raises(dist.DistBackendError):
+                pg.allreduce([torch.ones(4)]).wait()  # rank 1 never comes
+        else:
+            time.sleep(1.5)  # alive, but not in the collective
+
+    nccl_groups(2, body, lib=lib, timeout_s=20)
+    assert any("destroyed while 1 other thread" in u for u in lib.unsafe), lib.unsafe
+
+
+# -- 6. torch's Work semantics ---------------------------------------------------------------
+
+def test_synchronize_orders_the_current_stream_without_blocking_the_cpu():
+    class NotYet:
+        @staticmethod
+        def query() -> bool:
+            return False
+
+    waited = []
+    streams = SimpleNamespace(wait_on_current=waited.append)
+    work = StreamWork("allreduce", SimpleNamespace(streams=streams), NotYet, 0.0, math.inf,
+                      [], blocking=False)
+    done = threading.Thread(target=work.synchronize, daemon=True)
+    done.start()
+    done.join(2.0)
+    assert not done.is_alive(), "synchronize() blocked the CPU on a collective in flight"
+    assert waited == [NotYet]
+
+
+# -- 8. NCCL's errors say why ------------------------------------------------------------------
+
+def test_a_failed_communicator_says_what_nccl_said_and_what_it_means():
+    lib = FakeNccl(timeout_s=3)
+    lib.fail_next("NcclCommunicator", rank=0, status=5,
+                  detail="Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 0")
+
+    def body(pg):
+        if pg.rank() == 0:
+            with pytest.raises(RuntimeError) as e:
+                pg.allreduce([torch.ones(2)])
+            return str(e.value)
+        with pytest.raises(Exception):  # rank 0's communicator never comes
+            pg.allreduce([torch.ones(2)]).wait()
+        return ""
+
+    msg = nccl_groups(2, body, lib=lib, timeout_s=20)[0]
+    for part in ("NCCL_ERROR_INVALID_USAGE", "NCCL said: Duplicate GPU detected",
+                 "NCCL_MULTI_RANK_GPU_ENABLE=1", "rank 0 of 2"):
+        assert part in msg, (part, msg)
+
+
+def test_a_failed_collective_says_what_nccl_said():
+    lib = FakeNccl()
+
+    def body(pg):
+        pg.set_algorithm("allreduce", "ring")
+        pg.allreduce([torch.ones(2)]).wait()
+        if pg.rank() == 0:
+            lib.fail_next("send", rank=0, status=6, detail="socket closed by peer 1")
+        with pytest.raises(dist.DistBackendError) as e:
+            pg.allreduce([torch.ones(2)]).wait()
+        return str(e.value)
+
+    msg = nccl_groups(2, body, lib=lib, timeout_s=20)[0]
+    assert "NCCL_ERROR_REMOTE_ERROR" in msg and "NCCL said: socket closed by peer 1" in msg
+    assert "a remote rank exited" in msg
+
+
+def test_errors_that_are_not_nccls_are_left_as_they_are():
+    assert nccl.explain(FakeNccl(), ValueError("x")) == "ValueError: x"
+    assert nccl.last_error(object()) == ""  # no NCCL library in this process
