@@ -223,3 +223,38 @@ def finalize_(buf: torch.Tensor, op: RedOpType, world_size: int) -> None:
         buf.div_(world_size)
     else:
         buf.copy_(torch.div(buf, world_size, rounding_mode="trunc"))
+
+
+class Averaging:
+    """How a reducing collective computes AVG, before and after its reduction.
+
+    NCCL's ``ncclAvg`` on floating types multiplies each rank's input by 1/nRanks,
+    rounded to the element type, and then sums (``ncclDevPreMulSum``), so an fp16
+    sum that would overflow stays finite, and torch's ``nccl`` backend rounds so.
+    ringcomm does the same on NCCL lanes (``premultiply``). Elsewhere (MPI lanes,
+    and integers everywhere) AVG sums, then divides (:func:`finalize_`). Every
+    other op passes through both steps untouched.
+    """
+
+    __slots__ = ("scale", "post", "size")
+
+    def __init__(self, op: RedOpType, dtype: torch.dtype, world_size: int, premultiply: bool):
+        self.size = world_size
+        self.scale: float | None = None
+        self.post: RedOpType | None = None
+        if op.value != _AVG or world_size == 1:
+            return
+        if premultiply and (dtype.is_floating_point or dtype.is_complex):
+            self.scale = float(torch.tensor(1.0 / world_size, dtype=dtype).real)
+        else:
+            self.post = op
+
+    def before(self, buf: torch.Tensor) -> None:
+        """Scale this rank's contribution, where AVG premultiplies."""
+        if self.scale is not None:
+            buf.mul_(self.scale)
+
+    def after(self, buf: torch.Tensor) -> None:
+        """Divide the sum, where AVG sums first."""
+        if self.post is not None:
+            finalize_(buf, self.post, self.size)

@@ -163,6 +163,50 @@ def test_the_stand_in_records_a_destroy_under_a_thread_inside_nccl():
     assert any("destroyed while 1 other thread" in u for u in lib.unsafe), lib.unsafe
 
 
+# -- 4. AVG as NCCL computes it ----------------------------------------------------------
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "native"])
+def test_avg_on_an_nccl_lane_premultiplies_as_ncclavg_does(algorithm):
+    big = torch.full((64,), 40000.0, dtype=torch.float16)  # their sum overflows fp16
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(64, generator=g).to(torch.bfloat16) for _ in range(2)]
+
+    def body(pg):
+        pg.set_algorithm("allreduce", algorithm)
+        out = []
+        for t in (big.clone(), xs[pg.rank()].clone()):
+            pg.allreduce([t], _avg()).wait()
+            out.append(t)
+        o = dist.ReduceOptions()
+        o.reduceOp, o.rootRank = dist.ReduceOp.AVG, 0
+        r = big.clone()
+        pg.reduce([r], o).wait()
+        return out + [r]
+
+    for rank, (overflowing, mixed, reduced) in enumerate(nccl_groups(2, body)):
+        assert torch.equal(overflowing, big), overflowing[:4]  # 20000 + 20000, not inf / 2
+        assert torch.equal(mixed, xs[0] * 0.5 + xs[1] * 0.5)
+        if rank == 0:
+            assert torch.equal(reduced, big)
+
+
+def test_avg_on_the_nccl_stand_in_itself_premultiplies():
+    lib = FakeNccl()
+    comm = lib.NcclCommunicator(1, lib.get_unique_id(), 0)
+    from ringcomm.testing.fake_nccl import _fold
+
+    parts = [torch.tensor([40000.0], dtype=torch.float16)] * 2
+    assert torch.equal(_fold(parts, 4), parts[0])
+    assert torch.equal(_fold([torch.tensor([7]), torch.tensor([-2])], 4), torch.tensor([2]))
+    comm.destroy()
+
+
+def _avg() -> dist.AllreduceOptions:
+    o = dist.AllreduceOptions()
+    o.reduceOp = dist.ReduceOp.AVG
+    return o
+
+
 # -- 6. torch's Work semantics ---------------------------------------------------------------
 
 def test_synchronize_orders_the_current_stream_without_blocking_the_cpu():

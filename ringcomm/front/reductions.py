@@ -37,7 +37,9 @@ class _Allreduce(Call):
         self.n = t.numel()
         self.contiguous = contiguous
         self.size = g.inputs.size
-        self.avg = op if op == ops.AVG and self.size > 1 else None
+        # AVG's steps around the reduction (ops.Averaging); None for every other op
+        self.avg = (ops.Averaging(op, t.dtype, self.size, lane.on_stream)
+                    if op == ops.AVG and self.size > 1 else None)
         self.fields = [t.numel(), int(op), dtype_code(t.dtype)]
 
     def execute(self, t: torch.Tensor, tensors: list) -> list:
@@ -45,14 +47,14 @@ class _Allreduce(Call):
             self.same_call("allreduce", self.fields)
         if not self.n:
             return tensors
-        if self.contiguous:
-            flat = t if t.dim() == 1 else t.view(-1)
+        flat = (t if t.dim() == 1 else t.view(-1)) if self.contiguous else t.contiguous().view(-1)
+        avg = self.avg
+        if avg is None:
             self.run([flat])
         else:
-            flat = t.contiguous().view(-1)
+            avg.before(flat)
             self.run([flat])
-        if self.avg is not None:
-            ops.finalize_(flat, self.avg, self.size)
+            avg.after(flat)
         if not self.contiguous:
             t.copy_(flat.view_as(t))
         return tensors
@@ -114,7 +116,7 @@ class _AllreduceCoalesced(Call):
     """Several tensors reduced as one collective: packed into one buffer per dtype
     (the call's own), reduced once, unpacked."""
 
-    __slots__ = ("parts", "size")
+    __slots__ = ("parts",)
 
     def __init__(self, g: Group, lane: Lane, ts: list, reduce_op):
         by_dtype: dict[torch.dtype, list[int]] = {}
@@ -131,14 +133,14 @@ class _AllreduceCoalesced(Call):
             for i in members:
                 offs.append((i, flat[off:off + ts[i].numel()]))
                 off += ts[i].numel()
-            parts.append((pr[1].run, flat, offs, op))
+            parts.append((pr[1].run, flat, offs, op,
+                          ops.Averaging(op, dtype, g.inputs.size, lane.on_stream)))
         super().__init__(g, lane, "allreduce_coalesced", prepared)
         self.parts = parts
-        self.owned = tuple(flat for _, flat, _, _ in parts)
-        self.size = g.inputs.size
+        self.owned = tuple(part[1] for part in parts)
 
     def execute(self, ts: list, tensors: list) -> list:
-        for run, flat, offs, op in self.parts:
+        for run, flat, offs, op, avg in self.parts:
             if self.detail:
                 self.same_call("allreduce_coalesced",
                                [flat.numel(), int(op), dtype_code(flat.dtype)])
@@ -146,8 +148,9 @@ class _AllreduceCoalesced(Call):
                 continue
             for i, view in offs:
                 view.copy_(ts[i].reshape(-1))
+            avg.before(flat)
             run([flat])
-            ops.finalize_(flat, op, self.size)
+            avg.after(flat)
             for i, view in offs:
                 ts[i].copy_(view.view_as(ts[i]))
         return tensors
@@ -171,14 +174,15 @@ class _Reduce(Call):
     """Reduce into the root; on the other ranks the partial sums go to a buffer of
     the call's own, so their tensors are left unchanged."""
 
-    __slots__ = ("run", "root", "me", "size", "op", "work", "fields")
+    __slots__ = ("run", "root", "me", "avg", "work", "fields")
 
     def __init__(self, g: Group, lane: Lane, t: torch.Tensor, op, root: int):
         prepared = g.planner.prepare(lane, "reduce", (t.numel(),), t.dtype, op=op, root=root,
                                      nbytes=nbytes_of(t))
         super().__init__(g, lane, "reduce", [prepared])
         self.run = self.programs[0].run
-        self.root, self.me, self.size, self.op = root, g.inputs.rank, g.inputs.size, op
+        self.root, self.me = root, g.inputs.rank
+        self.avg = ops.Averaging(op, t.dtype, g.inputs.size, lane.on_stream)
         self.work = None if self.me == root else torch.empty(t.numel(), dtype=t.dtype,
                                                              device=t.device)
         self.owned = () if self.work is None else (self.work,)
@@ -191,11 +195,13 @@ class _Reduce(Call):
             return tensors
         if self.work is not None:
             self.work.copy_(t.reshape(-1))
+            self.avg.before(self.work)
             self.run([self.work])
             return tensors
         with flat_view(t) as flat:
+            self.avg.before(flat)
             self.run([flat])
-            ops.finalize_(flat, self.op, self.size)
+            self.avg.after(flat)
         return tensors
 
 
@@ -221,7 +227,7 @@ class _ReduceScatter(Call):
     writes partial sums into its chunks, so the inputs are first copied into a
     work buffer of the call's own."""
 
-    __slots__ = ("jobs", "op", "size", "value_index")
+    __slots__ = ("jobs", "op", "avg", "value_index")
 
     def __init__(self, g: Group, lane: Lane, name: str, jobs: list, op):
         prepared, mine = [], []
@@ -237,7 +243,8 @@ class _ReduceScatter(Call):
                 off += i.numel()
             mine.append((pr[1].run, work, chunks, out.numel()))
         super().__init__(g, lane, name, prepared)
-        self.jobs, self.op, self.size = mine, op, g.inputs.size
+        self.jobs, self.op = mine, op
+        self.avg = ops.Averaging(op, jobs[0][0].dtype, g.inputs.size, lane.on_stream)
         self.owned = tuple(work for _, work, _, _ in mine)
 
     def execute(self, jobs: list, value: Any) -> Any:
@@ -246,9 +253,10 @@ class _ReduceScatter(Call):
                 self.same_call(self.name, [n, int(self.op), dtype_code(out.dtype)])
             if work.numel():
                 torch.cat([i.reshape(-1) for i in ins], out=work)
+                self.avg.before(work)
             with flat_view(out, copy_in=False) as flat:
                 run([*chunks, flat])
-                ops.finalize_(flat, self.op, self.size)
+                self.avg.after(flat)
         return value
 
 
