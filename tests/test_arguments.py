@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
 import pytest
 import torch
@@ -23,10 +24,18 @@ def test_every_collective_torch_can_call_is_in_the_table():
         if re.search(r"opts: torch\._C\._distributed_c10d\.\w+Options",
                      getattr(getattr(dist.ProcessGroup, n), "__doc__", "") or "")}
     assert len(torch_collectives) >= 20
-    assert torch_collectives <= set(METHODS), sorted(torch_collectives - set(METHODS))
+    refused = set(ProcessGroupRingcomm.REFUSED)
+    assert torch_collectives - refused <= set(METHODS), sorted(torch_collectives - refused
+                                                               - set(METHODS))
     for name in METHODS:
         method = getattr(ProcessGroupRingcomm, name)
         assert method.__name__ == name and method.__doc__, name
+    pg = ProcessGroupRingcomm(0, 1, None, timedelta(seconds=5), store=dist.HashStore(),
+                              cpu_error="unused")
+    for name in refused:
+        with pytest.raises(RuntimeError, match=f"ringcomm {name} .*not supported"):
+            getattr(pg, name)(None)
+    pg.shutdown()
 
 
 def test_options_accepts_what_torch_bindings_accept():

@@ -248,3 +248,22 @@ def test_import_with_a_cupy_that_does_or_does_not_load_nccl(tmp_path, nccl_loads
     else:
         assert "refused" in out.stdout and "cannot load the NCCL library" in out.stdout
         assert "ringcomm[cuda12]" in out.stdout
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_gather_into_one_tensor_as_torch_2_15_calls_it(size):
+    # torch 2.15's dist.gather_single calls ProcessGroup.gather_single(output, input, opts)
+    def body(pg):
+        me, root = pg.rank(), size - 1
+        x = torch.arange(4.0) + 10 * me
+        out = torch.empty(size, 4) if me == root else torch.empty(0)
+        o = dist.GatherOptions()
+        o.rootRank = root
+        pg.gather_single(out, x, o).wait()
+        if me == root:
+            with pytest.raises(ValueError, match="output has 5 elements, expected"):
+                pg.gather_into_tensor(torch.empty(5), x, o)
+        return out
+
+    want = torch.stack([torch.arange(4.0) + 10 * r for r in range(size)])
+    assert torch.equal(nccl_groups(size, body)[size - 1], want)

@@ -146,6 +146,9 @@ class BackendView(_backend_base()):
     def get_error(self) -> Any:
         return self.group.get_error()
 
+    def reconfigure(self, opts: Any = None) -> Any:
+        return self.group.reconfigure(opts)
+
     def split(self, ranks: list[int], opts: Any = None) -> Any:
         return self.group.split_group(ranks, opts=opts)
 
@@ -160,6 +163,10 @@ def _forward(name: str) -> Any:
 class TorchContract:
     """The backend contract torch reads off a group (mixed into
     :class:`ringcomm.front.process_group.ProcessGroupRingcomm`)."""
+
+    #: methods torch binds with an options argument that are not collectives, and
+    #: that ringcomm refuses with a reason
+    REFUSED = ("reconfigure",)
 
     _view: BackendView | None = None
 
@@ -232,6 +239,18 @@ class TorchContract:
                              f"datetime.timedelta, got {timeout!r}")
         self.timeout_s = timeout.total_seconds()
         self.lanes.set_timeout(self.timeout_s)
+
+    def reconfigure(self, opts: Any = None) -> Any:
+        """torch 2.15's change of a group's peers in place (``ReconfigureOptions``):
+        refused, naming what to do instead.
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError(f"ringcomm reconfigure ({self._describe()}): changing a group's "
+                           "peers in place is not supported; make a new group of the new "
+                           "members (dist.new_group, or destroy_process_group and "
+                           "init_process_group)")
 
     def get_error(self) -> Any:
         """``ErrorType.TIMEOUT`` once a collective timed out, ``COMM_ERROR`` once one

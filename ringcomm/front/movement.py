@@ -219,6 +219,25 @@ def gather(g: Group, output_lists: list[list[torch.Tensor]], inputs: list[torch.
     return _rooted(g, "gather", t, outs, root, output_lists)
 
 
+def gather_into_tensor(g: Group, output: torch.Tensor, input: torch.Tensor,
+                       opts: Any = None) -> tuple:
+    """``dist.gather_single`` / ``dist.gather_into_tensor`` (torch 2.15): the root's
+    ``output`` (contiguous, world size x the input's elements: flat or stacked)
+    receives rank i's input as its i-th slice; other ranks' ``output`` is unused."""
+    opts = options(opts, dist.GatherOptions)
+    name = "gather_into_tensor"
+    t = g.inputs.tensor(input, name, "input")
+    root = g.inputs.root(opts.rootRank, name)
+    if g.inputs.rank != root:
+        return _rooted(g, "gather", t, None, root, [output])
+    g.inputs.gathered(output, t, name)
+    if not output.is_contiguous():
+        raise ValueError(f"ringcomm {name}: the output must be contiguous")
+    chunks = list(output.view(-1).view(g.inputs.size, -1).unbind(0)) if t.numel() else \
+        [output.view(-1)[:0]] * g.inputs.size
+    return _rooted(g, "gather", t, chunks, root, [output])
+
+
 def scatter(g: Group, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
             opts: Any = None) -> tuple:
     """``dist.scatter``: rank i's ``outputs[0]`` receives the root's

@@ -48,6 +48,8 @@ METHODS: dict[str, Callable[..., tuple]] = {
     "allgather_into_tensor_coalesced": movement.allgather_into_tensor_coalesced,
     "all_gather_single_coalesced": movement.allgather_into_tensor_coalesced,
     "gather": movement.gather,
+    "gather_single": movement.gather_into_tensor,
+    "gather_into_tensor": movement.gather_into_tensor,
     "scatter": movement.scatter,
     "reduce_scatter": reductions.reduce_scatter,
     "reduce_scatter_single": reductions.reduce_scatter_tensor,
