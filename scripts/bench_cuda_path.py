@@ -40,7 +40,8 @@ def _register(size: int, lib: FakeNccl) -> None:
 
     def create(dist_opts, pg_options):
         store = dist.HashStore()
-        store.add("ringcomm/nccl/0/arrived", size - 1)  # the peers that need not exist
+        for k in range(4):  # the peers that need not exist, for up to 4 channels
+            store.add(f"ringcomm/nccl/{k}/arrived", size - 1)
         return ProcessGroupRingcomm(0, size, None, timedelta(seconds=60), pg_options,
                                     f"{BACKEND}-{size}", store=store, cpu_error="not used",
                                     nccl=lib, nccl_device_type="cpu")
@@ -53,6 +54,32 @@ def _time(fn, calls: int) -> float:
     for _ in range(200):
         fn()
     return min(timeit.repeat(fn, number=calls, repeat=5)) / calls * 1e6
+
+
+def _round_robin(numel: int, calls: int, buckets: int = 8) -> dict:
+    """DDP's use of channels (the paper's round-robin groups): a 2-channel group of
+    2 ranks, ring allreduces of ``buckets`` distinct bucket tensors in turn; the
+    time per call with the channels' issue order per tensor kept, and without."""
+    lib = FakeNccl(record=True)
+    _register(2, lib)
+    group = dist.new_group(backend=f"{BACKEND}2",
+                           pg_options=ringcomm.Options(num_channels=2))
+    pg = ringcomm.get_group(group)
+    pg.set_algorithm("allreduce", "ring")
+    bucket_list = [torch.ones(numel) for _ in range(buckets)]
+    turn = [0]
+
+    def step():
+        turn[0] += 1
+        dist.all_reduce(bucket_list[turn[0] % buckets], group=group)
+
+    order = pg.lanes.order
+    ordered = _time(step, calls)
+    pg.lanes.order = None
+    unordered = _time(step, calls)
+    pg.lanes.order = order
+    return {"channels": 2, "ranks": 2, "buckets": buckets, "ordered_us": ordered,
+            "unordered_us": unordered}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             us = _time(lambda: dist.all_reduce(t, group=group), a.calls)
             rows.append({"ranks": p, "algorithm": algo, "time_us": us,
                          "steps": per_call.get("groupStart", 0), "nccl_calls": per_call})
+    robin = _round_robin(t.numel(), a.calls)
     ring = [r for r in rows if r["algorithm"] == "ring"]
     slope = (float(np.polyfit([r["steps"] for r in ring], [r["time_us"] for r in ring], 1)[0])
              if len(ring) > 1 else None)
@@ -97,13 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ring on 2 ranks: {two['time_us'] / dispatch:.2f}x the dispatch")
     if slope is not None:
         print(f"each further step: {slope:.2f} us")
+    print(f"2 channels, DDP's round robin over {robin['buckets']} buckets: "
+          f"{robin['ordered_us']:.1f} us a call keeping issue order per tensor, "
+          f"{robin['unordered_us']:.1f} us without")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"schema": "ringcomm.bench_cuda_path/1",
                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        "bytes": a.bytes, "dispatch_us": dispatch, "rows": rows,
                        "ring_2ranks_over_dispatch": two["time_us"] / dispatch if two else None,
-                       "us_per_step": slope}, f, indent=1)
+                       "us_per_step": slope, "round_robin": robin}, f, indent=1)
     dist.destroy_process_group()
     return 0
 

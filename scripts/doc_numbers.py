@@ -411,7 +411,18 @@ def _cuda_path(doc: dict, source: str) -> str:
         "NCCL groups | time per call |", "|---|---:|---:|---:|", *rows, "",
         f"A 2-rank ring allreduce takes {doc['ring_2ranks_over_dispatch']:.2f}x the "
         f"do-nothing dispatch; each further step {doc['us_per_step']:.2f} us. (From "
-        f"`{source}`, measured {doc['started']}.)"])
+        f"`{source}`, measured {doc['started']}.)", "", _round_robin(doc.get("round_robin"))])
+
+
+def _round_robin(r: dict | None) -> str:
+    """What keeping issue order per tensor costs DDP's round robin over channels."""
+    if not r:
+        return "Round robin over channels: not measured in this run."
+    return (f"Round robin over {r['channels']} channels ({r['ranks']} ranks, ring, "
+            f"{r['buckets']} bucket tensors in turn, as DDP's buckets): "
+            f"{r['ordered_us']:.1f} us a call with issue order kept per tensor across the "
+            f"channels, {r['unordered_us']:.1f} us without it "
+            f"({r['ordered_us'] - r['unordered_us']:+.1f} us).")
 
 
 # ----------------------------------------------------------------------------

@@ -184,3 +184,22 @@ def test_a_failure_on_one_channel_breaks_every_channel():
         return True
 
     assert _groups(2, 2, run) == [True, True]
+
+
+def _same_tensor_twice(rank: int, pg) -> torch.Tensor:
+    """Two asynchronous allreduces of one tensor, on neighbouring channels, with a late
+    peer: both wait for it at once unless the second follows the first."""
+    t = torch.full((1 << 18,), 1.0)
+    if rank == 1:
+        time.sleep(0.3)
+    first, second = pg.allreduce([t]), pg.allreduce([t])
+    second.wait()
+    first.wait()
+    return t
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_collectives_on_the_same_tensor_keep_issue_order_across_channels(size):
+    for t in _groups(size, 2, _same_tensor_twice):
+        assert torch.equal(t, torch.full_like(t, float(size * size)))
+

@@ -8,6 +8,12 @@ K communicators, each with its own engine. Successive collectives take them in
 turn (the group's call number modulo K, the same on every rank), so up to K
 collectives progress at once instead of queueing behind one another, as the
 round-robin process groups of the DDP paper (section 4.2.2) do.
+
+What torch promises of one group still holds there: collectives on the same
+tensors run in issue order (:class:`TensorOrder`). A collective whose tensors
+an unfinished one on another channel also uses waits for it first (on a GPU its
+stream waits for that one's end event; on the CPU its engine waits), so only
+collectives on different tensors overlap.
 """
 from __future__ import annotations
 
@@ -44,6 +50,68 @@ class Lane:
         self.on_stream = on_stream
 
 
+class TensorOrder:
+    """Issue order on the same tensors across a group's channels.
+
+    Remembers, per tensor storage, the last collective that used it and on which
+    lane; :meth:`after_earlier` gives the unfinished ones on other lanes that a new
+    collective must follow. Storage addresses can be reused once freed: that only
+    orders a collective after an unrelated one, never the other way round.
+    """
+
+    #: storages remembered before the finished collectives are forgotten
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[Lane, Any]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _keys(tensors: Any) -> list[int]:
+        return [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
+
+    def after_earlier(self, lane: Lane, tensors: list) -> tuple[list[int], list]:
+        """The storage keys of ``tensors`` and the Works on other lanes, not yet
+        complete, that last used any of them."""
+        keys = self._keys(tensors)
+        deps = []
+        with self._lock:
+            for k in keys:
+                prev = self._last.get(k)
+                if prev is not None and prev[0] is not lane and not prev[1].is_completed() \
+                        and prev[1] not in deps:
+                    deps.append(prev[1])
+        return keys, deps
+
+    def issued(self, lane: Lane, keys: list[int], work: Any) -> None:
+        """``work`` on ``lane`` is now the last user of the storages ``keys``."""
+        with self._lock:
+            for k in keys:
+                self._last[k] = (lane, work)
+            if len(self._last) > self.LIMIT:
+                self._last = {k: v for k, v in self._last.items() if not v[1].is_completed()}
+
+
+class Ordered:
+    """A prepared call that first waits for the Works it must follow (on a stream:
+    the stream waits; on the CPU: the engine's thread waits)."""
+
+    __slots__ = ("call", "name", "lane", "blocking", "deps")
+
+    def __init__(self, call: Any, deps: list):
+        self.call, self.name, self.lane, self.deps = call, call.name, call.lane, deps
+        self.blocking = getattr(call, "blocking", False)
+
+    def execute(self, *args: Any) -> Any:
+        for work in self.deps:
+            work.wait()
+        self.deps = []
+        return self.call.execute(*args)
+
+    def touched(self, args: Any) -> list:
+        return self.call.touched(args)
+
+
 class Lanes:
     """A group's lanes: the CPU lane (if MPI loaded) and one NCCL lane per device,
     plus two-rank NCCL lanes for send/recv.
@@ -67,6 +135,8 @@ class Lanes:
         if self.cpus and len(self.cpus) != channels:
             raise ValueError(f"ringcomm: {len(self.cpus)} CPU lanes for {channels} channels")
         self.channels = channels
+        #: issue order on the same tensors across channels (None for one channel)
+        self.order: TensorOrder | None = TensorOrder() if channels > 1 else None
         for lane in self.cpus:
             # a failed collective leaves the ranks in an unknown state: the whole group
             # is unusable, whichever channel it ran on

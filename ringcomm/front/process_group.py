@@ -24,7 +24,7 @@ from ringcomm.front import movement, reductions, requests
 from ringcomm.front.contract import TorchContract, forward_collectives
 from ringcomm.front.arguments import Inputs
 from ringcomm.front.fingerprints import Fingerprints
-from ringcomm.front.lanes import Lane, Lanes
+from ringcomm.front.lanes import Lane, Lanes, Ordered
 from ringcomm.front.plans import Planner
 from ringcomm.front.requests import Calls
 from ringcomm.runtime.engine import Engine
@@ -339,14 +339,22 @@ def _method(torch_name: str, build: Callable[..., tuple]) -> Callable[..., dist.
             self.planner.refused()
             self.calls.clear()
             raise
+        order = lanes.order
+        if order is not None:  # several channels: keep issue order on the same tensors
+            keys, deps = order.after_earlier(call.lane, list(requests.tensors_in(call_args)))
+            if deps:
+                call = Ordered(call, deps)
         if trace.active():
             call = _Traced(call, call_args, self.seq, self._describe())
         opts = args[-1] if args else kwargs.get("opts")  # torch's options come last
         timeout = getattr(opts, "timeout", None)
-        return call.lane.engine.submit(
+        work = call.lane.engine.submit(
             call, call_args, async_op=getattr(opts, "asyncOp", True),
             timeout_s=self.timeout_s if timeout is None or timeout.days < 0 or not timeout
             else timeout.total_seconds())
+        if order is not None:
+            order.issued(call.lane, keys, work)
+        return work
 
     method.__name__ = torch_name
     method.__qualname__ = f"ProcessGroupRingcomm.{torch_name}"

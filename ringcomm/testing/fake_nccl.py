@@ -111,8 +111,9 @@ class FakeNccl:
 
     def ringcomm_streams(self, device: torch.device) -> "FakeStreams":
         """The streams ringcomm's engine drives over this stand-in (its CUDA
-        semantics; see :class:`FakeStreams`)."""
-        return FakeStreams(device, self)
+        semantics; see :class:`FakeStreams`; unchecked when recording, so that only
+        ringcomm's own path is timed)."""
+        return FakeStreams(device, self, check=not self.record)
 
     @staticmethod
     def get_version() -> int:
@@ -429,11 +430,14 @@ class FakeStreams(HostStreams):
     inline = False
     keeps = True
 
-    def __init__(self, device: torch.device, lib: FakeNccl):
+    def __init__(self, device: torch.device, lib: FakeNccl, check: bool = True):
         super().__init__(device)
         self.lib = lib
         self.handle = 0x57  # a stream handle as an int, as CUDA's
         self._kept: list[tuple[int, int]] = []
+        if not check:
+            self.on_stream = HostStreams.on_stream.__get__(self)
+            self.keep_alive = HostStreams.keep_alive.__get__(self)
 
     @contextlib.contextmanager
     def on_stream(self) -> Any:
