@@ -45,7 +45,7 @@ define pytest
 endef
 
 test: install
-	$(call pytest,-m "not cluster and not frameworks and not parallel and not bench")
+	$(call pytest,-m "not cluster and not frameworks and not parallel and not bench and not gpucheck")
 
 # torch's backend contract, the collectives, DDP, batch p2p and the init idioms
 # on the newest and the oldest supported torch (COMPAT_TORCH), each in its own
@@ -76,6 +76,11 @@ test-bench: install
 # under torchrun (about 30 s; the "frameworks" extra that make install brings)
 test-frameworks: install
 	$(call pytest,-m frameworks)
+
+# scripts/gpu_check.py's driver on CPU (--fake): every stage in order, deadlines
+# that end their workers, the JSON and report kept when cut short (about a minute)
+test-gpu-check: install
+	$(call pytest,-m gpucheck)
 
 # FakeNccl (the NCCL stand-in CI's CUDA path runs on) against the real
 # cupy.cuda.nccl: CuPy's and NCCL's wheels (about 500 MB) import without a GPU

@@ -1,24 +1,37 @@
 #!/usr/bin/env python3
-"""The one check of ringcomm's CUDA path, for a machine with one (or more) GPUs.
+"""The check of ringcomm's CUDA path, for a machine with one (or more) GPUs, in
+stages that each prove one thing and have a deadline of their own.
 
 Run through ``scripts/gpu_check.sh``. It installs nothing: CUDA torch and CuPy
 with NCCL must be there; MPI need not be (CUDA tensors do not use it).
 
-1. Prints the versions (torch, CUDA, GPU, CuPy, NCCL as CuPy loads it and as torch
-   has it) and picks how two ranks share one GPU: NCCL >= 2.30.3 allows it with
-   ``NCCL_MULTI_RANK_GPU_ENABLE=1``; older NCCL gets a distinct ``NCCL_HOSTID`` per
-   rank with ``NCCL_SOCKET_IFNAME=lo``, so the ranks look like two hosts to it.
-2. At world size 1 and 2 (torchrun), on CUDA tensors: every collective with every
-   algorithm against a single-process oracle (``ringcomm.testing.check_collectives``,
-   fp32/bf16/fp16/int64 x sum/prod/min/max/avg), then allreduce, broadcast,
-   allgather and reduce_scatter with every algorithm x dtype x op against torch's
-   own ``nccl`` backend, then DDP equivalence (``ddp.DistributedDataParallel`` and
-   torch's DDP over ringcomm, against one process on the whole batch).
-3. A busbw table, 1 KiB to 256 MiB, of ring, tree, native and torch's nccl
-   (``python -m ringcomm.bench --device cuda``).
-4. Writes everything to ``docs/gpu-results.md`` (and JSON next to it).
+Stages, in the order of what they prove (``STAGES``):
 
-Exit status: 0 when every check passed.
+1. ``versions``: torch, CUDA, GPU, CuPy, NCCL as CuPy loads it and as torch has
+   it, and how two ranks share one GPU (NCCL >= 2.30.3:
+   ``NCCL_MULTI_RANK_GPU_ENABLE=1``; older: a distinct ``NCCL_HOSTID`` per rank).
+2. ``allreduce``: two ranks, one allreduce of every algorithm, against one process.
+3. ``collectives``: every collective x algorithm x dtype x op on 1 and 2 channels
+   against one process, and against torch's own ``nccl`` backend.
+4. ``device_id``: ``init_process_group(device_id=...)`` (bound device, NCCL made at
+   init), send/recv on a pair communicator, a ``then`` on a CUDA future.
+5. ``streams``: ``Work.wait`` orders the caller's stream, ``synchronize`` does not
+   block the CPU, buffers a call owns survive an evicted call, and channels keep
+   issue order on the same tensor.
+6. ``frameworks``: ringcomm's DDP and torch's DDP against one process, FSDP2
+   against torch's nccl.
+7. ``bench``: a busbw table, ring, tree, native and torch's nccl.
+
+Each stage runs in fresh worker processes (torchrun, two ranks) with
+``NCCL_DEBUG=WARN``; one that fails or passes its deadline is recorded so, its
+workers are all killed (torchrun starts each in a session of its own, so they are
+found by a marker in their environment), and the next stage runs. After every
+stage the JSON (``docs/data/gpu_check.json``) is rewritten, so a check cut short
+still holds what it found; the report (``docs/gpu-results.md``) is generated from
+it. ``--fake`` runs the same driver on CPU tensors (MPI lanes, and the NCCL path
+over FakeNccl in-process), as CI does, to prove the plumbing before a GPU sees it.
+
+Exit status: 0 when every stage passed.
 """
 from __future__ import annotations
 
@@ -31,22 +44,40 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SIZES = ("1K", "256M")
 #: the whole check must end within this (gpu_check.sh kills it a little later)
 BUDGET_S = 225.0
 #: kept back at the end for writing the report
-REPORT_S = 5.0
+REPORT_S = 3.0
+#: (name, what it proves, deadline in seconds); the deadlines add up to the budget
+STAGES = (
+    ("versions", "imports and versions; how two ranks share a GPU", 20.0),
+    ("allreduce", "a two-rank allreduce of every algorithm", 30.0),
+    ("collectives", "every collective and algorithm, 1 and 2 channels, vs one process "
+                    "and vs torch's nccl", 55.0),
+    ("device_id", "init_process_group(device_id=...), send/recv, CUDA futures", 20.0),
+    ("streams", "stream semantics: wait, synchronize, owned buffers, channel order", 20.0),
+    ("frameworks", "DDP and torch DDP vs one process, FSDP2 vs torch's nccl", 35.0),
+    ("bench", "busbw of ring, tree, native and torch's nccl", 42.0),
+)
+#: the environment variable that marks every process of one check
+MARK = "RINGCOMM_GPU_CHECK_RUN"
+SIZES = ("1K", "16M")
 
 
-def versions() -> dict:
+def versions(fake: bool = False) -> dict:
+    """The versions that decide what can run; ``fake``: no GPU is looked for."""
     import torch
 
     out = {"python": platform.python_version(), "torch": torch.__version__,
            "torch_cuda": torch.version.cuda, "gpus": [], "cupy": None, "nccl_cupy": None,
            "nccl_torch": None}
+    if fake:
+        out["gpus"] = ["none (--fake: CPU tensors)"]
+        return out
     if torch.cuda.is_available():
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         try:
@@ -65,8 +96,10 @@ def versions() -> dict:
     return out
 
 
-def sharing(nccl_version: str | None) -> tuple[str, dict]:
+def sharing(nccl_version: str | None, fake: bool = False) -> tuple[str, dict]:
     """How two ranks share one GPU with this NCCL, and the environment for it."""
+    if fake:
+        return "not needed (--fake: CPU tensors)", {}
     parts = tuple(int(x) for x in (nccl_version or "0.0.0").split(".")[:3])
     if parts >= (2, 30, 3):
         return ("NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30.3)",
@@ -76,93 +109,174 @@ def sharing(nccl_version: str | None) -> tuple[str, dict]:
             {"RINGCOMM_NCCL_HOSTID_PER_RANK": "1", "NCCL_SOCKET_IFNAME": "lo"})
 
 
-def run(cmd: list[str], env: dict, timeout: float, log: list[str]) -> int:
-    """Run ``cmd`` in a process group of its own; on timeout the whole group (torchrun
-    and its workers) is killed, so no worker is left spinning on the GPU."""
+
+def run(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
+    """Run ``cmd``; past ``timeout`` end it and every process it started (all carry
+    the run's mark in their environment). Returns the exit status (124: timed out)
+    and the output."""
     print("$ " + " ".join(cmd), flush=True)
-    log.append("$ " + " ".join(cmd))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _current[0] = proc
     try:
         text, _ = proc.communicate(timeout=max(timeout, 1.0))
         rc = proc.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        end_all(proc, env[MARK])
         text, _ = proc.communicate()
         rc = 124
-        text = (text or "") + f"\n(timed out after {timeout:.0f}s; killed)"
+        text = (text or "") + f"\n(timed out after {timeout:.0f}s; every worker killed)"
+    finally:
+        _current[0] = None
     print(text, flush=True)
-    log.append(text.rstrip())
-    log.append(f"(exit status {rc})")
-    return rc
+    return rc, text
+
+
+_current: list = [None]
+
+
+def marked(mark: str) -> list[int]:
+    """The pids of the processes whose environment carries ``MARK=mark``."""
+    needle = f"{MARK}={mark}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def end_all(proc: subprocess.Popen, mark: str) -> None:
+    """End a stage: SIGTERM to torchrun's process group (it stops its workers), then
+    SIGKILL to every process of the run that is still there."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and marked(mark):
+        time.sleep(0.2)
+    for pid in marked(mark):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def nccl_warnings(text: str) -> list[str]:
+    """NCCL's own WARN lines (``NCCL_DEBUG=WARN``), once each."""
+    seen: list[str] = []
+    for line in text.splitlines():
+        if "NCCL WARN" in line and line.strip() not in seen:
+            seen.append(line.strip())
+    return seen[:20]
 
 
 def driver(args: argparse.Namespace) -> int:
     start = time.monotonic()
     deadline = start + args.budget - REPORT_S
+    mark = uuid.uuid4().hex
+    data = Path(args.data)
+    data.mkdir(parents=True, exist_ok=True)
+    js = data / "gpu_check.json"
+    results: dict = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "fake": args.fake, "versions": {}, "stages": []}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1", NCCL_DEBUG=os.environ.get("NCCL_DEBUG", "WARN"), **{MARK: mark})
 
-    def left(share: float) -> float:
-        """Seconds for the next stage: ``share`` of what is left of the budget."""
-        return max(5.0, (deadline - time.monotonic()) * share)
+    def save() -> None:
+        results["passed"] = bool(results["stages"]) and all(
+            st["status"] in ("passed", "skipped") for st in results["stages"])
+        js.write_text(json.dumps(results, indent=1))
+        Path(args.out).write_text(report(results))
 
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    # Queried in a child process: this one must not hold a CUDA context while the
-    # workers run (a GPU in exclusive-process mode takes one process at a time).
-    try:
-        out = subprocess.run([sys.executable, str(Path(__file__)), "--versions"],
-                             capture_output=True, text=True, timeout=60)
-        v = json.loads(out.stdout)
-    except (subprocess.TimeoutExpired, json.JSONDecodeError) as e:
-        v = {"gpus": [], "cupy_error": f"the version query failed: {e}"}
-    print(json.dumps(v, indent=1), flush=True)
-    out_dir = Path(args.out).parent
-    out_dir.mkdir(parents=True, exist_ok=True)
-    data = out_dir / "data"
-    data.mkdir(exist_ok=True)
-    log: list[str] = []
-    mech, share_env = sharing(v.get("nccl_cupy"))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                                   os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    results: dict = {"started": started, "versions": v, "two_ranks_on_one_gpu": mech,
-                     "worlds": {}, "bench": None}
-    rc_all = 0
-    if not v["gpus"] or v.get("cupy_error"):
-        why = "no CUDA device" if not v.get("gpus") else v["cupy_error"]
-        print(f"gpu_check: cannot run: {why}", flush=True)
-        rc_all = 1
-    else:
-        for world, share in ((1, 0.25), (2, 0.45)):
-            wenv = dict(env, **share_env) if world > 1 and len(v["gpus"]) < world else env
-            js = data / f"gpu_check_world{world}.json"
-            js.unlink(missing_ok=True)
-            rc = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                      f"--nproc-per-node={world}", str(Path(__file__)), "--worker",
-                      "--json", str(js)], wenv, left(share), log)
-            results["worlds"][str(world)] = (json.loads(js.read_text()) if js.exists()
-                                            else {"error": f"exit status {rc}, no results"})
-            results["worlds"][str(world)]["exit_status"] = rc
-            rc_all |= rc != 0
-        world = 2
-        benv = dict(env, **share_env) if len(v["gpus"]) < world else env
-        bj, bm = data / "gpu_bench.json", data / "gpu_bench.md"
-        for f in (bj, bm):
-            f.unlink(missing_ok=True)
-        rc = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  f"--nproc-per-node={world}", "-m", "ringcomm.bench",
-                  "--device", "cuda", "--algos", "ring,tree,native", "--peers", "nccl",
-                  "-b", SIZES[0], "-e", SIZES[1], "-f", "4", "-c", "-w", "2", "-n", "3",
-                  "--rounds", "2", "--min-time", "0", "--no-model", "--targets", "none",
-                  "--json", str(bj), "--markdown", str(bm)], benv, left(1.0), log)
-        skipped = bench_skips(bj)
-        results["bench"] = {"exit_status": rc, "skipped": skipped,
-                            "markdown": bm.read_text() if bm.exists() else None}
-        rc_all |= rc != 0 or bool(skipped)
-    results["passed"] = rc_all == 0
-    (data / "gpu_check.json").write_text(json.dumps(results, indent=1))
-    Path(args.out).write_text(report(results, log))
-    print(f"gpu_check: {'PASSED' if rc_all == 0 else 'FAILED'}; wrote {args.out}", flush=True)
-    return 1 if rc_all else 0
+    def stop(signum, frame):  # gpu_check.sh's timeout: end the stage, keep what we have
+        if _current[0] is not None:
+            end_all(_current[0], mark)
+        results["stages"].append({"name": "(cut short)", "status": "timed out",
+                                  "detail": f"signal {signum}: the whole check ran out of time"})
+        save()
+        sys.exit(124)
+
+    signal.signal(signal.SIGTERM, stop)
+    wanted = [st for st in STAGES if not args.stages or st[0] in args.stages.split(",")]
+    share_env: dict = {}
+    for name, proves, limit in wanted:
+        left = deadline - time.monotonic()
+        stage = {"name": name, "proves": proves, "deadline_s": limit}
+        if left < 5.0:
+            stage.update(status="not run", detail="no time left in the budget")
+            results["stages"].append(stage)
+            save()
+            continue
+        limit = min(limit * args.scale, left)
+        t0 = time.monotonic()
+        if name == "versions":
+            cmd = [sys.executable, str(Path(__file__)), "--versions"] + \
+                (["--fake"] if args.fake else [])
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node=2"]
+            part = data / f"gpu_check_{name}.json"
+            part.unlink(missing_ok=True)
+            if name == "bench":
+                device = "cpu" if args.fake else "cuda"
+                cmd += ["-m", "ringcomm.bench", "--device", device, "--algos", "ring,tree"
+                        + ("" if args.fake else ",native"), "--peers",
+                        "gloo" if args.fake else "nccl", "-b", SIZES[0],
+                        "-e", "64K" if args.fake else SIZES[1], "-f", "4", "-c", "-w", "1",
+                        "-n", "3", "--rounds", "1", "--min-time", "0", "--no-model",
+                        "--targets", "none", "--json", str(part),
+                        "--markdown", str(part.with_suffix(".md"))]
+            else:
+                cmd += [str(Path(__file__)), "--worker", "--stage", name, "--json", str(part)]
+                cmd += ["--fake"] if args.fake else []
+                cmd += ["--hang"] if args.hang_stage == name else []
+        rc, text = run(cmd, dict(env, **share_env), limit)
+        stage["seconds"] = round(time.monotonic() - t0, 1)
+        stage["exit_status"] = rc
+        stage["nccl_warnings"] = nccl_warnings(text)
+        stage["log_tail"] = text[-3000:]
+        if name == "versions":
+            try:
+                v = json.loads(text.strip().splitlines()[-1])
+            except (json.JSONDecodeError, IndexError):
+                v = {"error": "the version query printed no JSON"}
+            results["versions"] = v
+            how, share_env = sharing(v.get("nccl_cupy"), args.fake)
+            results["two_ranks_on_one_gpu"] = how
+            ok = rc == 0 and (args.fake or (v.get("gpus") and not v.get("cupy_error")))
+            stage["status"] = "passed" if ok else "failed"
+            if not ok:
+                stage["detail"] = v.get("cupy_error") or ("no CUDA device" if not v.get("gpus")
+                                                         else f"exit status {rc}")
+                results["stages"].append(stage)
+                save()
+                print(f"gpu_check: cannot run: {stage['detail']}", flush=True)
+                break  # nothing after it can run
+        else:
+            found = json.loads(part.read_text()) if part.exists() else None
+            if name == "bench":
+                skipped = bench_skips(part)
+                stage["markdown"] = (part.with_suffix(".md").read_text()
+                                     if part.with_suffix(".md").exists() else None)
+                stage["skipped"] = skipped
+                ok = rc == 0 and not skipped
+            else:
+                stage.update(found or {})
+                ok = rc == 0 and found is not None and not found.get("failures")
+            stage["status"] = ("timed out" if rc == 124 else "failed" if not ok else
+                               "skipped" if stage.get("skipped_because") else "passed")
+        results["stages"].append(stage)
+        save()
+    save()
+    print(f"gpu_check: {'PASSED' if results['passed'] else 'FAILED'}; wrote {args.out} "
+          f"and {js}", flush=True)
+    return 0 if results["passed"] else 1
 
 
 def bench_skips(path: Path) -> list[str]:
@@ -174,44 +288,57 @@ def bench_skips(path: Path) -> list[str]:
                    if r.get("status") in ("skipped", "error")})
 
 
-def report(r: dict, log: list[str]) -> str:
-    v = r["versions"]
+def report(r: dict) -> str:
+    """docs/gpu-results.md, from the JSON: per stage what ran, where, and its result."""
+    v = r.get("versions") or {}
+    verdict = "all stages passed" if r.get("passed") else "FAILED"
     lines = [
         "# ringcomm on a GPU: results of scripts/gpu_check.sh",
         "",
-        f"Run {r['started']}: **{'all checks passed' if r['passed'] else 'FAILED'}**.",
+        "<!-- generated by scripts/gpu_check.py from docs/data/gpu_check.json -->",
         "",
-        f"- GPU(s): {', '.join(v['gpus']) or 'none'}",
-        f"- torch {v['torch']} (CUDA {v['torch_cuda']}, NCCL {v['nccl_torch']}), "
-        f"CuPy {v['cupy']} (NCCL {v['nccl_cupy']}), Python {v['python']}",
-        f"- two ranks on one GPU: {r['two_ranks_on_one_gpu']}",
+        f"Run {r['started']}{' (--fake: CPU tensors, no GPU)' if r.get('fake') else ''}: "
+        f"**{verdict}**.",
         "",
-        "## Checks",
+        f"- GPU(s): {', '.join(v.get('gpus') or []) or 'none'}",
+        f"- torch {v.get('torch')} (CUDA {v.get('torch_cuda')}, NCCL {v.get('nccl_torch')}), "
+        f"CuPy {v.get('cupy')} (NCCL {v.get('nccl_cupy')}), Python {v.get('python')}",
+        f"- two ranks on one GPU: {r.get('two_ranks_on_one_gpu', 'not decided')}",
         "",
-        "| world size | checks passed | failures | DDP |",
-        "|---|---|---|---|",
+        "| stage | proves | result | checks | time |",
+        "|---|---|---|---:|---:|",
     ]
-    for world, w in r["worlds"].items():
-        if "error" in w:
-            lines.append(f"| {world} | - | {w['error']} | - |")
-            continue
-        lines.append(f"| {world} | {w['checks']} | {len(w['failures'])} | "
-                     f"{'; '.join(w.get('ddp', [])) or '-'} |")
-    fails = [f"- world {k}: {f}" for k, w in r["worlds"].items() for f in w.get("failures", [])]
-    if fails:
-        lines += ["", "Failures:", "", *fails[:60]]
-    lines += ["", "## Bus bandwidth (2 ranks)", ""]
-    bench = r.get("bench") or {}
-    if bench.get("skipped"):
-        lines += ["Columns that did not run: " + "; ".join(bench["skipped"]), ""]
-    lines.append(bench.get("markdown") or f"not measured (exit status {bench.get('exit_status')})")
-    lines += ["", "## Log", "", "```", *("\n".join(log)[-20000:].splitlines()), "```", ""]
-    return "\n".join(lines)
+    for st in r["stages"]:
+        checks = st.get("checks", "")
+        took = f"{st['seconds']:.0f} s of {st.get('deadline_s', 0):.0f}" if "seconds" in st else "-"
+        result = st["status"] + (f" ({st['detail']})" if st.get("detail") else "")
+        if st.get("failures"):
+            result += f": {len(st['failures'])} failures"
+        lines.append(f"| {st['name']} | {st.get('proves', '')} | {result} | {checks} | {took} |")
+    for st in r["stages"]:
+        extra = []
+        if st.get("failures"):
+            extra += ["Failures:", "", *(f"- {f}" for f in st["failures"][:40]), ""]
+        if st.get("notes"):
+            extra += [*(f"- {n}" for n in st["notes"]), ""]
+        if st.get("nccl_warnings"):
+            extra += ["NCCL's warnings:", "", "```", *st["nccl_warnings"], "```", ""]
+        if st.get("skipped"):
+            extra += ["Columns that did not run: " + "; ".join(st["skipped"]), ""]
+        if st.get("markdown"):
+            extra += [st["markdown"].rstrip(), ""]
+        if st["status"] not in ("passed", "not run") and st.get("log_tail"):
+            extra += ["Its output (the end):", "", "```",
+                      *st["log_tail"].splitlines()[-40:], "```", ""]
+        if extra:
+            lines += ["", f"## {st['name']}", "", *extra]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 # -- the per-rank part ---------------------------------------------------------------
 
 def worker(args: argparse.Namespace) -> int:
+    """One rank of one stage: runs the stage's checks, rank 0 writes the JSON."""
     rank = int(os.environ.get("RANK", "0"))
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tests" / "ranks"))
@@ -221,66 +348,189 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    import ringcomm
-    from ringcomm.testing import check_collectives
+    import ringcomm  # noqa: F401  (registers the backend)
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local % torch.cuda.device_count())
-    device = torch.device("cuda", torch.cuda.current_device())
-    # torch's GPU idiom: the group bound to this rank's device, its NCCL
-    # communicators made at once (eager_connect_single_device); every check below
-    # runs on the bound group
-    dist.init_process_group("ringcomm", device_id=device)
-    nccl_group = dist.new_group(backend="nccl")
-    world = dist.get_world_size()
+    if args.fake:
+        device = torch.device("cpu")
+        dist.init_process_group("ringcomm")
+    else:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+        # torch's GPU idiom: the group bound to this rank's device, its NCCL
+        # communicators made at once (eager_connect_single_device)
+        dist.init_process_group("ringcomm", device_id=device)
+    # the reference backend: torch's nccl on a GPU, gloo on the CPU
+    peer = dist.new_group(backend="gloo" if args.fake else "nccl")
     failures: list[str] = []
-    checks = 1
-    bound = dist.group.WORLD.bound_device_id
-    if bound != device:
-        failures.append(f"init_process_group(device_id={device}): bound_device_id is {bound}")
+    notes: list[str] = []
     t0 = time.monotonic()
-    try:
-        checks += check_collectives(ringcomm.get_group(), device)
-    except AssertionError as e:
-        failures += str(e).splitlines()[1:]
-    # round-robin channels: two NCCL communicators on two streams, used in turn
-    two = dist.new_group(backend="ringcomm", pg_options=ringcomm.Options(num_channels=2))
-    try:
-        checks += check_collectives(ringcomm.get_group(two), device, dtypes=(torch.float32,),
-                                    reduce_ops=("SUM", "MAX"))
-    except AssertionError as e:
-        failures += [f"2 channels: {x}" for x in str(e).splitlines()[1:]]
-    burst = [torch.full((1 << 16,), float(k + 1), device=device) for k in range(6)]
-    for w in [dist.all_reduce(t, group=two, async_op=True) for t in burst]:
-        w.wait()
-    dist.barrier(group=two, device_ids=[device.index])
-    checks += 1
-    if not all(torch.equal(t, torch.full_like(t, float((k + 1) * world)))
-               for k, t in enumerate(burst)):
-        failures.append("2 channels: a burst of asynchronous allreduces differs")
-    checks += against_torch_nccl(nccl_group, device, failures)
-    checks += p2p_and_future_checks(device, failures)
-    ddp_notes = ddp_checks(device, failures) + fsdp_check(nccl_group, device, failures)
-    checks += len(ddp_notes)
-    torch.cuda.synchronize()
+    if args.hang:  # for the driver's own test: a stage that never ends
+        time.sleep(3600)
+    checks = STAGE_CHECKS[args.stage](device, peer, failures, notes, args.fake)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     took = time.monotonic() - t0
-    every = [None] * world
-    dist.all_gather_object(every, {"checks": checks, "failures": failures},
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {"checks": checks, "failures": failures, "notes": notes},
                            group=dist.new_group(backend="gloo"))
     if rank == 0 and args.json:
         Path(args.json).write_text(json.dumps({
-            "world": world, "checks": sum(e["checks"] for e in every),
+            "checks": sum(e["checks"] for e in every),
             "failures": [f"rank {r}: {f}" for r, e in enumerate(every) for f in e["failures"]],
-            "ddp": ddp_notes, "seconds": round(took, 1)}, indent=1))
-    print(f"rank {rank}: {checks} checks, {len(failures)} failed, {took:.1f}s", flush=True)
+            "notes": every[0]["notes"], "worker_seconds": round(took, 1),
+            "skipped_because": next((n for n in every[0]["notes"] if n.startswith("skipped")),
+                                    None)}, indent=1))
+    print(f"rank {rank}: {args.stage}: {checks} checks, {len(failures)} failed, {took:.1f}s",
+          flush=True)
     for f in failures[:40]:
         print(f"rank {rank}: FAIL {f}", flush=True)
     dist.destroy_process_group()
     return 1 if failures else 0
 
 
+def allreduce_stage(device, peer, failures, notes, fake) -> int:
+    """One allreduce of every algorithm, 4 KiB and 1 MiB, against one process."""
+    import torch
+    import torch.distributed as dist
+
+    import ringcomm
+
+    p, me = dist.get_world_size(), dist.get_rank()
+    checks = 0
+    for name in sorted(ringcomm.REGISTRY["allreduce"]):
+        ringcomm.set_algorithm("allreduce", name)
+        try:
+            for n in (1024, 1 << 18):
+                t = torch.full((n,), float(me + 1), device=device)
+                try:
+                    dist.all_reduce(t)
+                except ValueError as e:  # refused before running (native without it)
+                    notes.append(f"allreduce[{name}]: refused: {e}"[:160])
+                    break
+                checks += 1
+                if not torch.equal(t, torch.full_like(t, p * (p + 1) / 2)):
+                    failures.append(f"allreduce[{name}] n={n}: {t[:3].tolist()}")
+        finally:
+            ringcomm.set_algorithm("allreduce", "auto")
+    return checks
+
+
+def collectives_stage(device, peer, failures, notes, fake) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import ringcomm
+    from ringcomm.testing import check_collectives, nccl_groups
+
+    checks = 0
+    try:
+        checks += check_collectives(ringcomm.get_group(), device)
+    except AssertionError as e:
+        failures += str(e).splitlines()[1:]
+    two = dist.new_group(backend="ringcomm", pg_options=ringcomm.Options(num_channels=2))
+    try:
+        checks += check_collectives(ringcomm.get_group(two), device, dtypes=(torch.float32,),
+                                    reduce_ops=("SUM", "MAX"))
+    except AssertionError as e:
+        failures += [f"2 channels: {x}" for x in str(e).splitlines()[1:]]
+    checks += against_torch_nccl(peer, device, failures)
+    if fake and dist.get_rank() == 0:
+        # the NCCL path itself, over the stand-in, on two in-process ranks
+        try:
+            checks += sum(nccl_groups(2, lambda pg: check_collectives(pg, "cpu")))
+        except RuntimeError as e:
+            failures.append(f"FakeNccl: {e}"[:300])
+    return checks
+
+
+def device_id_stage(device, peer, failures, notes, fake) -> int:
+    import torch.distributed as dist
+
+    checks = 1
+    bound = dist.group.WORLD.bound_device_id
+    want = None if fake else device
+    if bound != want:
+        failures.append(f"init_process_group(device_id={want}): bound_device_id is {bound}")
+    return checks + p2p_and_future_checks(device, failures)
+
+
+def streams_stage(device, peer, failures, notes, fake) -> int:
+    """What only a real stream shows: the caller's stream ordered after the
+    collective, synchronize() leaving the CPU free, buffers of an evicted call kept
+    until the stream is done with them, channel order on the same tensor."""
+    import torch
+    import torch.distributed as dist
+
+    import ringcomm
+
+    p = dist.get_world_size()
+    checks = 0
+    if fake:
+        notes.append("skipped: needs CUDA streams (over FakeNccl: tests/test_nccl_faults.py)")
+        return 0
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        t = torch.full((1 << 22,), 3.0, device=device)
+        work = dist.all_reduce(t, async_op=True)
+        work.wait()  # the side stream now runs after the collective
+        t.mul_(2)
+    side.synchronize()
+    checks += 1
+    if not torch.equal(t, torch.full_like(t, 6.0 * p)):
+        failures.append("Work.wait() did not order the caller's stream after the allreduce")
+    u = torch.ones(1 << 24, device=device)
+    work = dist.all_reduce(u, async_op=True)
+    t0 = time.monotonic()
+    work.synchronize()
+    returned = time.monotonic() - t0
+    torch.cuda.current_stream().synchronize()
+    checks += 1
+    if not torch.equal(u, torch.full_like(u, float(p))):
+        failures.append("synchronize(): the current stream was not ordered after the allreduce")
+    notes.append(f"synchronize() returned after {returned * 1e3:.2f} ms (the stream waits, "
+                 "not the CPU)")
+    # a call that owns its buffers (allreduce_coalesced), dropped while queued: the
+    # caching allocator must not hand its memory out before the stream is done
+    pg = ringcomm.get_group()
+    works, expect = [], []
+    for k in range(4):
+        a = torch.full((1 << 16,), float(k + 1), device=device)
+        b = torch.full((1 << 10,), float(k), device=device)
+        works.append(dist.all_reduce_coalesced([a, b], async_op=True))
+        expect.append((a, b, k))
+        pg.calls.clear()  # dropped at once, as at eviction or a refused call
+        junk = torch.full((1 << 17,), -7.0, device=device)  # may reuse a freed block
+        del junk
+    for w in works:
+        w.wait()
+    for a, b, k in expect:
+        checks += 1
+        if not (torch.equal(a, torch.full_like(a, float((k + 1) * p)))
+                and torch.equal(b, torch.full_like(b, float(k * p)))):
+            failures.append(f"allreduce_coalesced #{k}: its buffer was reused while in use")
+    two = dist.new_group(backend="ringcomm", pg_options=ringcomm.Options(num_channels=2))
+    x = torch.ones(1 << 22, device=device)
+    first = dist.all_reduce(x, group=two, async_op=True)
+    second = dist.all_reduce(x, group=two, async_op=True)
+    first.wait()
+    second.wait()
+    torch.cuda.current_stream().synchronize()
+    checks += 1
+    if not torch.equal(x, torch.full_like(x, float(p * p))):
+        failures.append("2 channels: two allreduces of one tensor overlapped")
+    return checks
+
+
+def frameworks_stage(device, peer, failures, notes, fake) -> int:
+    found = ddp_checks(device, failures) + fsdp_check(peer, device, failures)
+    notes += found
+    return len(found)
+
+
 def against_torch_nccl(nccl_group, device, failures: list[str]) -> int:
-    """Same inputs through ringcomm (every algorithm) and torch's NCCL backend."""
+    """Same inputs through ringcomm (every algorithm) and torch's NCCL backend (gloo
+    on the CPU, where it reduces the same way)."""
     import torch
     import torch.distributed as dist
 
@@ -290,6 +540,7 @@ def against_torch_nccl(nccl_group, device, failures: list[str]) -> int:
     p, me = dist.get_world_size(), dist.get_rank()
     checks, case = 0, 0
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
+    refused: set[str] = set()
 
     def same(what: str, got: torch.Tensor, want: torch.Tensor, op: str) -> None:
         nonlocal checks
@@ -309,7 +560,11 @@ def against_torch_nccl(nccl_group, device, failures: list[str]) -> int:
             return None  # refused before running (e.g. native where NCCL has none)
         finally:
             ringcomm.set_algorithm(coll, "auto")
-        return mine, fn(nccl_group)
+        try:
+            return mine, fn(nccl_group)
+        except RuntimeError as e:  # gloo has no AVG of integers, for one
+            refused.add(f"{coll} {e}"[:120])
+            return None
 
     for coll in ("allreduce", "broadcast", "allgather", "reduce_scatter"):
         for name in sorted(ringcomm.REGISTRY[coll]):
@@ -339,6 +594,8 @@ def against_torch_nccl(nccl_group, device, failures: list[str]) -> int:
                     got = both(coll, name, call)
                     if got is not None:
                         same(f"{coll}[{name}] {dtype} {op}", got[0], got[1], op)
+    if refused:
+        print(f"the reference backend refused: {sorted(refused)}", flush=True)
     return checks
 
 
@@ -387,8 +644,9 @@ def ddp_checks(device, failures: list[str]) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     notes = []
     for label, wrap in (("ringcomm ddp", lambda m: DDP(m, bucket_cap_mb=0.01)),
-                        ("torch DDP", lambda m: TorchDDP(m, device_ids=[device.index],
-                                                         bucket_cap_mb=0.01))):
+                        ("torch DDP", lambda m: TorchDDP(
+                            m, device_ids=[device.index] if device.type == "cuda" else None,
+                            bucket_cap_mb=0.01))):
         oracle = tiny_lm(seed=1000, dtype=torch.float32).to(device)
         model = tiny_lm(seed=1000 + rank, dtype=torch.float32).to(device)
         ddp = wrap(model)
@@ -426,7 +684,7 @@ def fsdp_check(nccl_group, device, failures: list[str]) -> list[str]:
     def train(group) -> list:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
-        mesh = DeviceMesh.from_group(group, "cuda")
+        mesh = DeviceMesh.from_group(group, device.type)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model:
             if isinstance(layer, nn.Linear):
@@ -448,18 +706,36 @@ def fsdp_check(nccl_group, device, failures: list[str]) -> list[str]:
     return [f"FSDP2 bf16 vs nccl: {'ok' if ok else 'FAILED'} (max |diff| {worst:.1e})"]
 
 
+
+STAGE_CHECKS = {"allreduce": allreduce_stage, "collectives": collectives_stage,
+                "device_id": device_id_stage, "streams": streams_stage,
+                "frameworks": frameworks_stage}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--stage", help=argparse.SUPPRESS)
+    ap.add_argument("--hang", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
+    ap.add_argument("--versions", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "docs" / "gpu-results.md"),
                     help="where to write the report (default docs/gpu-results.md)")
-    ap.add_argument("--versions", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--data", default=str(ROOT / "docs" / "data"),
+                    help="where the JSON goes (default docs/data)")
     ap.add_argument("--budget", type=float, default=BUDGET_S,
                     help=f"seconds for the whole check (default {BUDGET_S:g})")
+    ap.add_argument("--stages", default="",
+                    help="comma list of stages to run (default all: "
+                         + ",".join(s[0] for s in STAGES) + ")")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="multiply every stage's deadline (a slow machine)")
+    ap.add_argument("--fake", action="store_true",
+                    help="no GPU: CPU tensors, gloo as the reference, FakeNccl in-process")
+    ap.add_argument("--hang-stage", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.versions:
-        print(json.dumps(versions()))
+        print(json.dumps(versions(args.fake)))
         return 0
     return worker(args) if args.worker else driver(args)
 

@@ -23,7 +23,7 @@ def test_every_collective_torch_can_call_is_in_the_table():
         n for n in dir(dist.ProcessGroup)
         if re.search(r"opts: torch\._C\._distributed_c10d\.\w+Options",
                      getattr(getattr(dist.ProcessGroup, n), "__doc__", "") or "")}
-    assert len(torch_collectives) >= 20
+    assert len(torch_collectives) >= 16  # torch 2.11's docstrings match 16, 2.13's 20
     refused = set(ProcessGroupRingcomm.REFUSED)
     assert torch_collectives - refused <= set(METHODS), sorted(torch_collectives - refused
                                                                - set(METHODS))

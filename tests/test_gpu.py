@@ -1,11 +1,15 @@
 """The CUDA path on a real GPU (skipped where there is none; CI has none).
 
-scripts/gpu_check.sh is the full check for a machine with a GPU; this is the part
-that fits in pytest: one rank, every collective and algorithm on CUDA tensors
-through the real CuPy/NCCL and CUDA streams, against a single-process oracle."""
+scripts/gpu_check.sh is the full check for a machine with a GPU. Here: one rank
+(the CUDA streams and the process group's checks; at one rank every schedule is
+empty, so no NCCL message moves), then two ranks through gpu_check's first
+stages, where every algorithm sends and receives over real NCCL."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,3 +61,11 @@ def test_work_orders_the_callers_stream_and_the_future_holds_the_output(pg):
 def test_cuda_tensors_must_be_contiguous(pg):
     with pytest.raises(ValueError, match="not contiguous"):
         pg.allreduce([torch.ones(4, 4, device="cuda").t()])
+
+
+def test_two_ranks_exchange_real_nccl_messages(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "gpu_check.py"), "--stages",
+                           "versions,allreduce,collectives", "--out", str(tmp_path / "gpu.md"),
+                           "--data", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (tmp_path / "gpu.md").read_text()

@@ -63,6 +63,9 @@ GATES = [
      'support DistributedDataParallel"', 2),
 ]
 
+#: the torch whose suite the counts in GATES are those of
+GATES_TORCH = "2.13"
+
 #: tests a gate above opens that ringcomm cannot pass, and why
 NOT_FOR_RINGCOMM = {
     name: "torch implements monitored_barrier for gloo only (dist.monitored_barrier refuses "
@@ -81,11 +84,17 @@ def _load_suite():
         return sys.modules[SUITE_MODULE]
     spec = importlib.util.find_spec(SUITE_MODULE)
     source = open(spec.origin).read()
+    # the counts are those of the torch the suite's results are recorded on; another
+    # torch's suite may gate fewer or more tests, but every gate must still be there
+    import torch
+
+    recorded = torch.__version__.startswith(GATES_TORCH + ".")
     for old, new, count in GATES:
         found = source.count(old)
-        if found != count:
+        if found != count if recorded else not found:
             raise RuntimeError(f"torch's distributed_test has {found} of the gate {old!r}, "
-                               f"expected {count}: update GATES in {__file__}")
+                               f"expected {count if recorded else 'some'}: update GATES in "
+                               f"{__file__}")
         source = source.replace(old, new)
     module = importlib.util.module_from_spec(spec)
     sys.modules[SUITE_MODULE] = module
