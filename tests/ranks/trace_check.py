@@ -34,11 +34,16 @@ def main() -> None:
     # callbacks, and a collective issued meanwhile runs there, outside this thread's
     # profile: a barrier first leaves the lane idle, so the allreduce runs here.
     dist.barrier()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        dist.all_reduce(torch.ones(100))
-    names = {e.key for e in prof.key_averages()}
-    c.check(any(n.startswith("ringcomm: allreduce[") for n in names),
-            f"ringcomm's allreduce is a profiler range: {sorted(names)[:20]}")
+    if hasattr(dist.AllreduceOptions(), "asyncOp"):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            dist.all_reduce(torch.ones(100))
+        names = {e.key for e in prof.key_averages()}
+        c.check(any(n.startswith("ringcomm: allreduce[") for n in names),
+                f"ringcomm's allreduce is a profiler range: {sorted(names)[:20]}")
+    else:
+        # torch < 2.8 does not tell a backend which calls are synchronous: every one
+        # runs on the lane's progress thread, outside this thread's profile
+        print(f"rank {rank}: the profiler range is not checked on torch {torch.__version__}")
     dist.barrier()
     dist.destroy_process_group()
     c.finish()
