@@ -268,3 +268,27 @@ def test_a_failed_collective_says_what_nccl_said():
 def test_errors_that_are_not_nccls_are_left_as_they_are():
     assert nccl.explain(FakeNccl(), ValueError("x")) == "ValueError: x"
     assert nccl.last_error(object()) == ""  # no NCCL library in this process
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+def test_a_tensor_off_the_bound_device_is_refused_naming_group_device_and_op():
+    def body(pg):
+        pg.lanes.bound = torch.device("cpu", 1)  # as a group bound to another GPU
+        with pytest.raises(ValueError, match=r"ringcomm allreduce: group 'fake-nccl' is bound "
+                                             r"to cpu:1 .*a tensor on cpu was given"):
+            pg.allreduce([torch.ones(2)])
+
+    nccl_groups(1, body)
+
+
+def test_a_communicator_used_after_abort_is_refused_naming_group_device_and_op():
+    def body(pg):
+        pg.allreduce([torch.ones(2)]).wait()
+        pg.abort()
+        with pytest.raises(dist.DistBackendError,
+                           match=r"ringcomm broadcast: group 'fake-nccl' on cpu has been "
+                                 r"aborted"):
+            pg.broadcast([torch.ones(2)], dist.BroadcastOptions())
+
+    nccl_groups(2, body)

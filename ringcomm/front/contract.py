@@ -213,6 +213,7 @@ class TorchContract:
                              f"{self.lanes.nccl_type} tensors over NCCL, not {dev.type}")
         if dev.type == self.lanes.nccl_type:
             self.lanes.for_device(dev, what)
+            self.lanes.bound = dev
         self.bound_device_id = dev
 
     def get_group_store(self) -> Any:

@@ -68,27 +68,32 @@ class TensorOrder:
 
     @staticmethod
     def _keys(tensors: Any) -> list[int]:
-        return [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
+        # the storage's start, without making a storage object (views of one buffer
+        # share it, whatever their offsets)
+        return [t.data_ptr() - t.storage_offset() * t.element_size()
+                for t in tensors if t.numel()]
 
-    def after_earlier(self, lane: Lane, tensors: list) -> tuple[list[int], list]:
+    def after_earlier(self, lane: Lane, tensors: Any) -> tuple[list[int], list]:
         """The storage keys of ``tensors`` and the Works on other lanes, not yet
         complete, that last used any of them."""
         keys = self._keys(tensors)
         deps = []
-        with self._lock:
-            for k in keys:
-                prev = self._last.get(k)
-                if prev is not None and prev[0] is not lane and not prev[1].is_completed() \
-                        and prev[1] not in deps:
-                    deps.append(prev[1])
+        last = self._last
+        for k in keys:
+            prev = last.get(k)
+            if prev is not None and prev[0] is not lane and not prev[1].is_completed() \
+                    and prev[1] not in deps:
+                deps.append(prev[1])
         return keys, deps
 
     def issued(self, lane: Lane, keys: list[int], work: Any) -> None:
         """``work`` on ``lane`` is now the last user of the storages ``keys``."""
-        with self._lock:
-            for k in keys:
-                self._last[k] = (lane, work)
-            if len(self._last) > self.LIMIT:
+        entry = (lane, work)
+        last = self._last
+        for k in keys:
+            last[k] = entry
+        if len(last) > self.LIMIT:
+            with self._lock:  # one pruning at a time; a lookup meanwhile reads either
                 self._last = {k: v for k, v in self._last.items() if not v[1].is_completed()}
 
 
@@ -152,6 +157,11 @@ class Lanes:
         self._timeout_s = timeout_s
         self._describe = describe
         self._nccl_lib = nccl
+        #: the NCCL device the group is bound to (init_process_group(device_id=...)),
+        #: the only one it then serves, as torch's NCCL backend
+        self.bound: torch.device | None = None
+        #: why the group's lanes are gone (shut down or aborted); None while usable
+        self.closed: str | None = None
         self._devices: dict[str, list[Lane]] = {}
         self._pairs: dict[tuple, Lane] = {}
         self._nccl_count = 0
@@ -286,6 +296,7 @@ class Lanes:
         ``dist.send``/``dist.recv`` with ``peer`` on ``device``, as torch's NCCL backend
         does: messages between a pair then never queue behind the group's collectives.
         Returns the lane and the peer's rank in it."""
+        self._refuse_if_closed(device, op)
         lib = self._library(op)
         lo, hi = min(self.rank, peer), max(self.rank, peer)
         key = (str(device), peer)
@@ -316,6 +327,12 @@ class Lanes:
         """This group's NCCL communicators on ``device``, one per channel, created now:
         every rank creates its k-th at the same call, so the k-th communicators of all
         ranks are one."""
+        self._refuse_if_closed(device, op)
+        if self.bound is not None and device != self.bound:
+            raise ValueError(f"ringcomm {op}: {self._describe()} is bound to {self.bound} "
+                             f"(init_process_group(device_id=...)), and a tensor on {device} "
+                             f"was given; move it to {self.bound}, or use a group that is "
+                             "not bound to a device")
         lib = self._library(op)
         with self._lock:
             lanes = self._devices.get(str(device))
@@ -330,6 +347,13 @@ class Lanes:
                     self._nccl_count += 1
                 self._devices[str(device)] = lanes
         return lanes
+
+    def _refuse_if_closed(self, device: torch.device, op: str) -> None:
+        if self.closed is not None:
+            import torch.distributed as dist
+
+            raise dist.DistBackendError(f"ringcomm {op}: {self._describe()} on {device} has "
+                                        f"been {self.closed}; its communicators are gone")
 
     def _new_nccl_lane(self, lib: Any, device: torch.device, prefix: str, rank: int,
                        size: int) -> Lane:
@@ -353,6 +377,7 @@ class Lanes:
         ``reason``; NCCL lanes are destroyed once idle (aborted after ``nccl_wait_s``).
         True when no CPU collective runs any more (one stuck in MPI past 5 s may)."""
         idle = True
+        self.closed = "aborted" if nccl_wait_s == 0 else "shut down"
         for cpu in self.cpus:
             idle = cpu.engine.shutdown(wait_s=5.0, interrupt=reason) and idle
             tp = cpu.tp

@@ -341,7 +341,7 @@ def _method(torch_name: str, build: Callable[..., tuple]) -> Callable[..., dist.
             raise
         order = lanes.order
         if order is not None:  # several channels: keep issue order on the same tensors
-            keys, deps = order.after_earlier(call.lane, list(requests.tensors_in(call_args)))
+            keys, deps = order.after_earlier(call.lane, requests.tensors_in(call_args))
             if deps:
                 call = Ordered(call, deps)
         if trace.active():
