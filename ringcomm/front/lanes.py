@@ -328,7 +328,8 @@ class Lanes:
         every rank creates its k-th at the same call, so the k-th communicators of all
         ranks are one."""
         self._refuse_if_closed(device, op)
-        if self.bound is not None and device != self.bound:
+        bound = self.bound
+        if bound is not None and (device.type, device.index or 0) != (bound.type, bound.index or 0):
             raise ValueError(f"ringcomm {op}: {self._describe()} is bound to {self.bound} "
                              f"(init_process_group(device_id=...)), and a tensor on {device} "
                              f"was given; move it to {self.bound}, or use a group that is "
