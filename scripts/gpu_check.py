@@ -64,7 +64,7 @@ STAGES = (
     ("bench", "busbw of ring, tree, native and torch's nccl", 42.0),
 )
 #: the environment variable that marks every process of one check
-MARK = "RINGCOMM_GPU_CHECK_RUN"
+MARK = "GPU_CHECK_RUN"
 SIZES = ("1K", "16M")
 
 
