@@ -9,6 +9,7 @@ backend that runs callbacks where such a wait cannot be served, these hang.
 """
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -96,8 +97,21 @@ def main() -> None:
             continue
         check_trained(c, hook, ours, ref, gloo, rtol=1e-5, atol=1e-6)
     dist.barrier()
+    # torch 2.7's ~ProcessGroupGloo joins its worker thread while holding the GIL,
+    # and that thread may still be freeing a finished Work's tensors, which needs
+    # the GIL: a deadlock at exit, seen 1 run in 8 (gdb: the main thread in
+    # std::thread::join under ~ProcessGroupGloo, gloo's runLoop in
+    # ~AsyncBroadcastWork waiting for the GIL). So the oracle's group goes first,
+    # idle, released from Python while this thread waits with the GIL free.
+    dist.barrier(group=gloo)
+    _KEEP.append(gloo)
+    time.sleep(0.2)  # gloo's worker frees its last Works meanwhile (the GIL is free)
     dist.destroy_process_group()
     c.finish()
+
+
+#: the oracle's group, dropped only at exit, when its worker is idle
+_KEEP: list = []
 
 
 if __name__ == "__main__":
