@@ -118,7 +118,8 @@ def test_the_outer_timeout_still_leaves_the_results_so_far(tmp_path):
 def test_without_a_gpu_it_says_so_and_fails(tmp_path):
     out = tmp_path / "gpu.md"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out",
-                           str(out)], capture_output=True, text=True, timeout=120)
+                           str(out), "--data", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
     if "cannot run" not in proc.stdout:
         pytest.skip("this machine has a GPU with CuPy: the check itself ran")
     assert proc.returncode == 1
