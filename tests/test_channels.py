@@ -203,3 +203,27 @@ def test_collectives_on_the_same_tensor_keep_issue_order_across_channels(size):
     for t in _groups(size, 2, _same_tensor_twice):
         assert torch.equal(t, torch.full_like(t, float(size * size)))
 
+
+
+def test_the_order_forgets_finished_collectives_and_keeps_unfinished_ones():
+    from ringcomm.front.lanes import TensorOrder
+
+    class W:
+        def __init__(self, done):
+            self.done = done
+
+        def is_completed(self):
+            return self.done
+
+    order, lane, other = TensorOrder(), object(), object()
+    pending = W(False)
+    keep = torch.ones(3)
+    keys, deps = order.after_earlier(lane, [keep])
+    order.issued(lane, keys, pending)
+    alive = [torch.ones(2) for _ in range(TensorOrder.LIMIT + 1)]  # distinct storages
+    for t in alive:  # finished collectives on other storages
+        k, _ = order.after_earlier(lane, [t])
+        order.issued(lane, k, W(True))
+    assert len(order._last) <= 2  # pruned to the unfinished one (and one issued since)
+    assert order.after_earlier(other, [keep[1:]])[1] == [pending]  # a view: same storage
+    assert order.after_earlier(lane, [keep])[1] == []  # same lane: already in order

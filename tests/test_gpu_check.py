@@ -53,18 +53,15 @@ def _fake(tmp_path, *extra, timeout=300):
 
 
 def _no_workers_left() -> bool:
-    return not any("--worker" in (Path(f"/proc/{pid}/cmdline").read_bytes()
-                                  .decode(errors="replace"))
-                   for pid in _pids() if "gpu_check" in _cmd(pid))
+    return not any("gpu_check" in cmd and "--worker" in cmd
+                   for cmd in map(_cmd, Path("/proc").iterdir()) if cmd)
 
 
-def _pids() -> list[int]:
-    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()]
-
-
-def _cmd(pid: int) -> str:
+def _cmd(entry: Path) -> str:
+    """A process's command line ("" for what is not a process, or is gone)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        return (entry / "cmdline").read_bytes().decode(errors="replace") \
+            if entry.name.isdigit() else ""
     except OSError:
         return ""
 

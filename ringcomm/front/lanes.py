@@ -21,6 +21,7 @@ import threading
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from ringcomm.schedules.executors import CollectiveMismatch
 from ringcomm.transport import Link, Transport
@@ -64,7 +65,6 @@ class TensorOrder:
 
     def __init__(self) -> None:
         self._last: dict[int, tuple[Lane, Any]] = {}
-        self._lock = threading.Lock()
 
     @staticmethod
     def _keys(tensors: Any) -> list[int]:
@@ -93,8 +93,11 @@ class TensorOrder:
         for k in keys:
             last[k] = entry
         if len(last) > self.LIMIT:
-            with self._lock:  # one pruning at a time; a lookup meanwhile reads either
-                self._last = {k: v for k, v in self._last.items() if not v[1].is_completed()}
+            # in place, from a snapshot: another thread may issue meanwhile, and an entry
+            # it has just replaced stays
+            for k, v in list(last.items()):
+                if v[1].is_completed() and last.get(k) is v:
+                    del last[k]
 
 
 class Ordered:
@@ -351,8 +354,6 @@ class Lanes:
 
     def _refuse_if_closed(self, device: torch.device, op: str) -> None:
         if self.closed is not None:
-            import torch.distributed as dist
-
             raise dist.DistBackendError(f"ringcomm {op}: {self._describe()} on {device} has "
                                         f"been {self.closed}; its communicators are gone")
 

@@ -435,12 +435,13 @@ class FakeStreams(HostStreams):
         self.lib = lib
         self.handle = 0x57  # a stream handle as an int, as CUDA's
         self._kept: list[tuple[int, int]] = []
-        if not check:
-            self.on_stream = HostStreams.on_stream.__get__(self)
-            self.keep_alive = HostStreams.keep_alive.__get__(self)
+        self.check = check
+
+    def on_stream(self) -> Any:
+        return self._checked() if self.check else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def on_stream(self) -> Any:
+    def _checked(self) -> Any:
         tls = self.lib._tls
         tls.touched, self._kept = [], []
         try:
@@ -456,6 +457,8 @@ class FakeStreams(HostStreams):
                     "allocator could hand them to another stream while NCCL still uses them")
 
     def keep_alive(self, tensors: Any) -> None:
+        if not self.check:
+            return
         for t in tensors:
             st = t.untyped_storage()
             self._kept.append((st.data_ptr(), st.data_ptr() + st.nbytes()))

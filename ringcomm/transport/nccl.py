@@ -176,10 +176,10 @@ def _find_get_last_error() -> Any:
 
 def explain(lib: Any, err: BaseException) -> str:
     """``err`` from an NCCL call, with what NCCL said of it (``ncclGetLastError``)
-    and what it usually means; other errors as they are."""
+    and what it usually means; "" for an error that is not NCCL's."""
     status = getattr(err, "status", None)
     if status not in ERROR_NAMES:
-        return f"{type(err).__name__}: {err}"
+        return ""
     parts = [str(err)]
     detail = last_error(lib)
     if detail:
@@ -223,9 +223,8 @@ def connect(lib: Any, store: Any, prefix: str, rank: int, size: int, timeout_s: 
         with device_context():
             return lib.NcclCommunicator(size, uid, rank)
     except Exception as e:  # noqa: BLE001 - NCCL's and CUDA's errors, named with the group
-        why = (explain(lib, e) if getattr(e, "status", None) in ERROR_NAMES else
-               f"{type(e).__name__}: {e}. Is CUDA usable here (a GPU visible, its driver "
-               "loaded)?")
+        why = explain(lib, e) or (f"{type(e).__name__}: {e}. Is CUDA usable here (a GPU "
+                                  "visible, its driver loaded)?")
         raise RuntimeError(f"ringcomm: creating the NCCL communicator {prefix!r} (rank {rank} "
                            f"of {size}) failed: {why}") from e
 
@@ -387,7 +386,7 @@ class NcclTransport(Link):
     def explain(self, err: BaseException) -> str:
         """An NCCL error with what NCCL said of it and what it usually means; "" for
         any other error."""
-        return explain(self.lib, err) if getattr(err, "status", None) in ERROR_NAMES else ""
+        return explain(self.lib, err)
 
     def check_async_error(self) -> None:
         """Raise the communicator's asynchronous error, if it has one."""
