@@ -28,7 +28,7 @@ from ringcomm.front.create import GROUPS
 from ringcomm.front.create import register as register_backend
 from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.launch import bootstrap, slurm
-from ringcomm.schedules import checker
+from ringcomm.execution import checker
 from ringcomm.settings import Options
 
 __version__ = "0.1.0"

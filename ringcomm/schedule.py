@@ -15,7 +15,7 @@ length)`` in elements of the collective's dtype.
 
 The same schedule runs on MPI (``executors.p2p``), on in-process ranks (the
 same executor over threads), and under NCCL's group rules (``executors.group``
-with the real library or :mod:`ringcomm.schedules.simulator`); :mod:`ringcomm.schedules.checker`
+with the real library or :mod:`ringcomm.execution.simulator`); :mod:`ringcomm.execution.checker`
 proves it correct without running it.
 
 Example: a two-rank exchange that sums a buffer::

@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import ringcomm  # noqa: E402,F401  (registers the library)
-from ringcomm.schedules import checker  # noqa: E402
+from ringcomm.execution import checker  # noqa: E402
 from ringcomm.algorithms import NATIVE, REGISTRY, select  # noqa: E402
 from ringcomm.bench import model  # noqa: E402
 from ringcomm.bench.sizes import format_size  # noqa: E402

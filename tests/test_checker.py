@@ -7,14 +7,14 @@ import threading
 import pytest
 import torch
 
-from ringcomm.schedules import checker
+from ringcomm.execution import checker
 from ringcomm import ops
 from ringcomm.algorithms import ring
-from ringcomm.schedules.executors import GroupProgram
-from ringcomm.schedules.plan import Plan
-from ringcomm.schedules.checker import check_user_schedule as _check_user_schedule
+from ringcomm.execution.executors import GroupProgram
+from ringcomm.execution.plan import Plan
+from ringcomm.execution.checker import check_user_schedule as _check_user_schedule
 from ringcomm.schedule import Builder, Context, Copy, Reduce, Region, ScheduleError
-from ringcomm.schedules.simulator import SimFabric, SimulatorError
+from ringcomm.execution.simulator import SimFabric, SimulatorError
 from ringcomm.testing import run_schedule
 
 

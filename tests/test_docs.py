@@ -195,7 +195,7 @@ def test_architecture_worked_path_names_what_the_code_does():
                          ("front.reductions", "allreduce_prepared"),
                          ("front.reductions", "_Allreduce"), ("front.plans", "Planner"),
                          ("front.lanes", "Lanes"), ("runtime.engine", "Engine"),
-                         ("schedules.executors", "P2PProgram"), ("ops", "finalize_"),
+                         ("execution.executors", "P2PProgram"), ("ops", "finalize_"),
                          ("runtime.work", "Done"), ("transport.mpi", "MPITransport")):
         assert f"{module.replace('.', '/')}.py" in path or f"{module}" in path, module
         assert hasattr(importlib.import_module(f"ringcomm.{module}"), name), (module, name)

@@ -8,7 +8,7 @@ The layers, bottom up, as docs/architecture.md draws them:
 * transport: point-to-point only, driven and driving nothing;
 * builders: the algorithms and the library, pure schedule builders (the schedule
   model, ops and the registry);
-* schedules: the checker, NCCL's rules, the simulator and the executors;
+* execution: the checker, NCCL's rules, the simulator and the executors;
 * runtime: engines, streams and Work, never the front;
 * launch: bootstrap and the network;
 * front: the process group and what serves it (requests, argument checks, plans,
@@ -30,7 +30,7 @@ LAYERS = {
                "ringcomm.pacing"),
     "transport": ("ringcomm.transport",),
     "builders": ("ringcomm.algorithms", "ringcomm.library"),
-    "schedules": ("ringcomm.schedules",),
+    "execution": ("ringcomm.execution",),
     "runtime": ("ringcomm.runtime",),
     "launch": ("ringcomm.launch",),
     "front": ("ringcomm.front",),
@@ -43,11 +43,11 @@ MAY_USE = {
     "bottom": (),
     "transport": ("bottom",),
     "builders": (),  # and only the schedule model and ops of the bottom: BUILDER_BOTTOM
-    "schedules": ("bottom",),
+    "execution": ("bottom",),
     "runtime": ("bottom", "transport"),
     "launch": ("bottom",),
-    "front": ("bottom", "transport", "builders", "schedules", "runtime", "launch"),
-    "top": ("bottom", "transport", "builders", "schedules", "runtime", "launch", "front"),
+    "front": ("bottom", "transport", "builders", "execution", "runtime", "launch"),
+    "top": ("bottom", "transport", "builders", "execution", "runtime", "launch", "front"),
     "ddp": (),  # and ringcomm.trace: DDP_RINGCOMM
     "ddp.bench": ("ddp",),
 }
@@ -146,11 +146,11 @@ def test_every_module_is_in_a_layer():
 def test_the_rules_catch_what_they_forbid():
     # the check itself can fail: imports against the layers, written as the code would
     cases = {
-        "ringcomm/transport/mpi.py": "from ..schedules.executors import Plan\n",
+        "ringcomm/transport/mpi.py": "from ..execution.executors import Plan\n",
         "ringcomm/settings.py": "def f():\n    from .algorithms import REGISTRY\n",
         "ringcomm/algorithms/ring.py": "from .. import settings\n",
         "ringcomm/runtime/engine.py": "from ..front.requests import Call\n",
-        "ringcomm/schedules/executors.py": "from ringcomm.runtime import work\n",
+        "ringcomm/execution/executors.py": "from ringcomm.runtime import work\n",
         "ddp/reducer.py": "from ringcomm.front import process_group\n",
         "ddp/bench/cli.py": "from ringcomm.launch.bootstrap import MPI_LAUNCHER_VARS\n",
     }
@@ -161,7 +161,7 @@ def test_the_rules_catch_what_they_forbid():
     fine = {
         "ringcomm/transport/mpi.py": "from .. import settings\nfrom .base import Handle\n",
         "ringcomm/library/bruck.py": "from ringcomm.schedule import Builder\n",
-        "ringcomm/front/plans.py": ("from ..schedules.executors import Plan\n"
+        "ringcomm/front/plans.py": ("from ..execution.executors import Plan\n"
                                    "from ringcomm.algorithms import REGISTRY\n"),
         "ddp/reducer.py": "from ringcomm import trace\n",
         "ddp/bench/cli.py": "import ringcomm\nfrom ringcomm.bench.cli import Parser\n",

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ringcomm
-from ringcomm.schedules import checker
+from ringcomm.execution import checker
 from ringcomm import ops
 from ringcomm.algorithms import BUILTIN, REGISTRY, TRUSTED, select
 from ringcomm.library import ALGORITHMS, double_tree, hierarchical
@@ -333,7 +333,7 @@ def test_registered_like_a_users_algorithm_and_tuning_names_only_registered_ones
 def test_first_use_check_refuses_nothing_at_realistic_shapes():
     # what the planner runs on the first call of each shape: the real shape without
     # contents, the contents at a smaller shape with as many segments per chunk
-    from ringcomm.schedules.checker import check_user_schedule
+    from ringcomm.execution.checker import check_user_schedule
 
     seg = (2 << 20) // 4  # the default 2 MiB segments of float32
     for (coll, name), build in ALGORITHMS.items():

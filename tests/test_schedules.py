@@ -11,13 +11,13 @@ import weakref
 import pytest
 import torch
 
-from ringcomm.schedules import checker
+from ringcomm.execution import checker
 from ringcomm import ops
 from ringcomm.algorithms import BUILTIN as SHIPPED
 from ringcomm.algorithms import NATIVE, REGISTRY, common
-from ringcomm.schedules.executors import GroupProgram, P2PProgram
-from ringcomm.schedules.plan import Plan
-from ringcomm.schedules.simulator import SimFabric
+from ringcomm.execution.executors import GroupProgram, P2PProgram
+from ringcomm.execution.plan import Plan
+from ringcomm.execution.simulator import SimFabric
 from ringcomm.schedule import Context
 from ringcomm.testing import run_ranks, run_schedule
 from ringcomm.testing.local import LocalFabric, LocalTransport

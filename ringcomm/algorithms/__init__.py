@@ -60,12 +60,12 @@ def register_algorithm(collective: str, name: str, build: Callable, *,
         name: the name used in ``RINGCOMM_ALGO``, ``Options`` and ``set_algorithm``;
             ``"auto"`` and ``"native"`` are reserved.
         build: ``build(ctx: ringcomm.schedule.Context) -> ringcomm.schedule.Schedule``.
-            It is checked (:func:`ringcomm.schedules.checker.check`) on the first use of each
+            It is checked (:func:`ringcomm.execution.checker.check`) on the first use of each
             call shape, and refused with the step and element at fault if wrong.
         replace: allow replacing an existing algorithm of that name.
         verify: check ``build`` on the first use of each call shape (the default).
             ``False`` trusts it as ringcomm trusts its built-ins: for a builder whose
-            own tests prove it (``ringcomm.schedules.checker.check`` over the shapes it will
+            own tests prove it (``ringcomm.execution.checker.check`` over the shapes it will
             meet), where the check's cost matters (it grows with the world size; an
             all-to-all whose splits change every call is checked at every call).
     Raises:

@@ -2,7 +2,7 @@
 from the schedules, the fit to measured timings, predictions and crossovers.
 
 No MPI and no torch process group: the structural features come from
-ringcomm's schedule builders through :func:`ringcomm.schedules.checker.check` (imported
+ringcomm's schedule builders through :func:`ringcomm.execution.checker.check` (imported
 on first use), the rest is numpy. The benchmark (:mod:`ringcomm.bench.analysis`)
 uses it, and so can a notebook or a test.
 
@@ -20,7 +20,7 @@ in bytes.
 
 The features are counted from the algorithm's registered schedules
 (``ringcomm.algorithms.REGISTRY``) run without data under NCCL's lockstep rules
-(:func:`ringcomm.schedules.checker.check` with ``symbolic=False``):
+(:func:`ringcomm.execution.checker.check` with ``symbolic=False``):
 
 * ``A`` = ``Stats.rounds``: synchronous rounds with messages, the latency terms
   on the critical path (each pipeline segment is a message);
@@ -109,7 +109,7 @@ def _split(n: int, p: int) -> tuple[int, ...]:
 
 
 def layout_for(collective: str, p: int, n: int) -> tuple:
-    """The global layout (for :func:`ringcomm.schedules.checker.check`) of a message of ``n``
+    """The global layout (for :func:`ringcomm.execution.checker.check`) of a message of ``n``
     bytes as nccl-tests counts it, one byte per element.
 
     Raises:
@@ -149,7 +149,7 @@ def _simulate(collective: str, algorithm: str, p: int, n: int, seg: int,
               build: Callable) -> tuple[float, float, float]:
     # ``build`` is part of the key so that a replaced registration is not served
     # the old builder's counts.
-    from ringcomm.schedules import checker
+    from ringcomm.execution import checker
 
     st = checker.check(build, collective, p, layout_for(collective, p, n), seg=seg,
                        symbolic=False)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ringcomm.schedules.executors import CollectiveMismatch
+from ringcomm.execution.executors import CollectiveMismatch
 from ringcomm.transport import Link, Transport
 
 #: where a rank of the group reports a collective mismatch it found (the group's store)

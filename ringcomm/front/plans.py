@@ -1,8 +1,8 @@
 """From a call's shape to something that runs: which algorithm (the group's
 choice, or ``auto``'s), its compiled schedule (cached per call shape, and for a
 user's algorithm checked before first use), and the program that runs it on a
-lane (:mod:`ringcomm.schedules.executors`), and the group's epoch (message tags). A user's
-builder is checked by :func:`ringcomm.schedules.checker.check_user_schedule`; the
+lane (:mod:`ringcomm.execution.executors`), and the group's epoch (message tags). A user's
+builder is checked by :func:`ringcomm.execution.checker.check_user_schedule`; the
 ``RINGCOMM_DEBUG=DETAIL`` comparison of every rank's call is
 :mod:`ringcomm.front.fingerprints`.
 """
@@ -22,9 +22,9 @@ from ringcomm.algorithms import names as algorithm_names
 from ringcomm.algorithms import select
 from ringcomm.front.lanes import Lane
 from ringcomm.schedule import Context, ShapeNotServed
-from ringcomm.schedules.checker import check_user_schedule
-from ringcomm.schedules.executors import GroupProgram, NativeProgram, P2PProgram
-from ringcomm.schedules.plan import Plan
+from ringcomm.execution.checker import check_user_schedule
+from ringcomm.execution.executors import GroupProgram, NativeProgram, P2PProgram
+from ringcomm.execution.plan import Plan
 from ringcomm.settings import Options
 from ringcomm.transport import Link, Transport
 
@@ -189,7 +189,7 @@ def program(link: Link, plan: Plan, dtype: torch.dtype, op: Any, epoch: int = 0,
             signature: tuple[int, str] = (0, "this call"), names: Any = None):
     """The program that runs ``plan`` on ``link``: over point-to-point messages on a
     transport (tagged with the call's ``signature``, see
-    :class:`ringcomm.schedules.executors.TagLayout`), one group per step on an NCCL
+    :class:`ringcomm.execution.executors.TagLayout`), one group per step on an NCCL
     communicator."""
     scratch = [link.scratch(i, n, dtype) for i, n in enumerate(plan.scratch)]
     if isinstance(link, Transport):

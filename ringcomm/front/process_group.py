@@ -29,7 +29,7 @@ from ringcomm.front.plans import Planner
 from ringcomm.front.requests import Calls
 from ringcomm.runtime.engine import Engine
 from ringcomm.runtime.work import P2PWork
-from ringcomm.schedules.checker import AlgorithmFailed
+from ringcomm.execution.checker import AlgorithmFailed
 from ringcomm.settings import Options, get
 from ringcomm.transport import Transport
 

@@ -6,7 +6,7 @@ shape and what this call passes to it. The lane's engine runs
 
 A prepared call (:class:`Call`) is made on the first call of a shape (group,
 lane, collective, dtype, sizes, op, root, algorithm): every argument check, the
-algorithm's choice and its program (:mod:`ringcomm.schedules.executors`: the compiled
+algorithm's choice and its program (:mod:`ringcomm.execution.executors`: the compiled
 schedule, scratch, persistent requests) are done then, once. A later call of
 the shape finds it by a key made of what defines the shape, checks only what
 the key cannot vouch for (the tensor's type and layout, its contiguity, the

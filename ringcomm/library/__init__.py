@@ -14,7 +14,7 @@ algorithm               collective    steps (p ranks, k segments per message)
 
 They are registered with ``verify=False``: like the built-ins they are proved by
 the test suite (``tests/test_library.py`` checks them with
-:func:`ringcomm.schedules.checker.check` over world sizes, layouts and host layouts, and
+:func:`ringcomm.execution.checker.check` over world sizes, layouts and host layouts, and
 runs them under both executors and against gloo), so they skip the first-use
 check, which at 256 ranks costs up to 2 s per all-to-all shape. A user's algorithm
 registered without ``verify=False`` is checked at first use. ``auto`` picks them

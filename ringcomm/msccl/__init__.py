@@ -109,7 +109,7 @@ class Algorithm:
             ValueError: it is wrong, naming the rank's step and the XML's gpu, tb and
                 step it carries (a size mismatch, a deadlock, a wrong result).
         """
-        from ringcomm.schedules import checker
+        from ringcomm.execution import checker
 
         lay, root = self.shape(multiple), self.program.root or 0
         try:

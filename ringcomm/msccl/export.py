@@ -191,7 +191,7 @@ def _gpu(r: int, sched: Schedule, ref: Callable, sent: dict, taken: dict, collec
 def export(collective: str, name: str, build: Callable, size: int, chunks: int,
            seg: int = 1 << 30) -> Program:
     """The MSCCL program of builder ``build`` for ``collective`` on ``size`` ranks."""
-    from ringcomm.schedules.checker import local_layout
+    from ringcomm.execution.checker import local_layout
 
     lay = layout(collective, size, chunks)
     scheds = [build(Context(collective, size, r, local_layout(collective, lay, r, 0), 0, seg))

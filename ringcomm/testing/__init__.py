@@ -24,10 +24,10 @@ import torch
 
 from ringcomm import ops
 from ringcomm.schedule import Context
-from ringcomm.schedules.checker import local_layout
-from ringcomm.schedules.executors import GroupProgram, P2PProgram
-from ringcomm.schedules.plan import Plan
-from ringcomm.schedules.simulator import SimFabric
+from ringcomm.execution.checker import local_layout
+from ringcomm.execution.executors import GroupProgram, P2PProgram
+from ringcomm.execution.plan import Plan
+from ringcomm.execution.simulator import SimFabric
 from ringcomm.testing.fake_nccl import FakeNccl
 from ringcomm.testing.local import LocalFabric
 from ringcomm.transport.base import Transport
@@ -93,7 +93,7 @@ def run_schedule(build: Callable, collective: str, size: int, layout: tuple,
     """Run schedule builder ``build`` for ``collective`` on ``size`` in-process ranks.
 
     Args:
-        layout: the global layout (as :func:`ringcomm.schedules.checker.check` takes it).
+        layout: the global layout (as :func:`ringcomm.execution.checker.check` takes it).
         bufs: per rank, the caller's 1-D buffers in the collective's order
             (``ringcomm.schedule.BUFFERS``); results are written into them.
         op: the reduce op (a ``ReduceOp.RedOpType``) of reducing collectives.
@@ -103,7 +103,7 @@ def run_schedule(build: Callable, collective: str, size: int, layout: tuple,
         hosts: the host of every rank (:class:`ringcomm.schedule.Context`); empty: one host.
     Raises:
         RuntimeError: a rank failed or timed out (threads).
-        ringcomm.schedules.simulator.SimulatorError: the schedule cannot complete under NCCL's rules.
+        ringcomm.execution.simulator.SimulatorError: the schedule cannot complete under NCCL's rules.
     """
     plans = [Plan(build(Context(collective, size, r, local_layout(collective, layout, r, root),
                                 root, seg, tuple(hosts)))) for r in range(size)]

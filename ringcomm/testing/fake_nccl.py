@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ringcomm.runtime.streams import HostStreams
-from ringcomm.schedules.simulator import SimFabric
+from ringcomm.execution.simulator import SimFabric
 from ringcomm.transport.nccl import DTYPE_CODES, ERROR_NAMES
 
 #: ncclGetErrorString's text per status (nccl.h ncclResult_t)
@@ -55,10 +55,10 @@ class FakeNccl:
     NCCL path (communicator set-up through the store, pointers, byte counts, type
     codes, groups, NCCL's own collectives, aborts) where there is no GPU.
 
-    Messages follow NCCL's rules through :class:`ringcomm.schedules.simulator.SimFabric`:
+    Messages follow NCCL's rules through :class:`ringcomm.execution.simulator.SimFabric`:
     ``groupEnd()`` returns once the group completed (as if the stream were
     synchronised after each group), so a schedule that would hang on a GPU ends in
-    :class:`ringcomm.schedules.simulator.SimulatorError` naming the cycle. NCCL's own
+    :class:`ringcomm.execution.simulator.SimulatorError` naming the cycle. NCCL's own
     collectives are lowered to messages to every peer plus a local reduction.
 
     Pass it as ``nccl=`` to :class:`ringcomm.ProcessGroupRingcomm` with

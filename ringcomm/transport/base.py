@@ -1,7 +1,7 @@
 """What the process group needs from the layer below, for one device.
 
 :class:`Link`: rank, size, device, scratch buffers and the library's own
-collectives. Two kinds, both driven by :mod:`ringcomm.schedules.executors` and driving
+collectives. Two kinds, both driven by :mod:`ringcomm.execution.executors` and driving
 nothing themselves:
 
 * :class:`Transport` (MPI for CPU tensors, threads in tests): persistent
@@ -83,7 +83,7 @@ def packed(chunks: Sequence[torch.Tensor]) -> tuple[int, list[int], list[int]] |
 class Link(abc.ABC):
     """One group's link between ``size`` ranks on one device; this process is ``rank``.
 
-    A link is driven: the executors of :mod:`ringcomm.schedules.executors` call it, and it
+    A link is driven: the executors of :mod:`ringcomm.execution.executors` call it, and it
     calls nothing above it.
     """
 

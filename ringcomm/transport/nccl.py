@@ -6,7 +6,7 @@ with every CuPy version. Point-to-point messages travel as bytes; only NCCL's
 own collectives (algorithm ``native``) need the element type.
 
 Everything here only *enqueues* work on a stream. Each schedule step is one
-``groupStart()``/``groupEnd()`` pair (:class:`ringcomm.schedules.executors.GroupProgram`),
+``groupStart()``/``groupEnd()`` pair (:class:`ringcomm.execution.executors.GroupProgram`),
 local reductions are torch ops issued on the same stream, and waiting, time
 limits and errors belong to :class:`ringcomm.runtime.streams.StreamEngine`.
 
@@ -232,8 +232,8 @@ def connect(lib: Any, store: Any, prefix: str, rank: int, size: int, timeout_s: 
 class NcclTransport(Link):
     """One NCCL communicator of a group, on one device, enqueuing on one stream.
 
-    Implements :class:`ringcomm.schedules.executors.GroupComm`, so
-    :class:`~ringcomm.schedules.executors.GroupProgram` drives it; the stream engine makes
+    Implements :class:`ringcomm.execution.executors.GroupComm`, so
+    :class:`~ringcomm.execution.executors.GroupProgram` drives it; the stream engine makes
     ``stream`` current around every call, so the local reductions (torch ops, which
     the program calls directly: ``local_work_inline``) land on it too.
 

@@ -1,9 +1,9 @@
 """An in-process NCCL stand-in that enforces NCCL's point-to-point rules on CPU tensors.
 
-:class:`SimComm` implements the interface :func:`ringcomm.schedules.executors.run_grouped`
+:class:`SimComm` implements the interface :func:`ringcomm.execution.executors.run_grouped`
 drives (group start, send, receive, group end, local work on the stream), so
 the code that runs on the real NCCL runs here in CI. Groups, matching and
-progress follow :mod:`ringcomm.schedules.nccl_rules`; a schedule that would hang on a GPU
+progress follow :mod:`ringcomm.execution.nccl_rules`; a schedule that would hang on a GPU
 ends here in :class:`SimulatorError` naming the ranks and steps of the cycle.
 
 Two ways to drive it:
@@ -22,7 +22,7 @@ import torch
 
 from ringcomm import ops
 from ringcomm.schedule import ScheduleError
-from ringcomm.schedules.nccl_rules import Rules
+from ringcomm.execution.nccl_rules import Rules
 
 
 class SimulatorError(RuntimeError):

@@ -1,6 +1,6 @@
 """Executors: run a schedule (:mod:`ringcomm.schedule`) on a transport.
 
-A :class:`ringcomm.schedules.plan.Plan` is a schedule compiled once per call
+A :class:`ringcomm.execution.plan.Plan` is a schedule compiled once per call
 shape (regions numbered, dependencies worked out). A *program* is a plan
 prepared for one link and reduce op, with its scratch; for each set of
 caller buffer addresses it keeps a *binding*: the step lists with every
@@ -18,7 +18,7 @@ local work. Three kinds:
 * :class:`GroupProgram`, over an NCCL-like communicator (:class:`GroupComm`):
   each step is one group (group start, its sends and receives, group end), its
   local work follows on the same stream. This is the only order NCCL allows;
-  :mod:`ringcomm.schedules.simulator` provides a communicator that enforces NCCL's rules
+  :mod:`ringcomm.execution.simulator` provides a communicator that enforces NCCL's rules
   on CPU tensors, the CUDA transport the real one.
 * :class:`NativeProgram`: the transport library's own collective (``native``).
 """
@@ -31,7 +31,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from ringcomm import ops, trace
-from ringcomm.schedules.plan import Plan
+from ringcomm.execution.plan import Plan
 
 #: bindings (sets of caller buffer addresses) a program keeps, least recent dropped
 BINDINGS = 4

@@ -1,5 +1,5 @@
 """A schedule (:mod:`ringcomm.schedule`) compiled once per call shape, for the
-executors (:mod:`ringcomm.schedules.executors`): regions numbered, and the
+executors (:mod:`ringcomm.execution.executors`): regions numbered, and the
 dependencies the point-to-point executor needs to post receives ahead and send
 as soon as data is final, in schedule order.
 """

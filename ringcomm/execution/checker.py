@@ -4,7 +4,7 @@ For one call shape, :func:`check` builds every rank's schedule and proves:
 
 * every region lies inside a buffer that exists on that rank, and a step never
   receives into memory it sends from or receives into twice;
-* the steps run to the end under NCCL's group rules (:mod:`ringcomm.schedules.nccl_rules`):
+* the steps run to the end under NCCL's group rules (:mod:`ringcomm.execution.nccl_rules`):
   every send has a receive of the same size on the peer, and no cycle of steps
   waits on itself;
 * a symbolic run ends with the right contents: every element carries the
@@ -24,7 +24,7 @@ import numpy as np
 
 from ringcomm.schedule import (REDUCING, BuildFn, Context, Copy, Reduce, Region, Schedule,
                                ScheduleError, ShapeNotServed, buffer_lengths)
-from ringcomm.schedules.nccl_rules import Rules
+from ringcomm.execution.nccl_rules import Rules
 
 _UNDEF = -1
 _BIG = 1 << 40  # element ids: logical part * _BIG + element index
