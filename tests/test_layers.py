@@ -149,7 +149,7 @@ def test_the_rules_catch_what_they_forbid():
         "ringcomm/transport/mpi.py": "from ..execution.executors import Plan\n",
         "ringcomm/settings.py": "def f():\n    from .algorithms import REGISTRY\n",
         "ringcomm/algorithms/ring.py": "from .. import settings\n",
-        "ringcomm/runtime/engine.py": "from ..front.requests import Call\n",
+        "ringcomm/runtime/engine.py": "from ..front.calls import Call\n",
         "ringcomm/execution/executors.py": "from ringcomm.runtime import work\n",
         "ddp/reducer.py": "from ringcomm.front import process_group\n",
         "ddp/bench/cli.py": "from ringcomm.launch.bootstrap import MPI_LAUNCHER_VARS\n",

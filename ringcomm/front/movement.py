@@ -1,6 +1,6 @@
 """The collectives that move data without reducing it (broadcast, allgather in
 its forms, gather, scatter, all-to-all) and the barrier, as
-:mod:`ringcomm.front.requests` describes every request."""
+:mod:`ringcomm.front.calls` describes every request."""
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +14,7 @@ from ringcomm import algorithms
 from ringcomm.front.arguments import options
 from ringcomm.front.fingerprints import dtype_code
 from ringcomm.front.lanes import Lane
-from ringcomm.front.requests import Call, Group, as_bytes, flat_view, lookup, nbytes_of
+from ringcomm.front.calls import Call, Group, as_bytes, flat_view, lookup, nbytes_of
 
 _uint8 = torch.uint8
 

@@ -1,6 +1,6 @@
 """The ringcomm ProcessGroup: a table from torch's method names to the request
 builders of :mod:`ringcomm.front.reductions` and :mod:`ringcomm.front.movement`
-(what they share: :mod:`ringcomm.front.requests`), plus what belongs to the group
+(what they share: :mod:`ringcomm.front.calls`), plus what belongs to the group
 itself:
 its identity, its algorithm choices, point-to-point messages and its end.
 
@@ -20,13 +20,13 @@ import torch.distributed as dist
 
 from ringcomm import trace
 from ringcomm.algorithms import check_choice
-from ringcomm.front import movement, reductions, requests
+from ringcomm.front import calls, movement, reductions
 from ringcomm.front.contract import TorchContract, forward_collectives
 from ringcomm.front.arguments import Inputs
 from ringcomm.front.fingerprints import Fingerprints
 from ringcomm.front.lanes import Lane, Lanes, Ordered
 from ringcomm.front.plans import Planner
-from ringcomm.front.requests import Calls
+from ringcomm.front.calls import Calls
 from ringcomm.runtime.engine import Engine
 from ringcomm.runtime.work import P2PWork
 from ringcomm.execution.checker import AlgorithmFailed
@@ -130,7 +130,7 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
                            nccl_type=nccl_device_type, channels=channels)
         #: collectives called so far, refused ones included (see :func:`_method`)
         self.seq = 0
-        #: the prepared calls, by shape (:mod:`ringcomm.front.requests`)
+        #: the prepared calls, by shape (:mod:`ringcomm.front.calls`)
         self.calls = Calls()
 
     # -- identity -------------------------------------------------------------
@@ -270,7 +270,7 @@ class _Traced:
         self.targs = {"group": group, "seq": seq, "device": call.lane.key,
                       "channel": call.lane.channel,
                       "bytes": sum(t.numel() * t.element_size()
-                                   for t in requests.tensors_in(args))}
+                                   for t in calls.tensors_in(args))}
         trace.instant(f"enqueue {self.name}", "enqueue", **self.targs)
         self.enqueued = trace.now()
 
@@ -346,7 +346,7 @@ def _method(torch_name: str, build: Callable[..., tuple]) -> Callable[..., dist.
             raise
         order = lanes.order
         if order is not None:  # several channels: keep issue order on the same tensors
-            keys, deps = order.after_earlier(call.lane, requests.tensors_in(call_args))
+            keys, deps = order.after_earlier(call.lane, calls.tensors_in(call_args))
             if deps:
                 call = Ordered(call, deps)
         if trace.active():

@@ -1,5 +1,5 @@
 """The reducing collectives (allreduce and its coalesced form, reduce,
-reduce_scatter in its three forms), as :mod:`ringcomm.front.requests` describes
+reduce_scatter in its three forms), as :mod:`ringcomm.front.calls` describes
 every request: a builder per torch method returning ``(call, args)``, the
 prepared call made on a shape's first call. ``allreduce_prepared`` is the short
 path the process group's ``allreduce`` takes when its call is already prepared.
@@ -15,7 +15,7 @@ from ringcomm import algorithms, ops, trace
 from ringcomm.front.arguments import options
 from ringcomm.front.fingerprints import dtype_code
 from ringcomm.front.lanes import Lane
-from ringcomm.front.requests import Call, Group, flat_view, lookup, nbytes_of
+from ringcomm.front.calls import Call, Group, flat_view, lookup, nbytes_of
 
 _Tensor = torch.Tensor
 _strided = torch.strided

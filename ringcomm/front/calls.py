@@ -1,7 +1,8 @@
-"""What every request shares. A request is one function per torch collective
-(:mod:`ringcomm.front.reductions`, :mod:`ringcomm.front.movement`): it checks the
-call's arguments and returns ``(call, args)``: the *prepared call* of the call's
-shape and what this call passes to it. The lane's engine runs
+"""Prepared calls, and what the functions that prepare them share. There is one
+such function per torch collective (:mod:`ringcomm.front.reductions`,
+:mod:`ringcomm.front.movement`): it checks the call's arguments and returns
+``(call, args)``: the *prepared call* of the call's shape and what this call
+passes to it. ("Request" is kept for MPI's requests.) The lane's engine runs
 ``call.execute(*args)``.
 
 A prepared call (:class:`Call`) is made on the first call of a shape (group,
