@@ -11,7 +11,7 @@ The layers, bottom up, as docs/architecture.md draws them:
 * execution: the checker, NCCL's rules, the simulator and the executors;
 * runtime: engines, streams and Work, never the front;
 * launch: bootstrap and the network;
-* front: the process group and what serves it (requests, argument checks, plans,
+* front: the process group and what serves it (prepared calls, argument checks, algorithm choice,
   lanes);
 * top: the package's public surface, the demo, testing helpers and the benchmark;
 * ``ddp/`` uses ``torch.distributed`` and ``ringcomm.trace`` only; ``ddp.bench``
@@ -161,7 +161,7 @@ def test_the_rules_catch_what_they_forbid():
     fine = {
         "ringcomm/transport/mpi.py": "from .. import settings\nfrom .base import Handle\n",
         "ringcomm/library/bruck.py": "from ringcomm.schedule import Builder\n",
-        "ringcomm/front/plans.py": ("from ..execution.executors import Plan\n"
+        "ringcomm/front/algorithm_choice.py": ("from ..execution.executors import Plan\n"
                                    "from ringcomm.algorithms import REGISTRY\n"),
         "ddp/reducer.py": "from ringcomm import trace\n",
         "ddp/bench/cli.py": "import ringcomm\nfrom ringcomm.bench.cli import Parser\n",

@@ -396,7 +396,7 @@ def test_auto_follows_the_library_rows():
 
 
 def test_planner_chooses_hierarchical_on_a_multi_host_group():
-    from ringcomm.front.plans import Planner
+    from ringcomm.front.algorithm_choice import Planner
 
     options = ringcomm.Options().resolve()
     assert Planner(0, 4, options, hosts=(0, 0, 1, 1)).choose("allreduce", 1 << 20) == \
@@ -448,7 +448,7 @@ def test_verify_false_trusts_a_builder_and_verify_true_checks_it():
     """The first use of a checked builder builds every rank's schedule (to check
     them); a trusted one builds only this rank's."""
     import ringcomm
-    from ringcomm.front.plans import Planner
+    from ringcomm.front.algorithm_choice import Planner
 
     calls = []
 

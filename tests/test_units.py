@@ -146,7 +146,7 @@ def test_tuning_file(tmp_path, monkeypatch):
     assert builtin["allreduce"].get("2") != table["allreduce"]["2"]
     # RINGCOMM_TUNING reaches the table through the group's resolved options
     monkeypatch.setenv("RINGCOMM_TUNING", str(f))
-    from ringcomm.front.plans import Planner
+    from ringcomm.front.algorithm_choice import Planner
     assert Planner(0, 2, ringcomm.Options().resolve()).choose("allreduce", 50) == "ring"
     assert Planner(0, 2, ringcomm.Options().resolve()).choose("allreduce", 5000) == "tree"
     bad = tmp_path / "bad.json"

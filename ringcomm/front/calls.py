@@ -30,7 +30,7 @@ import torch
 from ringcomm.front.arguments import Inputs
 from ringcomm.front.fingerprints import Fingerprints
 from ringcomm.front.lanes import Lane, Lanes
-from ringcomm.front.plans import Planner
+from ringcomm.front.algorithm_choice import Planner
 
 #: prepared calls a group keeps (the oldest dropped first)
 CALLS = 256

@@ -25,7 +25,7 @@ from ringcomm.front.contract import TorchContract, forward_collectives
 from ringcomm.front.arguments import Inputs
 from ringcomm.front.fingerprints import Fingerprints
 from ringcomm.front.lanes import Lane, Lanes, Ordered
-from ringcomm.front.plans import Planner
+from ringcomm.front.algorithm_choice import Planner
 from ringcomm.front.calls import Calls
 from ringcomm.runtime.engine import Engine
 from ringcomm.runtime.work import P2PWork
@@ -312,7 +312,7 @@ def _method(torch_name: str, build: Callable[..., tuple]) -> Callable[..., dist.
 
     Every call is numbered; the number picks the channel (``Options.num_channels``).
     A call refused on this rank (bad input) starts a new epoch of the group's
-    message tags (:meth:`ringcomm.front.plans.Planner.refused`): if it was refused on
+    message tags (:meth:`ringcomm.front.algorithm_choice.Planner.refused`): if it was refused on
     some ranks only, those ranks' next collective carries other tags than the
     others' current one, so the mismatch ends in a clear timeout instead of two
     different collectives silently exchanging data. A collective issued by a future
