@@ -4,7 +4,7 @@ user's algorithm checked before first use), and the program that runs it on a
 lane (:mod:`ringcomm.execution.executors`), and the group's epoch (message tags). A user's
 builder is checked by :func:`ringcomm.execution.checker.check_user_schedule`; the
 ``RINGCOMM_DEBUG=DETAIL`` comparison of every rank's call is
-:mod:`ringcomm.front.fingerprints`.
+:mod:`ringcomm.front.cross_rank_checks`.
 """
 from __future__ import annotations
 

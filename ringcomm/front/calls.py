@@ -1,6 +1,6 @@
 """Prepared calls, and what the functions that prepare them share. There is one
 such function per torch collective (:mod:`ringcomm.front.reductions`,
-:mod:`ringcomm.front.movement`): it checks the call's arguments and returns
+:mod:`ringcomm.front.data_movement`): it checks the call's arguments and returns
 ``(call, args)``: the *prepared call* of the call's shape and what this call
 passes to it. ("Request" is kept for MPI's requests.) The lane's engine runs
 ``call.execute(*args)``.
@@ -28,7 +28,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 
 from ringcomm.front.arguments import Inputs
-from ringcomm.front.fingerprints import Fingerprints
+from ringcomm.front.cross_rank_checks import Fingerprints
 from ringcomm.front.lanes import Lane, Lanes
 from ringcomm.front.algorithm_choice import Planner
 

@@ -1,5 +1,5 @@
 """The ringcomm ProcessGroup: a table from torch's method names to the request
-builders of :mod:`ringcomm.front.reductions` and :mod:`ringcomm.front.movement`
+builders of :mod:`ringcomm.front.reductions` and :mod:`ringcomm.front.data_movement`
 (what they share: :mod:`ringcomm.front.calls`), plus what belongs to the group
 itself:
 its identity, its algorithm choices, point-to-point messages and its end.
@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from ringcomm import trace
 from ringcomm.algorithms import check_choice
-from ringcomm.front import calls, movement, reductions
+from ringcomm.front import calls, data_movement, reductions
 from ringcomm.front.contract import TorchContract, forward_collectives
 from ringcomm.front.arguments import Inputs
-from ringcomm.front.fingerprints import Fingerprints
+from ringcomm.front.cross_rank_checks import Fingerprints
 from ringcomm.front.lanes import Lane, Lanes, Ordered
 from ringcomm.front.algorithm_choice import Planner
 from ringcomm.front.calls import Calls
@@ -40,26 +40,26 @@ METHODS: dict[str, Callable[..., tuple]] = {
     "allreduce": reductions.allreduce,
     "allreduce_coalesced": reductions.allreduce_coalesced,
     "reduce": reductions.reduce,
-    "broadcast": movement.broadcast,
-    "allgather": movement.allgather,
-    "allgather_coalesced": movement.allgather_coalesced,
-    "all_gather_single": movement.all_gather_into_tensor,
-    "_allgather_base": movement.all_gather_into_tensor,
-    "allgather_into_tensor_coalesced": movement.allgather_into_tensor_coalesced,
-    "all_gather_single_coalesced": movement.allgather_into_tensor_coalesced,
-    "gather": movement.gather,
-    "gather_single": movement.gather_into_tensor,
-    "gather_into_tensor": movement.gather_into_tensor,
-    "scatter": movement.scatter,
+    "broadcast": data_movement.broadcast,
+    "allgather": data_movement.allgather,
+    "allgather_coalesced": data_movement.allgather_coalesced,
+    "all_gather_single": data_movement.all_gather_into_tensor,
+    "_allgather_base": data_movement.all_gather_into_tensor,
+    "allgather_into_tensor_coalesced": data_movement.allgather_into_tensor_coalesced,
+    "all_gather_single_coalesced": data_movement.allgather_into_tensor_coalesced,
+    "gather": data_movement.gather,
+    "gather_single": data_movement.gather_into_tensor,
+    "gather_into_tensor": data_movement.gather_into_tensor,
+    "scatter": data_movement.scatter,
     "reduce_scatter": reductions.reduce_scatter,
     "reduce_scatter_single": reductions.reduce_scatter_tensor,
     "_reduce_scatter_base": reductions.reduce_scatter_tensor,
     "reduce_scatter_tensor_coalesced": reductions.reduce_scatter_tensor_coalesced,
     "reduce_scatter_single_coalesced": reductions.reduce_scatter_tensor_coalesced,
-    "alltoall": movement.all_to_all,
-    "alltoall_base": movement.all_to_all_single,
-    "all_to_all_single": movement.all_to_all_single,
-    "barrier": movement.barrier,
+    "alltoall": data_movement.all_to_all,
+    "alltoall_base": data_movement.all_to_all_single,
+    "all_to_all_single": data_movement.all_to_all_single,
+    "barrier": data_movement.barrier,
 }
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ringcomm import algorithms, ops, trace
 from ringcomm.front.arguments import options
-from ringcomm.front.fingerprints import dtype_code
+from ringcomm.front.cross_rank_checks import dtype_code
 from ringcomm.front.lanes import Lane
 from ringcomm.front.calls import Call, Group, flat_view, lookup, nbytes_of
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ringcomm import settings
-from ringcomm.pacing import Backoff
+from ringcomm.backoff import Backoff
 from ringcomm.runtime.work import BaseWork, collective_error, keep_if_small
 
 _work_init = dist.Work.__init__

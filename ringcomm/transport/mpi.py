@@ -25,7 +25,7 @@ import torch
 from mpi4py import MPI
 
 from ringcomm import ops, settings
-from ringcomm.pacing import Backoff
+from ringcomm.backoff import Backoff
 from ringcomm.transport.base import (Handle, Transport, TransportAborted, TransportMismatch,
                                      TransportPeerFailed, TransportTimeout, packed)
 

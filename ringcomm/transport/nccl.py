@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ringcomm import ops
-from ringcomm.pacing import Backoff
+from ringcomm.backoff import Backoff
 from ringcomm.transport.base import Link, packed
 
 #: what to install when CuPy or NCCL is missing

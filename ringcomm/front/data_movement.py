@@ -12,7 +12,7 @@ from torch._C import _distributed_c10d as _c10d
 
 from ringcomm import algorithms
 from ringcomm.front.arguments import options
-from ringcomm.front.fingerprints import dtype_code
+from ringcomm.front.cross_rank_checks import dtype_code
 from ringcomm.front.lanes import Lane
 from ringcomm.front.calls import Call, Group, as_bytes, flat_view, lookup, nbytes_of
 
