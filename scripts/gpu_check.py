@@ -535,7 +535,7 @@ def against_torch_nccl(nccl_group, device, failures: list[str]) -> int:
     import torch.distributed as dist
 
     import ringcomm
-    from ringcomm.testing import CHECK_OPS, _case_input
+    from ringcomm.testing.collectives import CHECK_OPS, case_input
 
     p, me = dist.get_world_size(), dist.get_rank()
     checks, case = 0, 0
@@ -572,7 +572,7 @@ def against_torch_nccl(nccl_group, device, failures: list[str]) -> int:
                 for op in (CHECK_OPS if coll in ("allreduce", "reduce_scatter") else ("SUM",)):
                     case += 1
                     n = 1000 * p
-                    x = _case_input(me, case, n, dtype, op).to(device)
+                    x = case_input(me, case, n, dtype, op).to(device)
                     rop = getattr(dist.ReduceOp, op)
 
                     def call(group, x=x, rop=rop, coll=coll):

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 import ringcomm
 from ringcomm.front.process_group import ProcessGroupRingcomm
-from ringcomm.testing import FakeNccl, _on_threads, check_collectives, nccl_groups
+from ringcomm.testing import FakeNccl, check_collectives, nccl_groups
+from ringcomm.testing.in_process import _on_threads
 from ringcomm.testing.local import LocalFabric
 
 from conftest import assert_checks, mpirun, torchrun

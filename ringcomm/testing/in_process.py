@@ -1,0 +1,147 @@
+"""In-process ranks: any world size on threads, no MPI, no launcher.
+:func:`run_ranks` (a point-to-point transport per rank), :func:`run_schedule`
+(a builder on either executor) and :func:`nccl_groups` (process groups on the
+NCCL path over FakeNccl). :mod:`ringcomm.testing` hands these names on."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ringcomm import ops
+from ringcomm.execution.checker import local_layout
+from ringcomm.execution.executors import GroupProgram, P2PProgram
+from ringcomm.execution.plan import Plan
+from ringcomm.execution.simulator import SimFabric
+from ringcomm.schedule import Context
+from ringcomm.testing.fake_nccl import FakeNccl
+from ringcomm.testing.local import LocalFabric
+from ringcomm.transport.base import Transport
+
+
+EXECUTORS = ("threads", "nccl-sim")
+
+
+def run_ranks(size: int, fn: Callable[[Transport], Any], timeout_s: float = 30.0,
+              transports: Sequence[Transport] | None = None) -> list[Any]:
+    """Call ``fn(transport)`` on ``size`` threads, one per rank; return their results
+    in rank order. The transports are a new :class:`LocalFabric`'s, or ``transports``
+    (one per rank, kept by the caller from run to run, as programs bound to them
+    need).
+
+    Raises:
+        RuntimeError: some rank raised (the first error is chained) or did not finish
+            within ``timeout_s``.
+    """
+    if transports is None:
+        fabric = LocalFabric(size)
+        transports = [fabric.transport(r) for r in range(size)]
+
+    def body(rank: int) -> Any:
+        tp = transports[rank]
+        tp.begin(timeout_s)
+        try:
+            return fn(tp)
+        finally:
+            tp.end()
+
+    return _on_threads("run_ranks", size, body, timeout_s)
+
+
+def _on_threads(what: str, size: int, body: Callable[[int], Any], timeout_s: float) -> list:
+    """``body(rank)`` on ``size`` threads; the results in rank order, or the lowest
+    rank's error."""
+    results: list[Any] = [None] * size
+    errors: list[tuple[int, BaseException]] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = body(rank)
+        except BaseException as e:  # noqa: BLE001
+            errors.append((rank, e))
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 10)
+    if any(t.is_alive() for t in threads):
+        raise RuntimeError(f"{what}: ranks still running after {timeout_s}s")
+    if errors:
+        rank, err = min(errors, key=lambda e: e[0])
+        raise RuntimeError(f"{what}: rank {rank} failed: {type(err).__name__}: {err}") from err
+    return results
+
+
+def run_schedule(build: Callable, collective: str, size: int, layout: tuple,
+                 bufs: Sequence[Sequence[torch.Tensor | None]], *, op=ops.SUM, root: int = 0,
+                 seg: int = 1 << 30, executor: str = "threads",
+                 timeout_s: float = 30.0, hosts: tuple = ()) -> None:
+    """Run schedule builder ``build`` for ``collective`` on ``size`` in-process ranks.
+
+    Args:
+        layout: the global layout (as :func:`ringcomm.execution.checker.check` takes it).
+        bufs: per rank, the caller's 1-D buffers in the collective's order
+            (``ringcomm.schedule.BUFFERS``); results are written into them.
+        op: the reduce op (a ``ReduceOp.RedOpType``) of reducing collectives.
+        seg: elements per pipeline segment.
+        executor: ``"threads"`` (point-to-point, as on MPI) or ``"nccl-sim"`` (one
+            group per step under NCCL's rules, as on NCCL).
+        hosts: the host of every rank (:class:`ringcomm.schedule.Context`); empty: one host.
+    Raises:
+        RuntimeError: a rank failed or timed out (threads).
+        ringcomm.execution.simulator.SimulatorError: the schedule cannot complete under NCCL's rules.
+    """
+    plans = [Plan(build(Context(collective, size, r, local_layout(collective, layout, r, root),
+                                root, seg, tuple(hosts)))) for r in range(size)]
+
+    def scratch(r: int) -> list[torch.Tensor]:
+        dtype = next((b.dtype for b in bufs[r] if b is not None), torch.uint8)
+        return [torch.empty(n, dtype=dtype) for n in plans[r].scratch]
+
+    if executor == "nccl-sim":
+        fabric = SimFabric(size)
+        for r in range(size):
+            GroupProgram(plans[r], fabric.comm(r), scratch(r), op).run(bufs[r])
+        fabric.drain()
+    elif executor == "threads":
+        run_ranks(size, lambda tp: P2PProgram(plans[tp.rank], tp, scratch(tp.rank), op).run(
+            bufs[tp.rank]), timeout_s)
+    else:
+        raise ValueError(f"run_schedule: executor must be one of {EXECUTORS}, got {executor!r}")
+
+
+def nccl_groups(size: int, fn: Callable[[Any], Any], *, lib: FakeNccl | None = None,
+                timeout_s: float = 30.0, options: Any = None) -> list[Any]:
+    """Call ``fn(pg)`` on ``size`` threads, each with a ringcomm process group whose
+    CPU tensors run over the NCCL path with :class:`FakeNccl` (communicators set up
+    through a shared in-process store); return the results in rank order.
+
+    Raises:
+        RuntimeError: some rank raised (the first error is chained) or did not finish.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ringcomm.front.process_group import ProcessGroupRingcomm
+
+    lib = lib or FakeNccl()
+    store = dist.HashStore()
+
+    def body(rank: int) -> Any:
+        pg = ProcessGroupRingcomm(rank, size, None, timedelta(seconds=timeout_s), options,
+                                  "fake-nccl", store=store, cpu_error="not used",
+                                  nccl=lib, nccl_device_type="cpu")
+        try:
+            return fn(pg)
+        finally:
+            pg.shutdown()
+
+    return _on_threads("nccl_groups", size, body, timeout_s)
+
+
+# -- every collective against a single-process oracle ---------------------------------
+
+#: reduce ops checked by default, by name
