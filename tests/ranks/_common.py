@@ -48,6 +48,21 @@ class Checker:
         print(f"rank {self.rank}: {self.count} checks passed", flush=True)
 
 
+def run_checks(checks, ctx) -> None:
+    """Run a per-rank program's named checks in order, each given ``ctx`` (its shared
+    state, with ``ctx.rank``). Every rank runs the same list, so the ranks issue the
+    same collectives in the same order. A check that raises ends the run there, as one
+    long ``main`` would (going on could leave the ranks at different collectives): the
+    check is named on stderr and the exception propagates, so the exit is non-zero."""
+    for check in checks:
+        try:
+            check(ctx)
+        except BaseException:
+            print(f"rank {ctx.rank}: check {check.__name__} raised", file=sys.stderr,
+                  flush=True)
+            raise
+
+
 def init():
     """ringcomm as the default group plus a gloo group over the same ranks: rank,
     world size, the two groups by name, and a Checker."""

@@ -18,13 +18,14 @@ import json
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import ringcomm
-from _common import Checker
+from _common import Checker, run_checks
 
 VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -44,8 +45,21 @@ def ring(group, rank: int, p: int, n: int) -> torch.Tensor:
     return out
 
 
-def main() -> None:
-    bind = len(sys.argv) > 1 and sys.argv[1] == "device_id"
+@dataclass
+class Ctx:
+    """What every check shares: this rank, the world size, the checker, the default
+    group, a gloo group over the same ranks, and whether the group is bound to cpu:0."""
+    rank: int
+    p: int
+    c: Checker
+    world: object
+    gloo: object
+    bind: bool
+
+
+def init(bind: bool) -> bool:
+    """The default ringcomm group, bound to cpu:0 if ``bind`` and this torch allows it;
+    whether it is bound."""
     try:
         dist.init_process_group("ringcomm", timeout=timedelta(seconds=60),
                                 **({"device_id": torch.device("cpu", 0)} if bind else {}))
@@ -57,24 +71,30 @@ def main() -> None:
                 "(for every backend); CUDA: scripts/gpu_check.sh")
         bind = False
         dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
-    rank, p = dist.get_rank(), dist.get_world_size()
-    c = Checker(rank)
-    world = dist.group.WORLD
-    gloo = dist.new_group(backend="gloo")
-    if bind:
-        c.check(world.bound_device_id == torch.device("cpu", 0),
-                f"bound_device_id is {world.bound_device_id}")
-        x = torch.full((5,), float(rank + 1))
-        dist.all_reduce(x)
-        c.check(torch.equal(x, torch.full((5,), p * (p + 1) / 2)), f"all_reduce gave {x}")
-        dist.barrier()  # torch passes the bound device to the barrier
-        feature("init_process_group(device_id=cpu:0)", "works, bound_device_id kept")
+    return bind
 
-    # -- _get_backend and its flags, as gloo answers them --------------------------
+
+def check_bound_device(ctx: Ctx) -> None:
+    """init_process_group(device_id=cpu:0): the device is kept, collectives work."""
+    if not ctx.bind:
+        return
+    c, p = ctx.c, ctx.p
+    c.check(ctx.world.bound_device_id == torch.device("cpu", 0),
+            f"bound_device_id is {ctx.world.bound_device_id}")
+    x = torch.full((5,), float(ctx.rank + 1))
+    dist.all_reduce(x)
+    c.check(torch.equal(x, torch.full((5,), p * (p + 1) / 2)), f"all_reduce gave {x}")
+    dist.barrier()  # torch passes the bound device to the barrier
+    feature("init_process_group(device_id=cpu:0)", "works, bound_device_id kept")
+
+
+def check_get_backend(ctx: Ctx) -> None:
+    """_get_backend and its flags, as gloo answers them."""
+    c, world, gloo = ctx.c, ctx.world, ctx.gloo
     ours, ref = world._get_backend(torch.device("cpu")), gloo._get_backend(torch.device("cpu"))
     c.check(ours.supports_coalescing == ref.supports_coalescing,
             f"supports_coalescing: ringcomm {ours.supports_coalescing}, gloo {ref.supports_coalescing}")
-    c.check(ours.supports_splitting is True, "supports_splitting")  # split_group below
+    c.check(ours.supports_splitting is True, "supports_splitting")  # check_split_group
     c.check(ours.name() == "ringcomm", f"name() is {ours.name()!r}")
     c.check(ours.supports_tensor_alloc(torch.device("cpu")) is False, "supports_tensor_alloc")
     c.check({d.type for d in world._device_types} == {d.type for d in gloo._device_types},
@@ -88,15 +108,21 @@ def main() -> None:
     c.check(str(ours.get_error()).endswith("SUCCESS"), f"get_error() is {ours.get_error()}")
     feature("_get_backend(cpu/cuda)", "works, flags as gloo's")
 
-    # -- batch_isend_irecv ---------------------------------------------------------
+
+def check_batch_isend_irecv(ctx: Ctx) -> None:
+    """batch_isend_irecv rings, the same as gloo's."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
     for n in (1, 1000, 100_000):
         got, want = c.run(f"batch_isend_irecv {n} (ringcomm)", ring, None, rank, p, n), \
-            c.run(f"batch_isend_irecv {n} (gloo)", ring, gloo, rank, p, n)
+            c.run(f"batch_isend_irecv {n} (gloo)", ring, ctx.gloo, rank, p, n)
         if got is not None and want is not None:
             c.check(torch.equal(got, want), f"batch_isend_irecv {n}: {got[:3]} vs {want[:3]}")
     feature("batch_isend_irecv", "works, same as gloo")
 
-    # -- another backend's pg_options ------------------------------------------------
+
+def check_pg_options(ctx: Ctx) -> None:
+    """Another backend's pg_options: accepted with a warning; a dict is refused."""
+    c = ctx.c
     gloo_opts = dist.ProcessGroupGloo._Options()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -105,7 +131,7 @@ def main() -> None:
             f"no warning for gloo's options: {[str(w.message) for w in caught]}")
     y = torch.ones(3)
     dist.all_reduce(y, group=other)
-    c.check(torch.equal(y, torch.full((3,), float(p))), f"group with gloo options: {y}")
+    c.check(torch.equal(y, torch.full((3,), float(ctx.p))), f"group with gloo options: {y}")
     try:
         dist.new_group(backend="ringcomm", pg_options={"num_channels": 2})
         c.check(False, "a dict as pg_options was accepted")
@@ -113,11 +139,14 @@ def main() -> None:
         c.check("pg_options" in str(e), f"dict pg_options: {e}")
     feature("pg_options of another backend", "accepted with a warning")
 
-    # -- split_group: where this torch's gloo splits on CPU, the same as gloo --------
+
+def check_split_group(ctx: Ctx) -> None:
+    """split_group: where this torch's gloo splits on CPU, the same as gloo."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
     halves = [list(range(0, p, 2)), list(range(1, p, 2))]
     mine = halves[rank % 2]
     outcomes = {}
-    for name, parent in (("ringcomm", world), ("gloo", gloo)):
+    for name, parent in (("ringcomm", ctx.world), ("gloo", ctx.gloo)):
         try:
             sub = dist.split_group(parent, split_ranks=halves)
             z = torch.full((4,), float(rank))
@@ -137,10 +166,14 @@ def main() -> None:
     feature("split_group", "works, same as gloo" if outcomes["ringcomm"][0] == "ok" else
             f"torch refuses it here, as for gloo: {outcomes['ringcomm'][1]}")
 
-    # -- set_timeout, then a collective that times out, and get_error -------------
+
+def check_set_timeout(ctx: Ctx) -> None:
+    """set_timeout, then a collective that times out at the new limit, and get_error;
+    the ranks meet on gloo after it."""
+    c = ctx.c
     for bad in (timedelta(0), timedelta(seconds=-1)):
         try:
-            world.set_timeout(bad)
+            ctx.world.set_timeout(bad)
             c.check(False, f"set_timeout({bad}) was accepted")
         except ValueError:
             pass
@@ -150,7 +183,7 @@ def main() -> None:
     else:
         ringcomm.set_timeout(timedelta(seconds=2), group=short)
     c.check(short.options._timeout == timedelta(seconds=2), f"options._timeout {short.options._timeout}")
-    if rank == 0:
+    if ctx.rank == 0:
         t0 = time.monotonic()
         try:
             dist.all_reduce(torch.ones(4), group=short)
@@ -162,9 +195,21 @@ def main() -> None:
         c.check(str(short.get_error()).endswith("TIMEOUT"), f"get_error() {short.get_error()}")
     feature("set_timeout", "works: the next collective times out at the new limit")
     feature("get_error", "works: SUCCESS, then TIMEOUT")
-    dist.barrier(group=gloo)
+    dist.barrier(group=ctx.gloo)
 
-    c.finish()
+
+#: run in this order on every rank (the ranks must issue the same collectives)
+CHECKS = [check_bound_device, check_get_backend, check_batch_isend_irecv, check_pg_options,
+          check_split_group, check_set_timeout]
+
+
+def main() -> None:
+    bind = init(len(sys.argv) > 1 and sys.argv[1] == "device_id")
+    rank = dist.get_rank()
+    ctx = Ctx(rank, dist.get_world_size(), Checker(rank), dist.group.WORLD,
+              dist.new_group(backend="gloo"), bind)
+    run_checks(CHECKS, ctx)
+    ctx.c.finish()
     dist.destroy_process_group()
 
 

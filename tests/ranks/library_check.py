@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import ringcomm
-from _common import Checker
+from _common import Checker, done, run_checks
 from collectives_check import data, oracle, same, valid  # inputs and oracle shared
 
 R = dist.ReduceOp
@@ -35,80 +36,98 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 ALLREDUCE = ("rabenseifner", "double_tree", "hierarchical")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hosts", default="none",
-                    help="the host layout the group must see: 'none' (one host) or 0,0,1,...")
-    ap.add_argument("--quick", action="store_true",
-                    help="two dtypes (float32, int32) instead of all eight: for the runs "
-                         "that exercise a launcher, not the algorithms")
-    args = ap.parse_args()
-    dtypes = (torch.float32, torch.int32) if args.quick else DTYPES
-    dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
-    rank, p = dist.get_rank(), dist.get_world_size()
-    c = Checker(rank)
-    gloo = dist.new_group(backend="gloo")
-    small_seg = dist.new_group(backend="ringcomm", pg_options=ringcomm.Options(segment_bytes=65536))
+@dataclass
+class Ctx:
+    """What every check shares: this rank, the world size, the checker, a gloo group
+    over the same ranks, a ringcomm group with 64 KiB segments, the dtypes to run, and
+    the command line."""
+    rank: int
+    p: int
+    c: Checker
+    gloo: object
+    small_seg: object
+    dtypes: tuple
+    args: argparse.Namespace
 
-    # --- the host layout, from the launcher or RINGCOMM_LOCAL_SIZE ------------------------
-    want_hosts = () if args.hosts == "none" else tuple(int(h) for h in args.hosts.split(","))
+
+def check_host_layout(ctx: Ctx) -> None:
+    """The host layout, from the launcher or RINGCOMM_LOCAL_SIZE, and what ``auto``
+    chooses on it (hierarchical on several hosts) gives the right sum."""
+    c, p = ctx.c, ctx.p
+    hosts_arg = ctx.args.hosts
+    want_hosts = () if hosts_arg == "none" else tuple(int(h) for h in hosts_arg.split(","))
     hosts = ringcomm.get_group().planner.hosts
     c.check(hosts == want_hosts, f"host layout {hosts}, expected {want_hosts}")
-    c.check(ringcomm.get_group(small_seg).planner.hosts == want_hosts, "subgroup host layout")
+    c.check(ringcomm.get_group(ctx.small_seg).planner.hosts == want_hosts, "subgroup host layout")
     multi = bool(want_hosts) and len(set(want_hosts)) < len(want_hosts)
     for nbytes in (8, 1 << 20):  # multi-host: recursive doubling up to 16 KiB
         chosen = ringcomm.get_group().algorithm_for("allreduce", nbytes)
         c.check((chosen == "hierarchical") == (multi and nbytes > 16384),
                 f"auto chose {chosen} for {nbytes} B on hosts {want_hosts}")
-    # auto (hierarchical on several hosts) gives the right sum
-    t = torch.full((5,), float(rank + 1))
+    t = torch.full((5,), float(ctx.rank + 1))
     dist.all_reduce(t)
     c.check(same(t, torch.full((5,), p * (p + 1) / 2)), "auto allreduce")
 
-    # Gloo is the slow side here (several ms a call on oversubscribed cores), and its
-    # answer does not depend on our algorithm: one gloo call per case, every algorithm
-    # compared with it.
-    def reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
-        ref = inputs[rank].clone()
-        try:
-            dist.all_reduce(ref, op=getattr(R, op), group=gloo)
-        except (RuntimeError, ValueError):  # gloo lacks it (AVG, some dtypes)
-            ref = oracle(inputs, op)
-        return ref
 
-    def allreduce_case(what: str, inputs: list[torch.Tensor], op: str, want: torch.Tensor,
-                       group=None) -> None:
-        for algo in ALLREDUCE:
-            ringcomm.set_algorithm("allreduce", algo, group=group)
-            ours = inputs[rank].clone()
-            name = f"allreduce[{algo}] {what}"
-            if c.run(name, dist.all_reduce, ours, op=getattr(R, op), group=group) is None:
-                c.check(same(ours, want), f"{name}: got {ours[:6].tolist()}, want "
-                                          f"{want[:6].tolist()}")
-        ringcomm.set_algorithm("allreduce", "auto", group=group)
+# Gloo is the slow side here (several ms a call on oversubscribed cores), and its
+# answer does not depend on our algorithm: one gloo call per case, every algorithm
+# compared with it.
+def reference(ctx: Ctx, inputs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """gloo's allreduce of this rank's input, or the oracle's where gloo lacks it."""
+    ref = inputs[ctx.rank].clone()
+    try:
+        dist.all_reduce(ref, op=getattr(R, op), group=ctx.gloo)
+    except (RuntimeError, ValueError):  # gloo lacks it (AVG, some dtypes)
+        ref = oracle(inputs, op)
+    return ref
 
-    # --- allreduce: every op x dtype (odd size: uneven blocks and halves) ------------------
+
+def allreduce_case(ctx: Ctx, what: str, inputs: list[torch.Tensor], op: str,
+                   want: torch.Tensor, group=None) -> None:
+    """Every library allreduce of this rank's input gives ``want``."""
+    c = ctx.c
+    for algo in ALLREDUCE:
+        ringcomm.set_algorithm("allreduce", algo, group=group)
+        ours = inputs[ctx.rank].clone()
+        name = f"allreduce[{algo}] {what}"
+        if c.run(name, dist.all_reduce, ours, op=getattr(R, op), group=group) is None:
+            c.check(same(ours, want), f"{name}: got {ours[:6].tolist()}, want "
+                                      f"{want[:6].tolist()}")
+    ringcomm.set_algorithm("allreduce", "auto", group=group)
+
+
+def check_allreduce_ops(ctx: Ctx) -> None:
+    """allreduce: every op x dtype (odd size: uneven blocks and halves)."""
     for op in OPS:
-        for dtype in dtypes:
+        for dtype in ctx.dtypes:
             if valid(op, dtype):
-                inputs = [data(q, 1001, dtype, op) for q in range(p)]
-                allreduce_case(f"{op} {dtype} n=1001", inputs, op, reference(inputs, op))
-    # --- sizes: empty, one element, fewer than the ranks, odd --------------------------------
-    # (dtypes of one size: every new call shape is checked on first use, like a user's
-    # algorithm, and that check is most of this program's time on oversubscribed cores)
+                inputs = [data(q, 1001, dtype, op) for q in range(ctx.p)]
+                allreduce_case(ctx, f"{op} {dtype} n=1001", inputs, op,
+                               reference(ctx, inputs, op))
+
+
+def check_allreduce_sizes(ctx: Ctx) -> None:
+    """allreduce sizes: empty, one element, fewer than the ranks, odd (dtypes of one
+    size: every new call shape is checked on first use, like a user's algorithm, and
+    that check is most of this program's time on oversubscribed cores)."""
+    p = ctx.p
     for n in sorted({0, 1, max(p - 1, 1), 7}):
         for dtype, op in ((torch.float32, "SUM"), (torch.int32, "MAX"), (torch.float32, "AVG")):
             inputs = [data(q, n, dtype, op) for q in range(p)]
-            allreduce_case(f"{op} {dtype} n={n}", inputs, op, reference(inputs, op))
-    # --- a few MiB: a couple of 2 MiB segments on the world group, dozens of 64 KiB ones on
-    # the other. Floats against gloo with a tolerance; integers bit for bit.
+            allreduce_case(ctx, f"{op} {dtype} n={n}", inputs, op, reference(ctx, inputs, op))
+
+
+def check_allreduce_large(ctx: Ctx) -> None:
+    """A few MiB: a couple of 2 MiB segments on the world group, dozens of 64 KiB ones
+    on the other. Floats against gloo with a tolerance; integers bit for bit."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
     n = (3 << 20) // 4 + 1
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
     ref = x.clone()
-    dist.all_reduce(ref, group=gloo)
+    dist.all_reduce(ref, group=ctx.gloo)
     big = [data(q, n, torch.int32) for q in range(p)]
     want = oracle(big, "SUM")
-    for group, gname in ((None, "world"), (small_seg, "seg64k")):
+    for group, gname in ((None, "world"), (ctx.small_seg, "seg64k")):
         for algo in ALLREDUCE:
             ringcomm.set_algorithm("allreduce", algo, group=group)
             ours = x.clone()
@@ -122,23 +141,33 @@ def main() -> None:
                     c.check(same(ours, want), what + " int32")
         ringcomm.set_algorithm("allreduce", "auto", group=group)
 
-    # --- allgather: bruck ------------------------------------------------------------------
+
+def _bruck_equal(ctx: Ctx, dtype, n: int) -> None:
+    """all_gather on both groups and all_gather_into_tensor, against gloo."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
+    x = data(rank, n, dtype, salt=3) if dtype != torch.bool else data(rank, n, dtype) > 0
+    refs = [torch.empty(n, dtype=dtype) for _ in range(p)]
+    dist.all_gather(refs, x.clone(), group=ctx.gloo)
+    for group, gname in ((None, "world"), (ctx.small_seg, "seg64k")):
+        outs = [torch.empty(n, dtype=dtype) for _ in range(p)]
+        what = f"all_gather[bruck,{gname}] {dtype} n={n}"
+        if c.run(what, dist.all_gather, outs, x.clone(), group=group) is None:
+            c.check(same(outs, refs), what)
+    out = torch.empty(p * n, dtype=dtype)
+    what = f"all_gather_into_tensor[bruck] {dtype} n={n}"
+    if c.run(what, dist.all_gather_into_tensor, out, x.clone()) is None:
+        c.check(same(out, torch.cat(refs)), what)
+
+
+def check_allgather_bruck(ctx: Ctx) -> None:
+    """allgather with bruck: equal sizes against gloo, uneven against the inputs."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
     ringcomm.set_algorithm("allgather", "bruck")
-    ringcomm.set_algorithm("allgather", "bruck", group=small_seg)
-    for dtype in dtypes if args.quick else (torch.float32, torch.int32, torch.int8, torch.bool):
+    ringcomm.set_algorithm("allgather", "bruck", group=ctx.small_seg)
+    for dtype in ctx.dtypes if ctx.args.quick else (torch.float32, torch.int32, torch.int8,
+                                                   torch.bool):
         for n in sorted({0, 1, max(p - 1, 1), 1001, 200003}):
-            x = data(rank, n, dtype, salt=3) if dtype != torch.bool else data(rank, n, dtype) > 0
-            refs = [torch.empty(n, dtype=dtype) for _ in range(p)]
-            dist.all_gather(refs, x.clone(), group=gloo)
-            for group, gname in ((None, "world"), (small_seg, "seg64k")):
-                outs = [torch.empty(n, dtype=dtype) for _ in range(p)]
-                what = f"all_gather[bruck,{gname}] {dtype} n={n}"
-                if c.run(what, dist.all_gather, outs, x.clone(), group=group) is None:
-                    c.check(same(outs, refs), what)
-            out = torch.empty(p * n, dtype=dtype)
-            what = f"all_gather_into_tensor[bruck] {dtype} n={n}"
-            if c.run(what, dist.all_gather_into_tensor, out, x.clone()) is None:
-                c.check(same(out, torch.cat(refs)), what)
+            _bruck_equal(ctx, dtype, n)
     for base in (0, 4000):  # uneven: rank q contributes base + q elements (gloo: equal only)
         inputs = [data(q, base + q, torch.float32, salt=4) for q in range(p)]
         outs = [torch.empty(base + q) for q in range(p)]
@@ -146,11 +175,15 @@ def main() -> None:
         if c.run(what, dist.all_gather, outs, inputs[rank].clone()) is None:
             c.check(same(outs, inputs), what)
     ringcomm.set_algorithm("allgather", "auto")
-    ringcomm.set_algorithm("allgather", "auto", group=small_seg)
+    ringcomm.set_algorithm("allgather", "auto", group=ctx.small_seg)
 
-    # --- alltoall: pairwise ----------------------------------------------------------------
+
+def check_alltoall_pairwise(ctx: Ctx) -> None:
+    """alltoall with pairwise: all_to_all_single (equal, uneven with zeros) against
+    gloo, all_to_all lists against the inputs."""
+    c, rank, p, gloo = ctx.c, ctx.rank, ctx.p, ctx.gloo
     ringcomm.set_algorithm("alltoall", "pairwise")
-    for dtype in dtypes if args.quick else (torch.float32, torch.int32, torch.bfloat16):
+    for dtype in ctx.dtypes if ctx.args.quick else (torch.float32, torch.int32, torch.bfloat16):
         for n in (0, 1, 7, 70001):
             x = data(rank, p * n, dtype, salt=5)
             ours, ref = torch.empty(p * n, dtype=dtype), torch.empty(p * n, dtype=dtype)
@@ -175,18 +208,42 @@ def main() -> None:
                 "all_to_all[pairwise] lists of uneven sizes")
     ringcomm.set_algorithm("alltoall", "auto")
 
-    # --- the same through ringcomm.algorithm(...) on the subgroup ----------------------------
+
+def check_algorithm_context(ctx: Ctx) -> None:
+    """The same through ringcomm.algorithm(...) on the subgroup, restored after."""
+    c, small_seg = ctx.c, ctx.small_seg
     for algo in ALLREDUCE:
         with ringcomm.algorithm(algo, group=small_seg):
-            t = torch.full((9,), float(rank))
+            t = torch.full((9,), float(ctx.rank))
             dist.all_reduce(t, group=small_seg)
-        c.check(same(t, torch.full((9,), float(sum(range(p))))), f"ringcomm.algorithm({algo!r})")
+        c.check(same(t, torch.full((9,), float(sum(range(ctx.p))))),
+                f"ringcomm.algorithm({algo!r})")
         c.check(ringcomm.get_group(small_seg).get_algorithm("allreduce") == "auto",
                 "algorithm() restores auto")
 
-    dist.barrier()
-    dist.destroy_process_group()
-    c.finish()
+
+#: run in this order on every rank (the ranks must issue the same collectives)
+CHECKS = [check_host_layout, check_allreduce_ops, check_allreduce_sizes,
+          check_allreduce_large, check_allgather_bruck, check_alltoall_pairwise,
+          check_algorithm_context]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hosts", default="none",
+                    help="the host layout the group must see: 'none' (one host) or 0,0,1,...")
+    ap.add_argument("--quick", action="store_true",
+                    help="two dtypes (float32, int32) instead of all eight: for the runs "
+                         "that exercise a launcher, not the algorithms")
+    args = ap.parse_args()
+    dtypes = (torch.float32, torch.int32) if args.quick else DTYPES
+    dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    small_seg = dist.new_group(backend="ringcomm", pg_options=ringcomm.Options(segment_bytes=65536))
+    ctx = Ctx(rank, dist.get_world_size(), Checker(rank), gloo, small_seg, dtypes, args)
+    run_checks(CHECKS, ctx)
+    done(ctx.c)
 
 
 if __name__ == "__main__":

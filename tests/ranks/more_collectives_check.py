@@ -8,13 +8,14 @@ collectives, and bad input.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import ringcomm
-from _common import Checker
+from _common import Checker, done, run_checks
 
 R = dist.ReduceOp
 
@@ -32,30 +33,38 @@ def data(seed: int, shape, dtype=torch.float32) -> torch.Tensor:
     return torch.randint(-9, 10, shape, generator=g).to(dtype)
 
 
-def main() -> None:
-    dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
-    rank, p = dist.get_rank(), dist.get_world_size()
-    c = Checker(rank)
-    gloo = dist.new_group(backend="gloo")
+@dataclass
+class Ctx:
+    """What every check shares: this rank, the world size, the checker, and a gloo
+    group over the same ranks."""
+    rank: int
+    p: int
+    c: Checker
+    gloo: object
 
-    def both(what: str, fn, make, oracle=None):
-        """Run fn(args, group) on ringcomm and on gloo with equal fresh args; compare.
-        Where this torch's gloo lacks the collective (2.11's has no all_to_all),
-        compare with ``oracle()``, the result computed in one process."""
-        ours, ref = make(), make()
-        if c.run(f"{what} (ringcomm)", fn, ours, None) is not None:
-            return
-        c.count += 1  # the gloo call, a check of its own
-        try:
-            fn(ref, gloo)
-        except RuntimeError as e:
-            if oracle is None or "does not support" not in str(e):
-                raise
-            ref = oracle()
-        c.check(same(ours, ref), f"{what}: ringcomm != gloo")
 
-    # reduce: every root, several ops and dtypes; non-roots keep their input (ours)
-    for root in range(p):
+def both(ctx: Ctx, what: str, fn, make, oracle=None) -> None:
+    """Run fn(args, group) on ringcomm and on gloo with equal fresh args; compare.
+    Where this torch's gloo lacks the collective (2.11's has no all_to_all),
+    compare with ``oracle()``, the result computed in one process."""
+    c = ctx.c
+    ours, ref = make(), make()
+    if c.run(f"{what} (ringcomm)", fn, ours, None) is not None:
+        return
+    c.count += 1  # the gloo call, a check of its own
+    try:
+        fn(ref, ctx.gloo)
+    except RuntimeError as e:
+        if oracle is None or "does not support" not in str(e):
+            raise
+        ref = oracle()
+    c.check(same(ours, ref), f"{what}: ringcomm != gloo")
+
+
+def check_reduce(ctx: Ctx) -> None:
+    """reduce: every root, several ops and dtypes; non-roots keep their input (ours)."""
+    c, rank = ctx.c, ctx.rank
+    for root in range(ctx.p):
         for op in (R.SUM, R.MAX, R.MIN, R.PRODUCT):
             for dtype in (torch.float32, torch.int64, torch.bfloat16):
                 for n in (1, 5, 3000):
@@ -65,7 +74,7 @@ def main() -> None:
                     ours, ref = x.clone(), x.clone()
                     dist.reduce(ours, dst=root, op=op)
                     try:
-                        dist.reduce(ref, dst=root, op=op, group=gloo)
+                        dist.reduce(ref, dst=root, op=op, group=ctx.gloo)
                     except RuntimeError:
                         continue
                     if rank == root:
@@ -73,46 +82,61 @@ def main() -> None:
                     else:
                         c.check(same(ours, x), f"reduce changed a non-root input ({op} {dtype})")
 
-    # all_gather_into_tensor and reduce_scatter_tensor (FSDP's pair)
+
+def _reduce_scatter_tensor(ctx: Ctx, dtype, n: int) -> None:
+    """reduce_scatter_tensor SUM and MAX against one process (torch 2.7's gloo sums
+    here whatever the op), and its input left as it was."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
+    big = data(rank * 3 + n, (p * n,), dtype)
+    every = torch.stack([data(q * 3 + n, (p * n,), dtype) for q in range(p)])
+    for op in (R.SUM, R.MAX):
+        out = torch.empty(n, dtype=dtype)
+        want = (every.sum(0) if op == R.SUM else every.amax(0)).to(dtype)
+        if c.run(f"reduce_scatter_tensor {op} {dtype} n={n}",
+                 dist.reduce_scatter_tensor, out, big.clone(), op=op) is None:
+            c.count += 1  # as many checks as against gloo
+            c.check(same(out, want[rank * n:(rank + 1) * n]),
+                    f"reduce_scatter_tensor {op} {dtype} n={n}: ringcomm != one process")
+    inp = big.clone()
+    out = torch.empty(n, dtype=dtype)
+    dist.reduce_scatter_tensor(out, inp)
+    c.check(same(inp, big), "reduce_scatter_tensor modified its input")
+
+
+def check_gather_into_and_reduce_scatter_tensor(ctx: Ctx) -> None:
+    """all_gather_into_tensor and reduce_scatter_tensor (FSDP's pair)."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
     for dtype in (torch.float32, torch.float16, torch.int32, torch.bool):
         for n in (0, 1, 7, 2049):
             x = data(rank + n, (n,), dtype)
-            both(f"all_gather_into_tensor {dtype} n={n}",
+            both(ctx, f"all_gather_into_tensor {dtype} n={n}",
                  lambda a, g: dist.all_gather_into_tensor(a[0], a[1], group=g),
                  lambda: [torch.empty(p * n, dtype=dtype), x.clone()])
             out2 = torch.empty(p, n, dtype=dtype)  # gloo takes only a flat output here
             dist.all_gather_into_tensor(out2, x)
             c.check(same(out2, torch.stack([data(q + n, (n,), dtype) for q in range(p)])),
                     f"all_gather_into_tensor 2-D {dtype} n={n}")
-            if dtype == torch.bool:
-                continue
-            big = data(rank * 3 + n, (p * n,), dtype)
-            # against one process: torch 2.7's gloo sums here whatever the op
-            every = torch.stack([data(q * 3 + n, (p * n,), dtype) for q in range(p)])
-            for op in (R.SUM, R.MAX):
-                out = torch.empty(n, dtype=dtype)
-                want = (every.sum(0) if op == R.SUM else every.amax(0)).to(dtype)
-                if c.run(f"reduce_scatter_tensor {op} {dtype} n={n}",
-                         dist.reduce_scatter_tensor, out, big.clone(), op=op) is None:
-                    c.count += 1  # as many checks as against gloo
-                    c.check(same(out, want[rank * n:(rank + 1) * n]),
-                            f"reduce_scatter_tensor {op} {dtype} n={n}: ringcomm != one process")
-            inp = big.clone()
-            out = torch.empty(n, dtype=dtype)
-            dist.reduce_scatter_tensor(out, inp)
-            c.check(same(inp, big), "reduce_scatter_tensor modified its input")
-    # a strided 1-D input
-    both("all_gather_into_tensor strided input",
+            if dtype != torch.bool:
+                _reduce_scatter_tensor(ctx, dtype, n)
+
+
+def check_strided_gather_and_avg(ctx: Ctx) -> None:
+    """all_gather_into_tensor of a strided 1-D input; reduce_scatter_tensor AVG (gloo
+    lacks it): against the SUM result divided."""
+    rank, p = ctx.rank, ctx.p
+    both(ctx, "all_gather_into_tensor strided input",
          lambda a, g: dist.all_gather_into_tensor(a[0], a[1], group=g),
          lambda: [torch.empty(p * 5), (torch.arange(10, dtype=torch.float32) + 10 * rank)[::2]])
-    # AVG (gloo lacks it): against the SUM result divided
     big = data(rank, (p * 6,), torch.float64)
     a, s = torch.empty(6, dtype=torch.float64), torch.empty(6, dtype=torch.float64)
     dist.reduce_scatter_tensor(a, big.clone(), op=R.AVG)
-    dist.reduce_scatter_tensor(s, big.clone(), op=R.SUM, group=gloo)
-    c.check(torch.allclose(a, s / p), "reduce_scatter_tensor AVG")
+    dist.reduce_scatter_tensor(s, big.clone(), op=R.SUM, group=ctx.gloo)
+    ctx.c.check(torch.allclose(a, s / p), "reduce_scatter_tensor AVG")
 
-    # reduce_scatter with a list (uneven blocks allowed)
+
+def check_reduce_scatter_list(ctx: Ctx) -> None:
+    """reduce_scatter with a list (uneven blocks allowed)."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
     for n in (0, 3, 1000):
         ins = [data(rank * 11 + i + n, (n + i,)) for i in range(p)]
         out = torch.empty(n + rank)
@@ -120,16 +144,20 @@ def main() -> None:
             want = sum(data(q * 11 + rank + n, (n + rank,)) for q in range(p))
             c.check(same(out, want), f"reduce_scatter n={n}")
 
-    # all_to_all_single: equal splits, uneven splits with zeros, 2-D rows
+
+def check_all_to_all(ctx: Ctx) -> None:
+    """all_to_all_single: equal splits, uneven splits with zeros, 2-D rows; all_to_all
+    with lists of different and of equal sizes."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
     for n in (0, 2, 500):
         x = data(rank * 5 + n, (p * n,))
-        both(f"all_to_all_single equal n={n}",
+        both(ctx, f"all_to_all_single equal n={n}",
              lambda a, g: dist.all_to_all_single(a[0], a[1], group=g),
              lambda: [torch.empty(p * n), x.clone()])
     in_splits = [(rank + j) % 3 for j in range(p)]  # rank sends (rank+j)%3 rows to j
     out_splits = [(j + rank) % 3 for j in range(p)]  # rank receives (j+rank)%3 rows from j
     x = data(rank, (sum(in_splits), 4))
-    both("all_to_all_single uneven",
+    both(ctx, "all_to_all_single uneven",
          lambda a, g: dist.all_to_all_single(a[0], a[1], out_splits, in_splits, group=g),
          lambda: [torch.empty(sum(out_splits), 4), x.clone()])
     # all_to_all with tensor lists of different sizes
@@ -139,12 +167,15 @@ def main() -> None:
         c.check(same(outs, [data(j * 13 + rank, (j + rank + 1,)) for j in range(p)]),
                 "all_to_all lists of uneven sizes")
     x = [data(rank * 7 + j, (5,)) for j in range(p)]
-    both("all_to_all equal lists",
+    both(ctx, "all_to_all equal lists",
          lambda a, g: dist.all_to_all(a[0], a[1], group=g),
          lambda: [[torch.empty(5) for _ in range(p)], [t.clone() for t in x]],
          oracle=lambda: [[data(j * 7 + rank, (5,)) for j in range(p)], [t.clone() for t in x]])
 
-    # gather / scatter: every root
+
+def check_gather_scatter(ctx: Ctx) -> None:
+    """gather / scatter: every root."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
     for root in range(p):
         for n in (0, 1, 999):
             x = data(rank * 17 + n, (n,))
@@ -159,8 +190,11 @@ def main() -> None:
                      chunks if rank == root else None, src=root) is None:
                 c.check(same(out, chunks[rank]), f"scatter root={root} n={n}")
 
-    # native (MPI's own) gather/scatter where the root's list is views of one tensor
-    # and its own slot is its input/output (MPI forbids aliased buffers: in place)
+
+def check_native_gather_scatter(ctx: Ctx) -> None:
+    """native (MPI's own) gather/scatter where the root's list is views of one tensor
+    and its own slot is its input/output (MPI forbids aliased buffers: in place)."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
     for coll in ("gather", "scatter"):
         ringcomm.set_algorithm(coll, "native")
     for root in range(p):
@@ -179,100 +213,136 @@ def main() -> None:
     for coll in ("gather", "scatter"):
         ringcomm.set_algorithm(coll, "auto")
 
-    # send/recv: tags, out-of-order receives, any source, rings of large isends
-    if p > 1:
-        right, left = (rank + 1) % p, (rank - 1) % p
-        big = 1 << 20  # 4 MiB each: above any eager limit
-        sends = [dist.isend(torch.full((big,), float(rank * 10 + k)), right, tag=k)
-                 for k in range(3)]
-        bufs = [torch.empty(big) for _ in range(3)]
-        recvs = [dist.irecv(bufs[k], left, tag=k) for k in (2, 0, 1)]  # posted out of order
-        for w in sends + recvs:
-            w.wait()
-        c.check(all(torch.all(bufs[k] == left * 10 + k) for k in range(3)), "tagged isend/irecv")
-        ops_ = [dist.P2POp(dist.isend, torch.full((big,), float(rank)), right),
-                dist.P2POp(dist.irecv, torch.empty(big), left)]
-        for w in dist.batch_isend_irecv(ops_):
-            w.wait()
-        c.check(torch.all(ops_[1].tensor == left), "batch_isend_irecv ring")
-        if rank == 0:
-            got = {}
-            for _ in range(p - 1):
-                t = torch.empty(2)
-                src = dist.recv(t)  # any source
-                got[src] = t[0].item()
-            c.check(got == {q: float(q) for q in range(1, p)}, f"recv any source: {got}")
-        else:
-            dist.send(torch.full((2,), float(rank)), 0)
-        # a large any-source receive posted before a collective completes while this
-        # rank is inside the collective (the sender is blocked until it is matched)
-        if rank == 0:
-            buf = torch.zeros(1 << 18)
-            w = dist.irecv(buf, tag=6)
-            dist.barrier()
-            w.wait()
-            c.check(torch.all(buf == 1.0).item(), "large any-source receive across a barrier")
-        else:
-            if rank == 1:
-                dist.send(torch.ones(1 << 18), 0, tag=6)
-            dist.barrier()
-        # several pending any-source receives, each driven by its own future's thread
-        if rank == 0:
-            bufs = [torch.zeros(4) for _ in range(p - 1) for _ in range(2)]
-            futs = [dist.irecv(b, tag=8).get_future() for b in bufs]
-            for f in futs:
-                c.run("any-source receive future", f.wait)
-            c.check(sorted(b[0].item() for b in bufs) == sorted(
-                [float(q) for q in range(1, p)] * 2), "any-source futures got every message")
+
+# send/recv (the next five checks; nothing to do on one rank): tags, out-of-order
+# receives, any source, rings of large isends
+
+def check_tagged_p2p(ctx: Ctx) -> None:
+    """Tagged isends received out of order, and a batch_isend_irecv ring, of messages
+    above any eager limit."""
+    if ctx.p == 1:
+        return
+    c, rank, p = ctx.c, ctx.rank, ctx.p
+    right, left = (rank + 1) % p, (rank - 1) % p
+    big = 1 << 20  # 4 MiB each: above any eager limit
+    sends = [dist.isend(torch.full((big,), float(rank * 10 + k)), right, tag=k)
+             for k in range(3)]
+    bufs = [torch.empty(big) for _ in range(3)]
+    recvs = [dist.irecv(bufs[k], left, tag=k) for k in (2, 0, 1)]  # posted out of order
+    for w in sends + recvs:
+        w.wait()
+    c.check(all(torch.all(bufs[k] == left * 10 + k) for k in range(3)), "tagged isend/irecv")
+    ops_ = [dist.P2POp(dist.isend, torch.full((big,), float(rank)), right),
+            dist.P2POp(dist.irecv, torch.empty(big), left)]
+    for w in dist.batch_isend_irecv(ops_):
+        w.wait()
+    c.check(torch.all(ops_[1].tensor == left), "batch_isend_irecv ring")
+
+
+def check_any_source(ctx: Ctx) -> None:
+    """recv from any source; a large any-source receive posted before a collective
+    completes while this rank is inside the collective (the sender is blocked until it
+    is matched); several pending any-source receives, each driven by its own future's
+    thread."""
+    if ctx.p == 1:
+        return
+    c, rank, p = ctx.c, ctx.rank, ctx.p
+    if rank == 0:
+        got = {}
+        for _ in range(p - 1):
+            t = torch.empty(2)
+            src = dist.recv(t)  # any source
+            got[src] = t[0].item()
+        c.check(got == {q: float(q) for q in range(1, p)}, f"recv any source: {got}")
+    else:
+        dist.send(torch.full((2,), float(rank)), 0)
+    if rank == 0:
+        buf = torch.zeros(1 << 18)
+        w = dist.irecv(buf, tag=6)
+        dist.barrier()
+        w.wait()
+        c.check(torch.all(buf == 1.0).item(), "large any-source receive across a barrier")
+    else:
+        if rank == 1:
+            dist.send(torch.ones(1 << 18), 0, tag=6)
+        dist.barrier()
+    if rank == 0:
+        bufs = [torch.zeros(4) for _ in range(p - 1) for _ in range(2)]
+        futs = [dist.irecv(b, tag=8).get_future() for b in bufs]
+        for f in futs:
+            c.run("any-source receive future", f.wait)
+        c.check(sorted(b[0].item() for b in bufs) == sorted(
+            [float(q) for q in range(1, p)] * 2), "any-source futures got every message")
+    else:
+        for _ in range(2):
+            dist.send(torch.full((4,), float(rank)), 0, tag=8)
+
+
+def check_any_source_every_root(ctx: Ctx) -> None:
+    """Every rank in turn receives twice from any source while the others each send to
+    it twice (posted any-source receives once never matched under torchrun)."""
+    if ctx.p == 1:
+        return
+    c, rank, p = ctx.c, ctx.rank, ctx.p
+    for root in range(p):
+        if rank == root:
+            srcs = []
+            for _ in range(2 * (p - 1)):
+                t = torch.empty(3)
+                srcs.append(dist.recv(t, tag=5))
+                c.check(torch.all(t == srcs[-1]), f"any-source payload from {srcs[-1]}")
+            c.check(sorted(srcs) == sorted([q for q in range(p) if q != root] * 2),
+                    f"any-source senders at root {root}: {srcs}")
         else:
             for _ in range(2):
-                dist.send(torch.full((4,), float(rank)), 0, tag=8)
-        # every rank in turn receives twice from any source while the others each send
-        # to it twice (posted any-source receives once never matched under torchrun)
-        for root in range(p):
-            if rank == root:
-                srcs = []
-                for _ in range(2 * (p - 1)):
-                    t = torch.empty(3)
-                    srcs.append(dist.recv(t, tag=5))
-                    c.check(torch.all(t == srcs[-1]), f"any-source payload from {srcs[-1]}")
-                c.check(sorted(srcs) == sorted([q for q in range(p) if q != root] * 2),
-                        f"any-source senders at root {root}: {srcs}")
-            else:
-                for _ in range(2):
-                    dist.send(torch.full((3,), float(rank)), root, tag=5)
-        # non-contiguous receive buffer
-        if rank == 0:
-            m = torch.zeros(4, 6)
-            dist.recv(m[:, ::2], src=p - 1, tag=9)
-            c.check(torch.equal(m[:, ::2], torch.arange(12.).view(4, 3)) and
-                    torch.all(m[:, 1::2] == 0), "recv into a strided view")
-        elif rank == p - 1:
-            dist.send(torch.arange(12.).view(4, 3).t().contiguous().t(), 0, tag=9)
-        # futures and wait() on the same messages, many times (one thread may test an
-        # MPI request at a time)
-        for k in range(20):
-            if rank == 0:
-                w = dist.isend(torch.full((1000,), float(k)), 1, tag=20)
-            elif rank == 1:
-                buf = torch.empty(1000)
-                w = dist.irecv(buf, 0, tag=20)
-            else:
-                continue
-            f = w.get_future()
-            w.wait()
-            f.wait()
-            if rank == 1:
-                c.check(torch.all(buf == k), f"irecv {k} with future and wait")
-        fut_t = torch.empty(3)
-        if rank == 0:
-            dist.send(torch.ones(3), right, tag=4)
-        if rank == 1:
-            fut = dist.irecv(fut_t, 0, tag=4).get_future()
-            fut.wait()
-            c.check(torch.all(fut_t == 1), "irecv future")
+                dist.send(torch.full((3,), float(rank)), root, tag=5)
 
-    # object collectives
+
+def check_strided_recv(ctx: Ctx) -> None:
+    """A non-contiguous receive buffer."""
+    if ctx.p == 1:
+        return
+    rank, p = ctx.rank, ctx.p
+    if rank == 0:
+        m = torch.zeros(4, 6)
+        dist.recv(m[:, ::2], src=p - 1, tag=9)
+        ctx.c.check(torch.equal(m[:, ::2], torch.arange(12.).view(4, 3)) and
+                    torch.all(m[:, 1::2] == 0), "recv into a strided view")
+    elif rank == p - 1:
+        dist.send(torch.arange(12.).view(4, 3).t().contiguous().t(), 0, tag=9)
+
+
+def check_p2p_futures(ctx: Ctx) -> None:
+    """Futures and wait() on the same messages, many times (one thread may test an MPI
+    request at a time); an irecv's future."""
+    if ctx.p == 1:
+        return
+    c, rank = ctx.c, ctx.rank
+    for k in range(20):
+        if rank == 0:
+            w = dist.isend(torch.full((1000,), float(k)), 1, tag=20)
+        elif rank == 1:
+            buf = torch.empty(1000)
+            w = dist.irecv(buf, 0, tag=20)
+        else:
+            continue
+        f = w.get_future()
+        w.wait()
+        f.wait()
+        if rank == 1:
+            c.check(torch.all(buf == k), f"irecv {k} with future and wait")
+    fut_t = torch.empty(3)
+    if rank == 0:
+        dist.send(torch.ones(3), (rank + 1) % ctx.p, tag=4)
+    if rank == 1:
+        fut = dist.irecv(fut_t, 0, tag=4).get_future()
+        fut.wait()
+        c.check(torch.all(fut_t == 1), "irecv future")
+
+
+def check_object_collectives(ctx: Ctx) -> None:
+    """all_gather_object, broadcast_object_list, gather_object, scatter_object_list."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
     objs = [None] * p
     dist.all_gather_object(objs, {"rank": rank, "s": "x" * rank})
     c.check(objs == [{"rank": q, "s": "x" * q} for q in range(p)], f"all_gather_object {objs}")
@@ -287,7 +357,10 @@ def main() -> None:
     dist.scatter_object_list(out, [q * q for q in range(p)] if rank == 0 else None, src=0)
     c.check(out[0] == rank * rank, "scatter_object_list")
 
-    # coalesced forms
+
+def check_coalesced(ctx: Ctx) -> None:
+    """all_reduce_coalesced, and all_gather_into_tensor under a coalescing manager."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
     ts = [torch.full((3,), float(rank)), torch.full((5,), 2.0 * rank), torch.ones(2, 2)]
     if c.run("all_reduce_coalesced", dist.all_reduce_coalesced, ts) is None:
         c.check(same(ts[0], torch.full((3,), float(sum(range(p))))) and
@@ -295,23 +368,30 @@ def main() -> None:
                 same(ts[2], torch.full((2, 2), float(p))), "all_reduce_coalesced")
     outs_ = [torch.empty(p * 4), torch.empty(p * 2)]
     ins_ = [torch.full((4,), float(rank)), torch.full((2,), -float(rank))]
+
     def coalesced_gather():
         with dist._coalescing_manager(async_ops=True) as cm:
             for o, i in zip(outs_, ins_):
                 dist.all_gather_into_tensor(o, i)
         cm.wait()
+
     if c.run("coalesced all_gather_into_tensor", coalesced_gather) is None:
         c.check(same(outs_[0], torch.arange(p).float().repeat_interleave(4)),
                 "coalesced all_gather_into_tensor: first output")
         c.check(same(outs_[1], -torch.arange(p).float().repeat_interleave(2)),
                 "coalesced all_gather_into_tensor: second output")
 
-    # functional collectives (what torch.compile and DTensor use), against gloo
+
+def check_functional(ctx: Ctx) -> None:
+    """Functional collectives (what torch.compile and DTensor use), against gloo; with
+    ``--compile``, dist.all_reduce under torch.compile."""
     import torch.distributed._functional_collectives as fc
+
+    c, rank, p = ctx.c, ctx.rank, ctx.p
 
     def functional(name, fn, x):
         ours = c.run(f"fc.{name}", lambda: fc.wait_tensor(fn(x.clone(), dist.group.WORLD)))
-        ref = fc.wait_tensor(fn(x.clone(), gloo))
+        ref = fc.wait_tensor(fn(x.clone(), ctx.gloo))
         if ours is not None:
             c.check(same(ours, ref), f"fc.{name} != gloo")
 
@@ -330,36 +410,55 @@ def main() -> None:
             c.check(same(y, torch.full((3,), 2.0 * sum(1.0 + q for q in range(p)))),
                     f"compiled all_reduce: {y}")
 
-    # bad input: clear errors, group still usable
-    def raises(what, needle, fn, *args, **kw):
-        try:
-            fn(*args, **kw)
-        except (ValueError, RuntimeError, TypeError) as e:
-            c.case(what, e)
-            c.check(needle.lower() in str(e).lower(), f"{what}: message {str(e)[:200]}")
-        else:
-            c.check(False, f"{what}: no error")
 
-    raises("gather root out of range", "out of range", dist.gather, torch.ones(2), None, dst=p + 1)
-    raises("all_to_all_single bad splits", "split", dist.all_to_all_single,
+def raises(c: Checker, what, needle, fn, *args, **kw) -> None:
+    """``fn`` raises a ValueError, RuntimeError or TypeError naming ``needle``."""
+    try:
+        fn(*args, **kw)
+    except (ValueError, RuntimeError, TypeError) as e:
+        c.case(what, e)
+        c.check(needle.lower() in str(e).lower(), f"{what}: message {str(e)[:200]}")
+    else:
+        c.check(False, f"{what}: no error")
+
+
+def check_bad_input(ctx: Ctx) -> None:
+    """Bad input: clear errors, group still usable."""
+    c, rank, p = ctx.c, ctx.rank, ctx.p
+    raises(c, "gather root out of range", "out of range", dist.gather, torch.ones(2), None,
+           dst=p + 1)
+    raises(c, "all_to_all_single bad splits", "split", dist.all_to_all_single,
            torch.empty(p), torch.empty(p), [p + 1] + [0] * (p - 1), [1] * p)
-    raises("reduce_scatter_tensor wrong size", "elements", dist.reduce_scatter_tensor,
+    raises(c, "reduce_scatter_tensor wrong size", "elements", dist.reduce_scatter_tensor,
            torch.empty(3), torch.empty(3 * p + 1))
-    raises("all_gather_into_tensor wrong size", "world size x input",
+    raises(c, "all_gather_into_tensor wrong size", "world size x input",
            dist.all_gather_into_tensor,
            torch.empty(3 * p + 2), torch.empty(3))
-    raises("send to self", "same as the rank of the current process", dist.send,
+    raises(c, "send to self", "same as the rank of the current process", dist.send,
            torch.ones(1), rank)
     # torch refuses that one itself; ringcomm's own check, called directly:
-    raises("send to self (ringcomm)", "cannot send to/from itself",
+    raises(c, "send to self (ringcomm)", "cannot send to/from itself",
            dist.group.WORLD.send, [torch.ones(1)], rank, 0)
     t = torch.ones(4)
     dist.all_reduce(t)
     c.check(same(t, torch.full((4,), float(p))), "usable after refused calls")
 
-    dist.barrier()
-    dist.destroy_process_group()
-    c.finish()
+
+#: run in this order on every rank (the ranks must issue the same collectives)
+CHECKS = [check_reduce, check_gather_into_and_reduce_scatter_tensor,
+          check_strided_gather_and_avg, check_reduce_scatter_list, check_all_to_all,
+          check_gather_scatter, check_native_gather_scatter, check_tagged_p2p,
+          check_any_source, check_any_source_every_root, check_strided_recv,
+          check_p2p_futures, check_object_collectives, check_coalesced, check_functional,
+          check_bad_input]
+
+
+def main() -> None:
+    dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    ctx = Ctx(rank, dist.get_world_size(), Checker(rank), dist.new_group(backend="gloo"))
+    run_checks(CHECKS, ctx)
+    done(ctx.c)
 
 
 if __name__ == "__main__":
