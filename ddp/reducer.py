@@ -179,10 +179,16 @@ class Reducer:
 
         self._comm_hook: CommHook = allreduce_hook
         self._comm_hook_state: Any = None
+        # A field, not derived from the hook and its state: registering allreduce_hook
+        # with state None leaves those as they are by default, yet a second
+        # registration must still be refused and logging_data name the hook.
         self._comm_hook_registered = False
         #: with the default hook and bucket slots apart from the gradients, the
         #: division by the world size happens while each gradient is copied into its
-        #: slot (as in torch's reducer): one pass over the gradients instead of two
+        #: slot (as in torch's reducer): one pass over the gradients instead of two.
+        #: It follows from gradient_as_bucket_view, the world size and whether a hook
+        #: is registered, but every gradient's copy (_fill) and every bucket launch
+        #: reads it, so it is computed once, here and in register_comm_hook.
         self._prescale: float | None = (None if gradient_as_bucket_view
                                         else 1.0 / self.world_size)
 
@@ -205,7 +211,8 @@ class Reducer:
         self.last_ready_order: list[int] = []
         #: sums over synchronized backwards, in ns (perf_counter): backward computation
         #: (first event to finalize), communication (first launch to the last wait's
-        #: return) and their overlap; with the number of backwards and of unused bytes
+        #: return) and their overlap (the number of backwards to divide them by is
+        #: num_synced_backwards; unused bytes are unused_bytes)
         self.timing = {"backward_compute": 0, "backward_comm": 0, "overlap": 0}
         self._last_used: list[bool] = []
         self.num_synced_backwards = 0
@@ -522,14 +529,21 @@ class Reducer:
 
     def _finalize(self) -> None:
         """End of backward: finish any bucket still waiting, wait for all, write back.
-        Whatever fails, mixed precision's full-precision parameters are back after it."""
+
+        Mixed precision's full-precision parameters are put back exactly once: after
+        the waits, whether they raised or not, and before the write-back (which then
+        casts the averaged gradients to the full-precision dtype)."""
         try:
-            self._finalize_steps()
+            missing, global_used = self._finalize_reduce()
         finally:
             if self.mp is not None:
                 self.mp.restore()
+        self._finalize_write_back(missing, global_used)
 
-    def _finalize_steps(self) -> None:
+    def _finalize_reduce(self) -> tuple[list[int], list | None]:
+        """Send what never got a gradient, wait for every bucket (and the used bitmap,
+        and join's divisor). Returns the parameters that got no gradient here, and
+        which parameters some rank used (None: all of them)."""
         if trace.active():
             trace.complete("backward", "ddp", self._backward_start, trace.now(),
                            buckets=len(self.buckets))
@@ -560,8 +574,11 @@ class Reducer:
             if training and training != self.world_size:
                 for bucket in self.buckets:
                     bucket.buffer.mul_(self.world_size / training)
-        if self.mp is not None:
-            self.mp.restore()
+        return missing, global_used
+
+    def _finalize_write_back(self, missing: list[int], global_used: list | None) -> None:
+        """The averages into ``param.grad``; the iteration's bookkeeping; the error for
+        parameters that got no gradient without ``find_unused_parameters``."""
         if self.delayed is not None:  # after the buckets: the same place on every rank
             self.delayed.finish()
         with trace.span("copy-back", "ddp"):

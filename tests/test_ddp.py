@@ -117,6 +117,87 @@ def test_ddp_accepts_cap_zero_and_refuses_negative_caps():
         dist.destroy_process_group()
 
 
+class _TwoLayers(nn.Module):
+    """Two linear layers; ``skip_second`` leaves the second's parameters unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(3, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, skip_second: bool = False) -> torch.Tensor:
+        h = self.first(x)
+        return h if skip_second else self.second(h)
+
+
+def test_mixed_precision_restores_exactly_once_on_success_and_on_errors():
+    # Putting the full-precision parameters back twice is harmless today (the second
+    # call finds nothing swapped), so the count is what tells a double restore; a
+    # missing one leaves bfloat16 parameters behind.
+    import torch.distributed as dist
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    from ddp import DistributedDataParallel as DDP
+
+    def wrapped(**kwargs):
+        torch.manual_seed(0)
+        net = _TwoLayers()
+        model = DDP(net, mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16,
+                                                         reduce_dtype=torch.float32),
+                    **kwargs)
+        calls: list[bool] = []  # whether the parameters were swapped at each call
+        restore = model._mp.restore
+
+        def counting() -> None:
+            calls.append(model._mp.swapped)
+            restore()
+
+        model._mp.restore = counting  # the reducer holds the same object
+        assert model.reducer.mp is model._mp
+        return net, model, calls
+
+    def full_precision(net: nn.Module) -> bool:
+        return all(p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32)
+                   for p in net.parameters())
+
+    def failing_hook(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_exception(RuntimeError("the hook's allreduce failed"))
+        return fut
+
+    x = torch.randn(5, 3)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        net, model, calls = wrapped()
+        for _ in range(2):  # a synchronized backward
+            calls.clear()
+            model(x).sum().backward()
+            assert calls == [True]
+            assert full_precision(net) and all(p.grad is not None for p in net.parameters())
+        calls.clear()
+        with model.no_sync():  # an unsynchronized one (the queued restore)
+            model(x).sum().backward()
+        assert calls == [True] and full_precision(net)
+
+        # the waits raise: the hook's future fails
+        net, model, calls = wrapped()
+        model.register_comm_hook(None, failing_hook)
+        with pytest.raises(RuntimeError, match="the hook's allreduce failed"):
+            model(x).sum().backward()
+        assert calls == [True] and full_precision(net)
+
+        # the write-back's step raises, after the restore: unused parameters without
+        # find_unused_parameters
+        net, model, calls = wrapped()
+        with pytest.raises(RuntimeError, match=r"2 parameter\(s\) got no gradient"):
+            model(x, skip_second=True).sum().backward()
+        assert calls == [True] and full_precision(net)
+        # the write-back ran before the error: zeros for the unused, as reduced
+        assert net.first.weight.grad.abs().sum() > 0
+        assert torch.equal(net.second.weight.grad, torch.zeros(4, 4))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_complete_order_appends_missing_in_registration_order():
     assert complete_order([2, 0], 5) == [2, 0, 1, 3, 4]
     with pytest.raises(ValueError):
