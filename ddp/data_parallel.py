@@ -191,9 +191,9 @@ def _common_rank(mine: int | None, group: dist.ProcessGroup, device: torch.devic
 class _JoinHook(JoinHook):
     """What a rank that ran out of inputs does while the others still train
     (:meth:`DistributedDataParallel.join`): each iteration, the collectives of one
-    training iteration, in the order the training ranks issue them (:meth:`_forward`,
-    then backward), with zero gradients; at the end, the final model from the last
-    rank to join."""
+    training iteration, in the order the training ranks issue them
+    (:meth:`DistributedDataParallel._pre_forward`, then backward), with zero
+    gradients; at the end, the final model from the last rank to join."""
 
     def __init__(self, ddp: "DistributedDataParallel", divide_by_initial_world_size: bool):
         self.ddp = ddp
@@ -245,6 +245,73 @@ def _delayed_names(module: nn.Module, named: Sequence[tuple[str, Any]] | None,
         raise ValueError("DistributedDataParallel: param_to_hook_all_reduce is not a "
                          "parameter of the module")
     return names
+
+
+def _check_arguments(module: nn.Module, process_group: dist.ProcessGroup | None,
+                     bucket_cap_mb: float | None, gradient_as_bucket_view: bool,
+                     delay_all_reduce_named_params: Sequence[tuple[str, Any]] | None,
+                     param_to_hook_all_reduce: Any, mixed_precision: Any, device_mesh: Any
+                     ) -> tuple[float, dist.ProcessGroup, set[str], MixedPrecision | None]:
+    """DistributedDataParallel's argument checks, local ones first (they raise
+    identically on every rank before any collective). Returns the bucket cap in MiB,
+    the process group, the delayed parameters' names and the mixed precision (or
+    None)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, "
+                        f"got {type(module).__name__}")
+    if bucket_cap_mb is None:
+        bucket_cap_mb = 25
+    if not bucket_cap_mb >= 0:  # also refuses NaN
+        raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be 0 (one bucket "
+                         f"per parameter) or positive, got {bucket_cap_mb}")
+    if device_mesh is not None:
+        if process_group is not None:
+            raise ValueError("DistributedDataParallel: give process_group or "
+                             "device_mesh, not both")
+        if device_mesh.ndim != 1:
+            raise ValueError(f"DistributedDataParallel: device_mesh must be 1-D (DDP "
+                             f"trains over one dimension), got {device_mesh.ndim} "
+                             f"dimensions; pass mesh['name'] for one of them")
+        process_group = device_mesh.get_group(mesh_dim=0)
+    if process_group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("DistributedDataParallel: no process group; call "
+                               "torch.distributed.init_process_group first")
+        process_group = dist.distributed_c10d._get_default_group()
+    if dist.get_rank(process_group) < 0:
+        raise ValueError("DistributedDataParallel: this process is not a member of "
+                         "the given process group")
+    delayed = _delayed_names(module, delay_all_reduce_named_params,
+                             param_to_hook_all_reduce)
+    mp = MixedPrecision(mixed_precision, module) if mixed_precision is not None else None
+    if mp is not None and gradient_as_bucket_view:
+        raise ValueError("DistributedDataParallel: mixed_precision and "
+                         "gradient_as_bucket_view do not go together: gradients are "
+                         "computed in param_dtype and reduced in reduce_dtype, so they "
+                         "cannot live in the buckets")
+    return bucket_cap_mb, process_group, delayed, mp
+
+
+def _split_parameters(module: nn.Module, named_params: list[tuple[str, nn.Parameter]],
+                      delayed: set[str]) -> tuple[list[tuple[str, nn.Parameter]],
+                                                  list[tuple[str, nn.Parameter]]]:
+    """The trainable (name, parameter) pairs: those for the buckets, and the delayed
+    ones. Raises if nothing is left for the buckets or a module is sparse."""
+    trainable = [(n, p) for n, p in named_params if p.requires_grad]
+    if not trainable:
+        raise RuntimeError("DistributedDataParallel: the module has no parameter that "
+                           "requires a gradient; there is nothing to synchronize")
+    held = [(n, p) for n, p in trainable if n in delayed]
+    trainable = [(n, p) for n, p in trainable if n not in delayed]
+    if held and not trainable:
+        raise ValueError("DistributedDataParallel: delay_all_reduce_named_params names "
+                         "every trainable parameter; leave at least one to the buckets")
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            raise RuntimeError(f"DistributedDataParallel: '{name}' produces sparse "
+                               "gradients, which this implementation does not reduce; "
+                               "use sparse=False")
+    return trainable, held
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -318,42 +385,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         nn.Module.__init__(self)
         Joinable.__init__(self)  # join() (uneven inputs) is off until asked for
         self._divide_by_initial_world_size = True
-        # Local argument checks first: they raise identically on every rank before
-        # any collective.
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, "
-                            f"got {type(module).__name__}")
-        if bucket_cap_mb is None:
-            bucket_cap_mb = 25
-        if not bucket_cap_mb >= 0:  # also refuses NaN
-            raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be 0 (one bucket "
-                             f"per parameter) or positive, got {bucket_cap_mb}")
-        if device_mesh is not None:
-            if process_group is not None:
-                raise ValueError("DistributedDataParallel: give process_group or "
-                                 "device_mesh, not both")
-            if device_mesh.ndim != 1:
-                raise ValueError(f"DistributedDataParallel: device_mesh must be 1-D (DDP "
-                                 f"trains over one dimension), got {device_mesh.ndim} "
-                                 f"dimensions; pass mesh['name'] for one of them")
-            process_group = device_mesh.get_group(mesh_dim=0)
-        if process_group is None:
-            if not dist.is_initialized():
-                raise RuntimeError("DistributedDataParallel: no process group; call "
-                                   "torch.distributed.init_process_group first")
-            process_group = dist.distributed_c10d._get_default_group()
-        if dist.get_rank(process_group) < 0:
-            raise ValueError("DistributedDataParallel: this process is not a member of "
-                             "the given process group")
-        delayed = _delayed_names(module, delay_all_reduce_named_params,
-                                 param_to_hook_all_reduce)
-        mp = MixedPrecision(mixed_precision, module) if mixed_precision is not None else None
-        if mp is not None and gradient_as_bucket_view:
-            raise ValueError("DistributedDataParallel: mixed_precision and "
-                             "gradient_as_bucket_view do not go together: gradients are "
-                             "computed in param_dtype and reduced in reduce_dtype, so they "
-                             "cannot live in the buckets")
-
+        bucket_cap_mb, process_group, delayed, mp = _check_arguments(
+            module, process_group, bucket_cap_mb, gradient_as_bucket_view,
+            delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+            device_mesh)
         init_buffers = broadcast_buffers
         if forward_sync_buffers is not None:
             broadcast_buffers, init_buffers = forward_sync_buffers, True
@@ -376,21 +411,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # size (hang or garbage); the fingerprint turns that into an error everywhere.
         if init_sync:
             verify_same_model(named_params, named_buffers, process_group, device)
-
-        trainable = [(n, p) for n, p in named_params if p.requires_grad]
-        if not trainable:
-            raise RuntimeError("DistributedDataParallel: the module has no parameter that "
-                               "requires a gradient; there is nothing to synchronize")
-        held = [(n, p) for n, p in trainable if n in delayed]
-        trainable = [(n, p) for n, p in trainable if n not in delayed]
-        if held and not trainable:
-            raise ValueError("DistributedDataParallel: delay_all_reduce_named_params names "
-                             "every trainable parameter; leave at least one to the buckets")
-        for name, m in module.named_modules():
-            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
-                raise RuntimeError(f"DistributedDataParallel: '{name}' produces sparse "
-                                   "gradients, which this implementation does not reduce; "
-                                   "use sparse=False")
+        trainable, held = _split_parameters(module, named_params, delayed)
 
         # As torch does, broadcast_buffers=False also leaves buffers out of this
         # first broadcast, so rank-local buffers stay rank-local.
@@ -404,23 +425,30 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._mp = mp
         if mp is not None:
             mp.cast_buffers(self._sync_buffer_list)
-
-        self.reducer = Reducer(
-            [p for _, p in trainable], [n for n, _ in trainable], process_group,
-            self.bucket_bytes_cap, min(FIRST_BUCKET_CAP_BYTES, self.bucket_bytes_cap),
-            find_unused_parameters, gradient_as_bucket_view, static_graph,
-            bucket_dtype=mp.reduce_dtype if mp is not None else None)
-        self.reducer.mp = mp
-        if held:
-            self.reducer.delayed = DelayedAllreduce(
-                [p for _, p in held], [n for n, _ in held], process_group,
-                reduce_dtype=mp.reduce_dtype if mp is not None else None)
+        self.reducer = self._build_reducer(trainable, held, mp)
         # As in torch: a backward is synchronized when its forward ran with grad
         # enabled outside no_sync; buffers are synced before a forward that follows
         # such a forward (or the first one).
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._forward_ns, self._forwards = 0, 0  # synchronized forwards, for logging_data
+
+    def _build_reducer(self, trainable: list[tuple[str, nn.Parameter]],
+                       held: list[tuple[str, nn.Parameter]],
+                       mp: MixedPrecision | None) -> Reducer:
+        """The reducer of the bucketed parameters; the delayed ones' allreduce on it."""
+        reduce_dtype = mp.reduce_dtype if mp is not None else None
+        reducer = Reducer(
+            [p for _, p in trainable], [n for n, _ in trainable], self.process_group,
+            self.bucket_bytes_cap, min(FIRST_BUCKET_CAP_BYTES, self.bucket_bytes_cap),
+            self.find_unused_parameters, self.gradient_as_bucket_view, self.static_graph,
+            bucket_dtype=reduce_dtype)
+        reducer.mp = mp
+        if held:
+            reducer.delayed = DelayedAllreduce(
+                [p for _, p in held], [n for n, _ in held], self.process_group,
+                reduce_dtype=reduce_dtype)
+        return reducer
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; arm gradient synchronization for the coming backward.

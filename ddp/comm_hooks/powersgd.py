@@ -30,6 +30,8 @@ So an iteration of :func:`powerSGD_hook` costs two collectives in sequence, not
 three, issued in the same order on every rank whatever the backend, and no
 callback issues or waits for a collective.
 """
+import dataclasses
+import functools
 import logging
 import math
 from typing import Any
@@ -129,6 +131,126 @@ def _end(state: PowerSGDState, bucket: Any, index: int, before: torch.Tensor | N
     state.maybe_increase_iter(bucket)
 
 
+@dataclasses.dataclass
+class _Factors:
+    """One bucket's compressed matrices and their factors (views of the state's P and
+    Q memories for the bucket)."""
+    #: (batch, n, m) products' left operands, each with the bucket's matrices in it
+    #: (one: a view of it; several of one shape: a stacked copy)
+    batches: list[tuple[torch.Tensor, list[torch.Tensor]]]
+    ps: list[torch.Tensor]  # (batch, n, r) views of p_mem
+    qs: list[torch.Tensor]  # (batch, m, r) views of q_mem
+    p_mem: torch.Tensor
+    q_mem: torch.Tensor
+    fresh: bool  # the memories are new: Q is drawn at random
+
+
+def _split_for_compression(state: PowerSGDState, bucket: Any
+                           ) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
+    """Each gradient viewed as a matrix (its first dimension by the rest): those worth
+    compressing (``(n + m) r * min_compression_rate < n m``), the rest as they are,
+    and the lengths of the compressed ones' P and Q; the state's counters updated."""
+    to_compress, plain = [], []
+    p_len = q_len = 0
+    for g in bucket.gradients():
+        matrix = g.view(g.shape[0] if g.dim() else 1, -1)
+        n, m = matrix.shape
+        r = min(n, m, state.matrix_approximation_rank)
+        state.total_numel_before_compression += n * m
+        if (n + m) * r * state.min_compression_rate < n * m:
+            to_compress.append(matrix)
+            p_len, q_len = p_len + n * r, q_len + m * r
+            state.total_numel_after_compression += (n + m) * r
+        else:
+            plain.append(g)
+            state.total_numel_after_compression += n * m
+    return to_compress, plain, p_len, q_len
+
+
+def _factors(state: PowerSGDState, index: int, buf: torch.Tensor,
+             to_compress: list[torch.Tensor], p_len: int, q_len: int) -> _Factors:
+    """The bucket's P and Q memories (new ones unless warm start has them), cut into
+    each batch's factors: matrices of one shape batched with
+    ``batch_tensors_with_same_shape``, shapes in first-seen order (the order torch
+    draws Q's values in)."""
+    fresh = not state.warm_start or index not in state.p_memory_dict
+    if fresh:  # locals first: another bucket's decompress may clear the dicts meanwhile
+        p_mem, q_mem = buf.new_empty(p_len), buf.new_empty(q_len)
+        state.p_memory_dict[index], state.q_memory_dict[index] = p_mem, q_mem
+    else:
+        p_mem, q_mem = state.p_memory_dict[index], state.q_memory_dict[index]
+    by_shape: dict[torch.Size, list[torch.Tensor]] = {}
+    for matrix in to_compress:
+        by_shape.setdefault(matrix.shape, []).append(matrix)
+    f = _Factors([], [], [], p_mem, q_mem, fresh)
+    p_at = q_at = 0
+    for members in by_shape.values():
+        groups = ([members] if state.batch_tensors_with_same_shape else
+                  [[m] for m in members])
+        for ms in groups:
+            batch = ms[0].unsqueeze(0) if len(ms) == 1 else torch.stack(ms)
+            b, n, m = batch.shape
+            r = min(n, m, state.matrix_approximation_rank)
+            f.batches.append((batch, ms))
+            f.ps.append(p_mem[p_at:p_at + b * n * r].view(b, n, r))
+            f.qs.append(q_mem[q_at:q_at + b * m * r].view(b, m, r))
+            p_at, q_at = p_at + b * n * r, q_at + b * m * r
+    return f
+
+
+def _compress(state: PowerSGDState, f: _Factors, dtype: torch.dtype) -> None:
+    """P = M Q, with Q orthogonalized: drawn from the state's random stream when the
+    memories are fresh, else last iteration's (warm start)."""
+    if f.fresh:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(state.rng.randint(1_000_000_000))
+            for q in f.qs:
+                q.copy_(torch.randn(*q.shape, device="cpu", dtype=dtype))
+                orthogonalize(q, state.orthogonalization_epsilon)
+    else:
+        for q in f.qs:
+            orthogonalize(q, state.orthogonalization_epsilon)
+    for (batch, _), q, p in zip(f.batches, f.qs, f.ps):
+        torch.bmm(batch, q, out=p)
+
+
+def _allreduce_plain_and_ps(group: dist.ProcessGroup, world: int,
+                            plain: list[torch.Tensor], f: _Factors, p_len: int) -> None:
+    """The first allreduce, waited for: the uncompressed tensors (averaged back into
+    the bucket) and every P (summed into the P memory), in one message."""
+    sizes = [g.numel() for g in plain]
+    packed = torch.cat([g.reshape(-1) for g in plain] + [f.p_mem])
+    dist.all_reduce(packed, group=group)
+    parts = packed.split(sizes + [p_len])
+    for g, part in zip(plain, parts):
+        g.copy_(part.view_as(g).div_(world))
+    f.p_mem.copy_(parts[-1])
+
+
+def _compute_qs(state: PowerSGDState, f: _Factors) -> None:
+    """Orthogonalize the summed P; Q = M^T P."""
+    for p in f.ps:
+        orthogonalize(p, state.orthogonalization_epsilon)
+    for (batch, _), p, q in zip(f.batches, f.ps, f.qs):
+        torch.bmm(batch.transpose(1, 2), p, out=q)
+
+
+def _decompress(state: PowerSGDState, bucket: Any, index: int, buf: torch.Tensor,
+                before: torch.Tensor | None, world: int, f: _Factors,
+                fut: torch.futures.Future) -> torch.Tensor:
+    """Once the second allreduce (of Q) is done: M = P Q^T / world into the bucket's
+    matrices, and the iteration's bookkeeping; the bucket's buffer ``buf``."""
+    fut.value()  # raises the collective's error, if any
+    f.q_mem.div_(world)
+    for (batch, members), p, q in zip(f.batches, f.ps, f.qs):
+        torch.bmm(p, q.transpose(1, 2), out=batch)
+        if len(members) > 1:  # a stacked copy: back into the bucket
+            for i, matrix in enumerate(members):
+                matrix.copy_(batch[i])
+    _end(state, bucket, index, before, buf)
+    return buf
+
+
 def powerSGD_hook(state: PowerSGDState,
                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Compress each gradient matrix of the bucket to rank
@@ -153,89 +275,17 @@ def powerSGD_hook(state: PowerSGDState,
     group, plain_average = _start(state, bucket, "powerSGD_hook")
     if plain_average is not None:
         return plain_average
-    world, buf = group.size(), bucket.buffer()
-    index = bucket.index()
+    world, buf, index = group.size(), bucket.buffer(), bucket.index()
     before = _add_error(state, index, buf)
-
-    to_compress, plain = [], []
-    p_len = q_len = 0
-    for g in bucket.gradients():
-        matrix = g.view(g.shape[0] if g.dim() else 1, -1)
-        n, m = matrix.shape
-        r = min(n, m, state.matrix_approximation_rank)
-        state.total_numel_before_compression += n * m
-        if (n + m) * r * state.min_compression_rate < n * m:
-            to_compress.append(matrix)
-            p_len, q_len = p_len + n * r, q_len + m * r
-            state.total_numel_after_compression += (n + m) * r
-        else:
-            plain.append(g)
-            state.total_numel_after_compression += n * m
+    to_compress, plain, p_len, q_len = _split_for_compression(state, bucket)
     _report(state, bucket)
-
-    fresh = not state.warm_start or index not in state.p_memory_dict
-    if fresh:  # locals first: another bucket's decompress may clear the dicts meanwhile
-        p_mem, q_mem = buf.new_empty(p_len), buf.new_empty(q_len)
-        state.p_memory_dict[index], state.q_memory_dict[index] = p_mem, q_mem
-    else:
-        p_mem, q_mem = state.p_memory_dict[index], state.q_memory_dict[index]
-
-    # matrices of one shape, in first-seen order (the order torch draws Q's values in)
-    by_shape: dict[torch.Size, list[torch.Tensor]] = {}
-    for matrix in to_compress:
-        by_shape.setdefault(matrix.shape, []).append(matrix)
-    batches, ps, qs = [], [], []
-    p_at = q_at = 0
-    for shape, members in by_shape.items():
-        groups = ([members] if state.batch_tensors_with_same_shape else
-                  [[m] for m in members])
-        for ms in groups:
-            batch = ms[0].unsqueeze(0) if len(ms) == 1 else torch.stack(ms)
-            b, n, m = batch.shape
-            r = min(n, m, state.matrix_approximation_rank)
-            batches.append((batch, ms))
-            ps.append(p_mem[p_at:p_at + b * n * r].view(b, n, r))
-            qs.append(q_mem[q_at:q_at + b * m * r].view(b, m, r))
-            p_at, q_at = p_at + b * n * r, q_at + b * m * r
-
-    if fresh:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(state.rng.randint(1_000_000_000))
-            for q in qs:
-                q.copy_(torch.randn(*q.shape, device="cpu", dtype=buf.dtype))
-                orthogonalize(q, state.orthogonalization_epsilon)
-    else:
-        for q in qs:
-            orthogonalize(q, state.orthogonalization_epsilon)
-    for (batch, _), q, p in zip(batches, qs, ps):
-        torch.bmm(batch, q, out=p)
-
-    # one allreduce for the uncompressed tensors and every P
-    sizes = [g.numel() for g in plain]
-    packed = torch.cat([g.reshape(-1) for g in plain] + [p_mem])
-    dist.all_reduce(packed, group=group)
-    parts = packed.split(sizes + [p_len])
-    for g, part in zip(plain, parts):
-        g.copy_(part.view_as(g).div_(world))
-    p_mem.copy_(parts[-1])
-    for p in ps:
-        orthogonalize(p, state.orthogonalization_epsilon)
-    for (batch, _), p, q in zip(batches, ps, qs):
-        torch.bmm(batch.transpose(1, 2), p, out=q)
-    second = dist.all_reduce(q_mem, group=group, async_op=True).get_future()
-
-    def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        fut.value()  # raises the collective's error, if any
-        q_mem.div_(world)
-        for (batch, members), p, q in zip(batches, ps, qs):
-            torch.bmm(p, q.transpose(1, 2), out=batch)
-            if len(members) > 1:  # a stacked copy: back into the bucket
-                for i, matrix in enumerate(members):
-                    matrix.copy_(batch[i])
-        _end(state, bucket, index, before, buf)
-        return buf
-
-    return second.then(decompress)
+    f = _factors(state, index, buf, to_compress, p_len, q_len)
+    _compress(state, f, buf.dtype)
+    _allreduce_plain_and_ps(group, world, plain, f, p_len)
+    _compute_qs(state, f)
+    second = dist.all_reduce(f.q_mem, group=group, async_op=True).get_future()
+    return second.then(functools.partial(_decompress, state, bucket, index, buf, before,
+                                         world, f))
 
 
 def batched_powerSGD_hook(state: PowerSGDState,
