@@ -15,6 +15,7 @@ and the output. The modules, in the order a run uses them:
 * :mod:`~ringcomm.bench.timing`: measuring every row;
 * :mod:`~ringcomm.bench.results`: the result records and queries over them;
 * :mod:`~ringcomm.bench.report`: tables on stdout, Markdown, CSV, plot;
+* :mod:`~ringcomm.bench.styles`: one look per implementation in every plot;
 * :mod:`~ringcomm.bench.analysis`: cost-model fits, predictions, crossovers;
 * :mod:`~ringcomm.bench.model`: the cost model itself;
 * :mod:`~ringcomm.bench.tuning`: measured tuning for ``auto``;

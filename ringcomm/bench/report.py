@@ -12,6 +12,7 @@ import argparse
 import csv
 import json
 
+from ringcomm.bench import styles
 from ringcomm.bench.analysis import analyse
 from ringcomm.bench.columns import Column
 from ringcomm.bench.links import text as links_text
@@ -198,14 +199,13 @@ def plot(path: str, doc: dict) -> None:
     fig, axes = plt.subplots(len(keys), 2, figsize=(12, 4.2 * len(keys)), squeeze=False)
     p = doc["meta"]["world_size"]
     for (coll, dt, op), (ax_bw, ax_t) in zip(keys, axes):
-        for i, c in enumerate(columns):
+        for c in columns:
             pts = ok_points(results, coll, dt, op, c)
             if not pts:
                 continue
             x = [r["size"] for r in pts]
-            # one colour per column in every panel, even where some columns are missing
-            style = dict(marker="o", markersize=3, linewidth=1.5, color=f"C{i}",
-                         linestyle="--" if c == "auto" else "-")
+            # the column's own look (by name), the same in every panel and figure
+            style = dict(markersize=4, linewidth=1.5, **styles.style(c))
             ax_bw.plot(x, [r["busbw"] for r in pts], label=c, **style)
             ax_t.plot(x, [r["time_us"] for r in pts], label=c, **style)
         title = f"{coll} {dt}" + (f" {op}" if op != "none" else "") + f", {p} ranks"

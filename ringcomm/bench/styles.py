@@ -1,0 +1,78 @@
+"""One look (colour, marker, line style) per implementation, shared by every plot
+the benchmark tools draw: :func:`ringcomm.bench.report.plot` (compare_collectives)
+and :func:`ddp.bench.plots.plot` (bench_ddp).
+
+A name always gets the same look, in every panel and every figure, whatever else a
+panel shows: the look comes from the name alone, never from a column's position.
+
+* ringcomm's own code (its algorithms: ``auto``, ``ring``, ``tree``, ...; this
+  project's DDP, ``ours/<backend>`` and ``off/<backend>``) is drawn in solid,
+  coloured lines (:data:`ALGORITHMS`).
+* The peers it is measured against (the MPI library's collective ``mpi``, torch's
+  ``gloo`` and ``nccl``, the ``floor``, torch's DDP ``torch/<backend>``) are drawn
+  in greys and black, dashed (the floor, a lower bound, dotted) (:data:`PEERS`).
+* Any other name (an algorithm a user registered, an MSCCL XML's) gets a stable
+  look hashed from the name (not Python's salted ``hash``) into spare colours
+  that no fixed name uses: coloured and solid, or grey and dashed for a
+  ``torch/...`` name.
+"""
+from __future__ import annotations
+
+import zlib
+
+#: ringcomm's algorithms and DDP: name -> (colour, marker), drawn solid
+ALGORITHMS: dict[str, tuple[str, str]] = {
+    "auto": ("#1f77b4", "o"),                # blue
+    "ring": ("#d62728", "s"),                # red
+    "tree": ("#2ca02c", "^"),                # green
+    "recursive_doubling": ("#9467bd", "v"),  # purple
+    "native": ("#8c564b", "D"),              # brown
+    "rabenseifner": ("#e377c2", "P"),        # pink
+    "double_tree": ("#bcbd22", "X"),         # olive
+    "hierarchical": ("#17becf", "h"),        # cyan
+    "bruck": ("#ff7f0e", "<"),               # orange
+    "linear": ("#393b79", ">"),              # navy
+    "pairwise": ("#e7ba52", "p"),            # gold
+    "dissemination": ("#7b4173", "d"),       # plum
+    "rc-nccl": ("#637939", "*"),             # moss: ringcomm's auto on CUDA tensors
+    "ours/ringcomm": ("#08519c", "o"),       # dark blue: this DDP on ringcomm
+    "ours/gloo": ("#a63603", "s"),           # rust: this DDP on gloo
+    "off/ringcomm": ("#6baed6", "^"),        # light blue: overlap off
+    "off/gloo": ("#fd8d3c", "v"),            # light orange
+}
+#: the peers: name -> (grey, marker, line style)
+PEERS: dict[str, tuple[str, str, str]] = {
+    "mpi": ("#000000", "s", "--"),
+    "gloo": ("#7f7f7f", "^", "--"),
+    "nccl": ("#404040", "v", "--"),
+    "floor": ("#b0b0b0", "x", ":"),
+    "torch/ringcomm": ("#252525", "D", "--"),  # torch's DDP on ringcomm
+    "torch/gloo": ("#969696", "P", "--"),      # torch's DDP on gloo: all torch
+}
+#: colours no fixed name uses, for other names (coloured ones, then greys for peers)
+SPARE_COLOURS = ("#843c39", "#5254a3", "#8ca252", "#bd9e39", "#a55194", "#31a354",
+                 "#756bb1", "#e6550d", "#ad494a", "#6b6ecf", "#b5cf6b", "#ce6dbd")
+SPARE_GREYS = ("#5a5a5a", "#8a8a8a", "#c4c4c4")
+SPARE_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "h", "<", ">")
+
+
+def is_peer(name: str) -> bool:
+    """Whether ``name`` is a peer (drawn grey and dashed), not ringcomm's own code."""
+    return name in PEERS or (name not in ALGORITHMS and name.split("/")[0] == "torch")
+
+
+def style(name: str) -> dict[str, str]:
+    """The look of ``name``: ``color``, ``marker`` and ``linestyle`` for matplotlib
+    (``plot`` and ``errorbar`` take them as keyword arguments)."""
+    if name in ALGORITHMS:
+        color, marker = ALGORITHMS[name]
+        return dict(color=color, marker=marker, linestyle="-")
+    if name in PEERS:
+        color, marker, linestyle = PEERS[name]
+        return dict(color=color, marker=marker, linestyle=linestyle)
+    peer = is_peer(name)
+    colours = SPARE_GREYS if peer else SPARE_COLOURS
+    h = zlib.crc32(name.encode())
+    return dict(color=colours[h % len(colours)],
+                marker=SPARE_MARKERS[(h // len(colours)) % len(SPARE_MARKERS)],
+                linestyle="--" if peer else "-")
