@@ -88,7 +88,15 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                     "collectives, gloo and NCCL, in one run. " + LAUNCH_HINT[0].upper()
                     + LAUNCH_HINT[1:] + ".",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("sizes and iterations")
+    _size_flags(p.add_argument_group("sizes and iterations"))
+    _what_flags(p.add_argument_group("what to run"))
+    _ringcomm_flags(p.add_argument_group("ringcomm settings"))
+    _output_flags(p.add_argument_group("output"))
+    return p
+
+
+def _size_flags(g: argparse._ArgumentGroup) -> None:
+    """The flags of the group "sizes and iterations"."""
     g.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4"),
                    help="smallest message size (bytes, K/M/G suffixes)")
     g.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"),
@@ -108,7 +116,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     g.add_argument("--rounds", type=int, default=5,
                    help="split each point's timed calls into this many rounds that visit "
                         "the columns in turn, so background load hits all of them alike")
-    g = p.add_argument_group("what to run")
+
+
+def _what_flags(g: argparse._ArgumentGroup) -> None:
+    """The flags of the group "what to run"."""
     g.add_argument("--collective", "--coll", default="allreduce",
                    help=f"comma list of {', '.join(COLLECTIVES)}, or all")
     g.add_argument("-o", "--op", default="sum",
@@ -144,7 +155,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="first measure each link (ping-pong latency and bandwidth within "
                         "each host and between each pair of hosts); auto: when the ranks "
                         "span hosts")
-    g = p.add_argument_group("ringcomm settings")
+
+
+def _ringcomm_flags(g: argparse._ArgumentGroup) -> None:
+    """The flags of the group "ringcomm settings"."""
     g.add_argument("--channels", type=int, default=None, metavar="K",
                    help="communicators of ringcomm's group, used in turn "
                         "(Options(num_channels=K)); the gloo column then round-robins over "
@@ -158,7 +172,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="torch intra-op threads per rank; auto = cores per node / ranks per node")
     g.add_argument("--timeout", type=float, default=300.0,
                    help="seconds any single collective may take before it fails")
-    g = p.add_argument_group("output")
+
+
+def _output_flags(g: argparse._ArgumentGroup) -> None:
+    """The flags of the group "output" (files, the model, targets, --model-from)."""
     g.add_argument("--json", metavar="FILE", help="write all results and the model as JSON")
     g.add_argument("--csv", metavar="FILE", help="write one CSV row per size and algorithm")
     g.add_argument("--plot", metavar="FILE.png",
@@ -185,44 +202,64 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     g.add_argument("--model-from", nargs="+", metavar="JSON",
                    help="no run: fit the cost model (and --write-tuning) from saved --json "
                         "results, possibly of several world sizes")
-    return p
 
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.Namespace:
     """Parse and validate the command line; bad flags exit with a message naming them."""
     parser = build_parser(prog)
     a = parser.parse_args(argv)
+    _import_modules(parser, a)
+    try:
+        _parse_lists(a)
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        parser.error(str(e))
+    if not a.algo_list and not a.peer_list:
+        parser.error("nothing to compare: --algos and --peers are both empty")
+    _check_sizes(parser, a)
+    _check_iterations(parser, a)
+    _check_settings(parser, a)
+    _check_files(parser, a)
+    return a
+
+
+def _import_modules(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """``--import``: import each module (a failure exits 2 naming it)."""
     for module in a.imports:
         try:
             importlib.import_module(module)
         except Exception as e:  # noqa: BLE001 - any failure of the user's module
             parser.error(f"--import {module}: {type(e).__name__}: {e}")
-    try:
-        a.collectives = names(a.collective, COLLECTIVES, "collective",
-                              {"all_reduce": "allreduce", "all_gather": "allgather",
-                               "reducescatter": "reduce_scatter", "all_to_all": "alltoall",
-                               "bcast": "broadcast"})
-        a.ops = names(a.op, OP_NAMES, "reduction op (-o)", {"product": "prod"})
-        a.dtypes = names(a.dtype, DTYPE_NAMES, "data type (-d)", DTYPE_ALIASES)
-        a.algo_list = [s.strip() for s in a.algos.split(",") if s.strip()]
-        for path in a.msccl:
-            import ringcomm
 
-            name = ringcomm.register_msccl(path, replace=True)
-            if name not in a.algo_list and "all" not in a.algo_list:
-                a.algo_list.append(name)
-        if a.peers is None:
-            a.peers = "nccl" if a.device == "cuda" else ",".join(PEER_NAMES)
-        if a.peers.strip().lower() in ("", "none"):
-            a.peer_list = []
-        else:
-            a.peer_list = names(a.peers, PEER_NAMES, "peer (--peers)")
-        a.predict_rank_list = [int(x) for x in a.predict_ranks.split(",") if x.strip()]
-        a.predict_size_list = [parse_size(x) for x in a.predict_sizes.split(",") if x.strip()]
-    except (argparse.ArgumentTypeError, ValueError) as e:
-        parser.error(str(e))
-    if not a.algo_list and not a.peer_list:
-        parser.error("nothing to compare: --algos and --peers are both empty")
+
+def _parse_lists(a: argparse.Namespace) -> None:
+    """The comma lists as names and numbers (``--msccl`` files registered on the way).
+
+    Raises:
+        argparse.ArgumentTypeError, ValueError: an unknown name or a bad number.
+    """
+    a.collectives = names(a.collective, COLLECTIVES, "collective",
+                          {"all_reduce": "allreduce", "all_gather": "allgather",
+                           "reducescatter": "reduce_scatter", "all_to_all": "alltoall",
+                           "bcast": "broadcast"})
+    a.ops = names(a.op, OP_NAMES, "reduction op (-o)", {"product": "prod"})
+    a.dtypes = names(a.dtype, DTYPE_NAMES, "data type (-d)", DTYPE_ALIASES)
+    a.algo_list = [s.strip() for s in a.algos.split(",") if s.strip()]
+    for path in a.msccl:
+        name = ringcomm.register_msccl(path, replace=True)
+        if name not in a.algo_list and "all" not in a.algo_list:
+            a.algo_list.append(name)
+    if a.peers is None:
+        a.peers = "nccl" if a.device == "cuda" else ",".join(PEER_NAMES)
+    if a.peers.strip().lower() in ("", "none"):
+        a.peer_list = []
+    else:
+        a.peer_list = names(a.peers, PEER_NAMES, "peer (--peers)")
+    a.predict_rank_list = [int(x) for x in a.predict_ranks.split(",") if x.strip()]
+    a.predict_size_list = [parse_size(x) for x in a.predict_sizes.split(",") if x.strip()]
+
+
+def _check_sizes(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """-b, -e, -f, -i (defaults -f to 2 when neither step is given)."""
     if a.minbytes < 0 or a.maxbytes < 0:
         parser.error("-b/--minbytes and -e/--maxbytes must not be negative")
     if a.minbytes > a.maxbytes:
@@ -235,6 +272,10 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         parser.error(f"-f/--stepfactor must be larger than 1, got {a.stepfactor:g}")
     if a.stepbytes is not None and a.stepbytes <= 0 and a.minbytes != a.maxbytes:
         parser.error(f"-i/--stepbytes must be positive, got {a.stepbytes}")
+
+
+def _check_iterations(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """-n, -w, --rounds, --concurrent, --channels, --min-time, --max-iters."""
     if a.iters < 1:
         parser.error(f"-n/--iters must be at least 1, got {a.iters}")
     if a.warmup < 0:
@@ -249,6 +290,10 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         parser.error(f"--min-time must not be negative, got {a.min_time:g}")
     if a.max_iters < a.iters:
         parser.error(f"--max-iters ({a.max_iters}) is below -n/--iters ({a.iters})")
+
+
+def _check_settings(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--timeout, --segment-bytes, --threads, --predict-ranks, --tuning-tolerance."""
     if a.timeout <= 0:
         parser.error(f"--timeout must be positive, got {a.timeout:g}")
     if a.segment_bytes is not None and a.segment_bytes <= 0:
@@ -259,6 +304,11 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         parser.error("--predict-ranks must be world sizes of at least 2")
     if not 0 <= a.tuning_tolerance < 1:
         parser.error("--tuning-tolerance must be in [0, 1)")
+
+
+def _check_files(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--targets (``none`` -> None), --tuning, --model-from: the files exist (and the
+    targets file is valid)."""
     if a.targets.strip().lower() in ("", "none"):
         a.targets = None
     elif not os.path.isfile(a.targets):
@@ -274,7 +324,6 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         for f in a.model_from:
             if not os.path.isfile(f):
                 parser.error(f"--model-from file {f!r} does not exist")
-    return a
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:

@@ -104,74 +104,88 @@ def check_targets(results: list[dict], p: int, spec: list[dict] | None = None,
         return "", recs
     lines = ["#", f"# speed targets on {p} ranks (met when true at every measured size in "
                   "its range)"]
-
-    def ok(coll, dt, op, column, size):
-        for r in results:
-            if (r["collective"], r["dtype"], r["redop"], r["column"], r["size"]) == \
-                    (coll, dt, op, column, size) and r["status"] == "ok":
-                return r
-        return None
-
     for t in spec:
-        coll, dt, op, metric = t["collective"], t["dtype"], t["redop"], t["metric"]
-        versus, goal, bound = t.get("versus"), float(t["goal"]), t["bound"]
-        lower_better = metric == "time_us"
-        unit = "us" if lower_better else "GB/s"
-        sizes = sorted({r["size"] for r in results if (r["collective"], r["dtype"], r["redop"])
-                        == (coll, dt, op) and t["min_bytes"] <= r["size"] <= t["max_bytes"]})
-        per_size, missing = [], []
-        for size in sizes:
-            cands = [x for x in (ok(coll, dt, op, c, size) for c in t["of"]) if x]
-            if not cands:
+        per_size, missing = _measure(results, t)
+        rec, line = _verdict(t, p, per_size, missing)
+        recs.append(rec)
+        lines.append(line)
+    return "\n".join(lines), recs
+
+
+def _ok(results: list[dict], coll: str, dt: str, op: str, column: str, size: int,
+        ) -> dict | None:
+    """The ``ok`` result of ``column`` at ``size`` of (coll, dt, op), or None."""
+    for r in results:
+        if (r["collective"], r["dtype"], r["redop"], r["column"], r["size"]) == \
+                (coll, dt, op, column, size) and r["status"] == "ok":
+            return r
+    return None
+
+
+def _measure(results: list[dict], t: dict) -> tuple[list[dict], list[int]]:
+    """Target ``t`` at each size of its range: the entries of the sizes measured with
+    every column it needs (best column, value, ratio) and the sizes that were not."""
+    coll, dt, op, metric = t["collective"], t["dtype"], t["redop"], t["metric"]
+    versus, goal = t.get("versus"), float(t["goal"])
+    pick = min if metric == "time_us" else max
+    sizes = sorted({r["size"] for r in results if (r["collective"], r["dtype"], r["redop"])
+                    == (coll, dt, op) and t["min_bytes"] <= r["size"] <= t["max_bytes"]})
+    per_size, missing = [], []
+    for size in sizes:
+        cands = [x for x in (_ok(results, coll, dt, op, c, size) for c in t["of"]) if x]
+        if not cands:
+            missing.append(size)
+            continue
+        best = pick(cands, key=lambda r: r[metric])
+        entry = {"size": size, "best": best["column"], "value": best[metric]}
+        if versus:
+            if versus == "best":  # the best of the columns the target lists
+                rivals = [x for x in (_ok(results, coll, dt, op, c, size) for c in t["among"])
+                          if x]
+                other = pick(rivals, key=lambda r: r[metric]) if rivals else None
+            else:
+                other = _ok(results, coll, dt, op, versus, size)
+            if not other:
                 missing.append(size)
                 continue
-            best = (min if lower_better else max)(cands, key=lambda r: r[metric])
-            entry = {"size": size, "best": best["column"], "value": best[metric]}
-            if versus:
-                if versus == "best":  # the best of the columns the target lists
-                    rivals = [x for x in (ok(coll, dt, op, c, size) for c in t["among"]) if x]
-                    other = (min if lower_better else max)(
-                        rivals, key=lambda r: r[metric]) if rivals else None
-                else:
-                    other = ok(coll, dt, op, versus, size)
-                if not other:
-                    missing.append(size)
-                    continue
-                entry["versus_value"] = other[metric]
-                entry["ratio"] = best[metric] / other[metric]
-            else:
-                entry["ratio"] = best[metric] / goal
-            per_size.append(entry)
-        rec = {**t, "sizes": per_size, "unmeasured_sizes": missing}
-        stated = f" (stated for {t['ranks']} ranks)" if t.get("ranks") not in (None, p) else ""
-        head = f"#   {t['name']} ({coll} {dt} {op}{stated}): "
-        if not per_size:
-            need = ", ".join(t["of"]) + (f" and {versus}" if versus else "")
-            rec.update(value=None, ratio=None, met=None)
-            recs.append(rec)
-            lines.append(head + f"NOT MEASURED (needs {need} at {_range_text(t)}, "
-                         f"-d {dt}" + (f" -o {op}" if op != "none" else "") + ")")
-            continue
-        key = "ratio" if versus else "value"
-        worst = (max if bound == "<=" else min)(per_size, key=lambda e: e[key])
-        value = worst[key]
-        met = all(e[key] <= goal if bound == "<=" else e[key] >= goal for e in per_size)
-        rec.update(value=value, ratio=worst["ratio"], met=met, worst_size=worst["size"])
-        recs.append(rec)
-        at = f"worst at {format_size(worst['size'])}: " if len(per_size) > 1 else ""
-        n_ok = sum(1 for e in per_size if (e[key] <= goal if bound == "<=" else e[key] >= goal))
-        count = f", {n_ok} of {len(per_size)} sizes" if len(per_size) > 1 else ""
-        if missing:
-            count += f"; no data at {', '.join(format_size(m) for m in missing)}"
-        if versus:
-            lines.append(head + f"{at}{worst['best']} {worst['value']:.3f} {unit} vs "
-                         f"{versus} {worst['versus_value']:.3f} {unit} = {value:.2f}x "
-                         f"(target {bound} {goal:g}x{count}) {'MET' if met else 'MISSED'}")
+            entry["versus_value"] = other[metric]
+            entry["ratio"] = best[metric] / other[metric]
         else:
-            lines.append(head + f"{at}{worst['best']} {value:.3f} {unit} = "
-                         f"{worst['ratio']:.2f}x the goal (target {bound} {goal:g} {unit}"
-                         f"{count}) {'MET' if met else 'MISSED'}")
-    return "\n".join(lines), recs
+            entry["ratio"] = best[metric] / goal
+        per_size.append(entry)
+    return per_size, missing
+
+
+def _verdict(t: dict, p: int, per_size: list[dict], missing: list[int]) -> tuple[dict, str]:
+    """Target ``t``'s record and its line from what :func:`_measure` found."""
+    coll, dt, op = t["collective"], t["dtype"], t["redop"]
+    versus, goal, bound = t.get("versus"), float(t["goal"]), t["bound"]
+    unit = "us" if t["metric"] == "time_us" else "GB/s"
+    rec = {**t, "sizes": per_size, "unmeasured_sizes": missing}
+    stated = f" (stated for {t['ranks']} ranks)" if t.get("ranks") not in (None, p) else ""
+    head = f"#   {t['name']} ({coll} {dt} {op}{stated}): "
+    if not per_size:
+        need = ", ".join(t["of"]) + (f" and {versus}" if versus else "")
+        rec.update(value=None, ratio=None, met=None)
+        return rec, (head + f"NOT MEASURED (needs {need} at {_range_text(t)}, "
+                     f"-d {dt}" + (f" -o {op}" if op != "none" else "") + ")")
+    key = "ratio" if versus else "value"
+    worst = (max if bound == "<=" else min)(per_size, key=lambda e: e[key])
+    value = worst[key]
+    met = all(e[key] <= goal if bound == "<=" else e[key] >= goal for e in per_size)
+    rec.update(value=value, ratio=worst["ratio"], met=met, worst_size=worst["size"])
+    at = f"worst at {format_size(worst['size'])}: " if len(per_size) > 1 else ""
+    n_ok = sum(1 for e in per_size if (e[key] <= goal if bound == "<=" else e[key] >= goal))
+    count = f", {n_ok} of {len(per_size)} sizes" if len(per_size) > 1 else ""
+    if missing:
+        count += f"; no data at {', '.join(format_size(m) for m in missing)}"
+    if versus:
+        return rec, (head + f"{at}{worst['best']} {worst['value']:.3f} {unit} vs "
+                     f"{versus} {worst['versus_value']:.3f} {unit} = {value:.2f}x "
+                     f"(target {bound} {goal:g}x{count}) {'MET' if met else 'MISSED'}")
+    return rec, (head + f"{at}{worst['best']} {value:.3f} {unit} = "
+                 f"{worst['ratio']:.2f}x the goal (target {bound} {goal:g} {unit}"
+                 f"{count}) {'MET' if met else 'MISSED'}")
 
 
 #: what :func:`check_targets` adds to each target in its records
