@@ -33,7 +33,9 @@ import torch
 from ringcomm import ops, trace
 from ringcomm.execution.plan import Plan
 
-#: bindings (sets of caller buffer addresses) a program keeps, least recent dropped
+#: bindings (sets of caller buffer addresses) a program keeps; the oldest made is
+#: dropped first (a run does not refresh its binding: a loop over more buffers than
+#: this makes new ones in turn)
 BINDINGS = 4
 #: A schedule's message tag, from its top bit down: the call's signature (a hash of
 #: what the call is: collective, algorithm, sizes, root, dtype, reduce op), the

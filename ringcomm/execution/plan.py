@@ -145,11 +145,11 @@ class Plan:
             best = max(best, j, must)
             upto.append(best)
         self.recv_upto = upto
-        #: sends no step waits for: run_p2p waits for them at the end
+        #: sends no step waits for: P2PProgram.run waits for them at the end
         waited = {k for ws in self.step_send_waits for k in ws}
         waited.update(k for ws in self.recv_waits for k in ws)
         self.tail_sends = [k for k in range(len(self.send_list)) if k not in waited]
-        #: per step, what run_p2p needs, in one tuple
+        #: per step, what P2PProgram.run needs, in one tuple
         self.p2p_steps = [(self.send_upto[i], self.recv_upto[i], self.step_recvs[i],
                            self.step_send_waits[i], st[2]) for i, st in enumerate(self.steps)]
 

@@ -1,8 +1,9 @@
 """An in-process NCCL stand-in that enforces NCCL's point-to-point rules on CPU tensors.
 
-:class:`SimComm` implements the interface :func:`ringcomm.execution.executors.run_grouped`
-drives (group start, send, receive, group end, local work on the stream), so
-the code that runs on the real NCCL runs here in CI. Groups, matching and
+:class:`SimComm` implements the interface
+:class:`~ringcomm.execution.executors.GroupProgram` drives
+(:class:`~ringcomm.execution.executors.GroupComm`: group start, send, receive,
+group end, local work on the stream), so the code that runs on the real NCCL runs here in CI. Groups, matching and
 progress follow :mod:`ringcomm.execution.nccl_rules`; a schedule that would hang on a GPU
 ends here in :class:`SimulatorError` naming the ranks and steps of the cycle.
 
