@@ -1,6 +1,9 @@
-"""The part of torch's own distributed test suite that fits CI's time (all of it:
-``make conformance``; results in docs/conformance.md): collectives, subgroups,
-send/recv, DDP on CPU, each one at world size 3 in processes the suite spawns."""
+"""One test of torch's own distributed suite, run on ringcomm at world size 3 in
+the processes the suite spawns: ``test_all_to_all_single_unequal_split``, a gate
+opened for ringcomm (about 9 s). The whole suite (collectives, subgroups,
+send/recv, DDP on CPU) is ``make conformance``, with its results in
+docs/conformance.md; what it covers, our own tests check against gloo in
+``make test`` (test_backend: every collective; test_ddp: torch's DDP on ringcomm)."""
 from __future__ import annotations
 
 import os

@@ -103,13 +103,25 @@ def test_every_launched_bucket_is_waited_on_before_the_optimizer_step(merged):
 
 
 # -- without ranks --------------------------------------------------------------------
-def test_off_records_nothing():
+def test_off_records_nothing(monkeypatch):
+    # a recording made and stopped: the hooks called after it must reach no recorder,
+    # neither the stopped one nor any other (every recorder's add is watched)
+    added = []
+    real_add = trace.Recorder.add
+    monkeypatch.setattr(trace.Recorder, "add", lambda self, e: (added.append(e),
+                                                                 real_add(self, e)))
+    rec = trace.start(rank=0)
+    trace.instant("while on", "test")
+    assert trace.stop() is rec and len(added) == 1
+    before = len(rec.events)
     assert not trace.active()
     with trace.span("x", "test") as args:
         args["k"] = 1
     trace.instant("y", "test")
     trace.annotate(z=2)
+    trace.complete("w", "test", 0.0, 1.0)
     assert trace.now() == 0.0
+    assert len(added) == 1 and len(rec.events) == before
 
 
 def test_recording_in_process_and_rank_paths(tmp_path):
