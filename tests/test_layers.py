@@ -170,3 +170,63 @@ def test_the_rules_catch_what_they_forbid():
         module, is_package = module_name(ROOT / rel)
         found = [t for _, t in imports(module, text, is_package) if not allowed(module, t)]
         assert not found, f"{rel}: {text!r} should be allowed, refused {found}"
+
+
+def import_graph(files: list[Path]) -> dict[str, set[str]]:
+    """module -> the ringcomm and ddp modules it imports (function-level imports
+    included; ``from package import name`` counts as the package where ``name`` is
+    no module)."""
+    graph = {}
+    for path in files:
+        module, is_package = module_name(path)
+        graph[module] = {t for _, t in imports(module, path.read_text(), is_package)}
+    known = set(graph)
+    return {m: {t if t in known else t.rpartition(".")[0] for t in ts} & known - {m}
+            for m, ts in graph.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph(_sources()))
+    assert not found, "modules that import each other (directly or round a loop):\n  " + \
+        "\n  ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_lazy_import(tmp_path):
+    graph = import_graph(_sources())
+    # a function-level import back from slurm to bootstrap, as there once was
+    graph["ringcomm.launch.slurm"] = graph["ringcomm.launch.slurm"] | {"ringcomm.launch.bootstrap"}
+    assert ["ringcomm.launch.bootstrap", "ringcomm.launch.slurm"] in cycles(graph)
+    lazy = "def f():\n    from ringcomm.algorithms import select\n"
+    assert "ringcomm.algorithms.select" in {t for _, t in imports("ringcomm.algorithms", lazy, True)}

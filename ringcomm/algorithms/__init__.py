@@ -46,6 +46,12 @@ BUILTIN = {(c, n) for c, algos in REGISTRY.items() for n in algos}
 #: ``verify=False``; others are checked on first use of each call shape
 TRUSTED = set(BUILTIN)
 
+#: called as ``fn(collective, name)`` before an algorithm is removed: each may refuse
+#: (ValueError, before it forgets anything) or forget what it holds of the algorithm.
+#: :mod:`ringcomm.algorithms.select` adds its tuning's, so this package need not
+#: import the module that imports it
+ON_UNREGISTER: list[Callable[[str, str], None]] = []
+
 #: bumped whenever a registration changes, so caches of built schedules drop
 #: entries made by a replaced builder
 generation = 0
@@ -114,14 +120,9 @@ def unregister_algorithm(collective: str, name: str) -> None:
     if (collective, name) in BUILTIN:
         raise ValueError(f"ringcomm.unregister_algorithm: {collective} algorithm {name!r} "
                          "is built in")
-    from ringcomm.algorithms import select  # here: select's tables name registered algorithms
-
-    if any(algo == name for rows in select.DEFAULT_TUNING.get(collective, {}).values()
-           for _, algo in rows):
-        raise ValueError(f"ringcomm.unregister_algorithm: {collective} algorithm {name!r} "
-                         "is in auto's built-in tuning")
+    for forget in ON_UNREGISTER:
+        forget(collective, name)
     del REGISTRY[collective][name]
-    select.remove_bands(collective, name)
     TRUSTED.discard((collective, name))
     generation += 1
 

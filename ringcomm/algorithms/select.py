@@ -9,6 +9,8 @@ import logging
 import re
 from pathlib import Path
 
+from ringcomm.algorithms import ON_UNREGISTER, REGISTRY
+
 log = logging.getLogger("ringcomm")
 
 MiB = 1 << 20
@@ -126,9 +128,6 @@ def load_tuning(path: str | None = None) -> dict[str, dict[str, list]]:
     Raises:
         ValueError: the file is unreadable or not of the expected shape.
     """
-    from ringcomm.algorithms import \
-        REGISTRY  # here: algorithms/__init__ imports this module's neighbours
-
     table = {k: dict(v) for k, v in DEFAULT_TUNING.items()}
     if not path:
         return table
@@ -172,7 +171,16 @@ def add_band(collective: str, world_size: int, low: int, high: int | None,
 
 
 def remove_bands(collective: str, algorithm: str) -> None:
-    """Drop every band of ``algorithm`` (it was unregistered)."""
+    """Drop every band of ``algorithm`` (it is being unregistered); refuse, before
+    that, one that auto's built-in tuning names.
+
+    Raises:
+        ValueError: ``DEFAULT_TUNING`` names ``algorithm`` for ``collective``.
+    """
+    if any(algo == algorithm for rows in DEFAULT_TUNING.get(collective, {}).values()
+           for _, algo in rows):
+        raise ValueError(f"ringcomm.unregister_algorithm: {collective} algorithm "
+                         f"{algorithm!r} is in auto's built-in tuning")
     for key in [k for k in BANDS if k[0] == collective]:
         BANDS[key] = [b for b in BANDS[key] if b[2] != algorithm]
         if not BANDS[key]:
@@ -206,3 +214,6 @@ def choose(table: dict, collective: str, nbytes: int, world_size: int,
         if max_bytes is None or nbytes <= max_bytes:
             return algo
     return rows[-1][1]
+
+
+ON_UNREGISTER.append(remove_bands)

@@ -30,7 +30,7 @@ from ringcomm.bench.session import Session
 from ringcomm.bench.sizes import COLLECTIVES, DTYPE_ALIASES, DTYPE_NAMES, OP_NAMES, parse_size
 from ringcomm.bench.targets import DEFAULT_TARGETS, load_targets
 from ringcomm.bench.timing import Bench
-from ringcomm.launch.bootstrap import MPI_LAUNCHER_VARS
+from ringcomm.launch.launchers import MPI_LAUNCHER_VARS
 
 #: the program name in usage and error messages when run as the script
 PROG = "compare_collectives.py"

@@ -169,6 +169,10 @@ class TorchContract:
     REFUSED = ("reconfigure",)
 
     _view: BackendView | None = None
+    #: the backend creator that made this group, which makes its children too
+    #: (:func:`ringcomm.front.create.create_group` sets it: handed in, not imported,
+    #: since the creator imports the group); None for a group made directly
+    _creator: Any = None
 
     # -- the backend of a device ------------------------------------------------
     def _get_backend(self, device: Any) -> BackendView:
@@ -278,8 +282,11 @@ class TorchContract:
                              f"of a group of {self._size}")
         if self._rank not in ranks:
             return None
-        from ringcomm.front.create import create_group
-
+        if self._creator is None:
+            raise RuntimeError(f"ringcomm split_group: group {self.getGroupName()!r} was "
+                               "made directly, not by torch's backend creator "
+                               "(init_process_group, new_group), so it has no creator "
+                               "for its children")
         name = group_name or f"{self.getGroupName()}:split:{'-'.join(map(str, ranks))}"
         spec = dist.distributed_c10d._DistributedBackendOptions()
         spec.store = dist.PrefixStore(f"ringcomm/split/{name}/", self._torch_store)
@@ -289,7 +296,7 @@ class TorchContract:
         spec.group_id = name
         members = self._global_ranks or list(range(self._size))
         spec.global_ranks_in_group = [members[r] for r in ranks]
-        child = create_group(spec, opts if opts is not None else self._options)
+        child = self._creator(spec, opts if opts is not None else self._options)
         child.setGroupName(name)
         child.setGroupDesc(group_desc or f"{self.getGroupDesc() or name}:split")
         if self.bound_device_id is not None:

@@ -1,2 +1,3 @@
-"""How a job starts: launchers, MPI worlds and communicators (``bootstrap``) and
-the network path across hosts (``network``)."""
+"""How a job starts: which launcher started it (``launchers``), MPI worlds and
+communicators (``bootstrap``), Slurm's variables (``slurm``) and the network
+path across hosts (``network``)."""

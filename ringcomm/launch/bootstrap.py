@@ -36,13 +36,9 @@ from datetime import timedelta
 
 from ringcomm import settings
 from ringcomm.launch import network, slurm
+from ringcomm.launch.launchers import launched_by_mpi
 
 log = logging.getLogger("ringcomm")
-
-# Variables set by MPI launchers (MPICH/Hydra, Open MPI, PMIx, MVAPICH); public so that
-# other code (the benchmark) asks the same question with the same list.
-MPI_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
-                     "MV2_COMM_WORLD_SIZE")
 
 _lock = threading.Lock()
 _world = None  # the world intracommunicator once known (MPI.Intracomm)
@@ -52,11 +48,6 @@ _world = None  # the world intracommunicator once known (MPI.Intracomm)
 _mpi_node: int | None = None
 
 
-def launched_by_mpi() -> bool:
-    """True under mpiexec/mpirun (and not under torchrun run inside one)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return False
-    return any(v in os.environ for v in MPI_LAUNCHER_VARS)
 
 
 def mpi():

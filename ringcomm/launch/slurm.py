@@ -10,7 +10,7 @@ torchrun's are read, so ``init_process_group("ringcomm")`` needs no arguments:
   and step ids; either is kept if the user set it.
 
 ``srun --mpi=pmi2`` gives MPI the whole job: then MPI's world is used
-(:func:`ringcomm.launch.bootstrap.launched_by_mpi`), and under ``srun torchrun``
+(:func:`ringcomm.launch.launchers.launched_by_mpi`), and under ``srun torchrun``
 torchrun's variables are. A batch script itself (no step) is not a launch.
 
 ``srun --mpi=pmix`` (many clusters' default) gives MPI the job only if the MPI
@@ -29,6 +29,8 @@ import re
 import sys
 from typing import Mapping
 
+from ringcomm.launch.launchers import launched_by_mpi
+
 log = logging.getLogger("ringcomm")
 
 #: the base of the port derived from the job (MASTER_PORT unset): ports from here up
@@ -42,9 +44,7 @@ def launched_by_slurm(environ: Mapping[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" in env:
         return False
-    from ringcomm.launch.bootstrap import MPI_LAUNCHER_VARS
-
-    if any(v in env for v in MPI_LAUNCHER_VARS):
+    if launched_by_mpi(env):
         return False
     return "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and (
         "SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env)
