@@ -229,3 +229,75 @@ def test_checked_schedule_is_the_one_that_runs():
     sched = _check_user_schedule(fickle, ctx, "fickle")
     assert len(calls) == 2  # built once per rank, for the check; that schedule is returned
     assert len(sched.steps[0].local) == 1
+
+
+def _outside(ctx):
+    b = Builder(ctx)
+    b.step(sends=[(1 - ctx.rank, (0, 2, 4))], recvs=[(1 - ctx.rank, (0, 0, 2))])
+    return b.build()
+
+
+def _self_send(ctx):
+    b = Builder(ctx)
+    b.step(sends=[(ctx.rank, (0, 0, 1))])
+    return b.build()
+
+
+FINDINGS = [  # (builder, collective, size, layout, the finding's fields, words in the message)
+    (lambda c: swap_sum(c, recv_n=3), "allreduce", 2, (4,),
+     dict(kind="size mismatch", rank=0, step=0, peer=1, peer_step=0),
+     ["rank 0 step 0 sends 4 elements to rank 1, whose matching receive (step 0)"]),
+    (lambda c: swap_sum(c, skip_recv_on=1), "allreduce", 2, (4,),
+     dict(kind="unmatched", rank=0, step=0, peer=1, peer_step=None, more=()),
+     ["rank 0 step 0: send of 4 elements to rank 1 has no matching receive"]),
+    (lambda c: swap_sum(c, reduce_twice=True), "allreduce", 2, (4,),
+     dict(kind="reduce", rank=0, step=0, buffer=0, element=0), ["allreduce rank 0 step 0: "]),
+    (lambda c: swap_sum(c, rank1_keeps=True), "allreduce", 2, (4,),
+     dict(kind="wrong result", rank=1, step=None, buffer=0, element=0),
+     ["rank 1 buffer 0 element 0 ends as"]),
+    (_outside, "allreduce", 2, (4,), dict(kind="structure", rank=0, step=0, peer=1),
+     ["allreduce rank 0 step 0: send to rank 1 region"]),
+    (_self_send, "allreduce", 2, (4,), dict(kind="peer", rank=0, step=0, peer=0),
+     ["rank 0 step 0: send peer 0 is not another rank"]),
+    (lambda c: 3, "allreduce", 2, (4,), dict(kind="builder", rank=0),
+     ["returned int on rank 0"]),
+]
+
+
+@pytest.mark.parametrize("case", FINDINGS, ids=lambda c: c[4]["kind"])
+def test_a_refusal_carries_what_its_message_says_as_data(case):
+    build, coll, p, lay, fields, words = case
+    with pytest.raises(ScheduleError) as e:
+        checker.check(build, coll, p, lay)
+    f = checker.finding_of(e.value)
+    assert type(e.value) is ScheduleError and f is not None
+    assert {k: getattr(f, k) for k in fields} == fields
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_a_deadlocks_finding_is_its_cycle_in_the_messages_order():
+    with pytest.raises(ScheduleError) as e:
+        checker.check(receive_first, "allgather", 4, (2, 2, 2, 2))
+    f = checker.finding_of(e.value)
+    cycle = [f, *f.more]
+    assert f.kind == "deadlock" and len(cycle) == 4
+    assert [x.peer for x in cycle] == [x.rank for x in cycle[1:] + cycle[:1]]  # a cycle
+    text, at = str(e.value), 0
+    for x in cycle:  # each entry as the message says it, in its order
+        words = (f"rank {x.rank} step {x.step} (receive of 2 elements from rank {x.peer}) "
+                 f"waits for rank {x.peer}, whose match is in its step {x.peer_step}")
+        assert text.find(words, at) >= at, (words, text)
+        at = text.find(words, at)
+    assert f.steps_named()[:2] == [(f.rank, f.step), (f.peer, f.peer_step)]
+
+
+def test_findings_pass_through_a_users_check_and_only_the_checker_gives_one():
+    ctx = Context("allreduce", 2, 0, (8,), 0, 4)
+    with pytest.raises(ScheduleError) as e:
+        _check_user_schedule(lambda c: swap_sum(c, reduce_twice=True), ctx, "bad")
+    f = checker.finding_of(e.value)
+    assert (f.kind, f.rank, f.step) == ("reduce", 0, 0)
+    assert checker.finding_of(ValueError("rank 0 step 1: not the checker's")) is None
+    with pytest.raises(ValueError, match="unknown kind"):
+        checker.Finding("mystery")

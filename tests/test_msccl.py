@@ -16,8 +16,10 @@ import ringcomm
 from conftest import ROOT, _env, assert_checks, mpirun
 from ringcomm import msccl, ops
 from ringcomm.algorithms import NATIVE, REGISTRY
-from ringcomm.msccl.xmlformat import Gpu, Program, Step, ThreadBlock, write
-from ringcomm.schedule import ShapeNotServed
+from ringcomm.execution import checker
+from ringcomm.msccl.translate import explain
+from ringcomm.msccl.xmlformat import Gpu, Program, Step, StepType, ThreadBlock, write
+from ringcomm.schedule import Context, ScheduleError, ShapeNotServed
 from ringcomm.testing import run_schedule
 
 
@@ -317,6 +319,57 @@ def test_wrong_xml_is_refused_naming_its_gpu_tb_and_step():
                                                       "hasdep": True}),)), g[1]] for g in gpus]
     with pytest.raises(ValueError, match="cannot finish.*gpu 0 tb 0 step 0 \\(s\\)"):
         msccl.load(write(prog("cycle", "allreduce", 2, 2, cyc)))
+
+
+def test_step_types_say_what_they_receive_do_and_send():
+    # type -> (receives, local work, sends), as MSCCL's runtime runs them
+    table = {"s": (False, None, True), "r": (True, None, False), "rcs": (True, None, True),
+             "rrs": (True, "reduce", True), "rrc": (True, "reduce", False),
+             "rrcs": (True, "reduce", True), "cpy": (False, "copy", False),
+             "re": (False, "reduce", False), "nop": (False, None, False)}
+    assert [t.value for t in StepType] == list(table)  # the order refusals list them in
+    for t in StepType:
+        local = "reduce" if t.reduces else "copy" if t.copies else None
+        assert (t.receives, local, t.sends) == table[t.value], t
+        assert t.local == (not t.receives and not t.sends)
+        assert StepType(t.value) is t and t == t.value and f"{t}" == t.value
+    assert StepType.RECV_REDUCE_COPY_SEND == "rrcs" and not StepType.NOP.uses_src
+    assert {t for t in StepType if t.uses_dst} == set(StepType) - {
+        StepType.SEND, StepType.RECV_REDUCE_SEND, StepType.NOP}
+    st = msccl.parse(RING2).gpus[0].tbs[0].steps[1]
+    assert st.type is StepType.RECV_REDUCE_COPY_SEND and st.kind is st.type
+    assert Step(0, "cpy", "i", 0, "o", 0, 1).kind is StepType.COPY  # a caller's spelling
+
+
+def test_a_refusal_names_the_xml_from_the_checkers_finding_not_its_words(monkeypatch):
+    ring = ring_allreduce_fused(3)
+    mixes = _mutate(ring, 2, 0, 0, srcoff=1)  # rank 0's first reduction mixes chunks
+    unstored = _mutate(ring, 0, 0, 2, type="rrs")  # rank 0's chunk 1 is never stored
+    in_xml = "(in the XML: rank 0 step 0 is gpu 0 tb 0 step 0 (s), gpu 0 tb 0 step 1 (rrs))"
+    alg = msccl.Algorithm(msccl.parse(mixes))
+    with pytest.raises(ScheduleError) as e:
+        checker.check(alg.build, "allreduce", 3, alg.shape())
+    f = checker.finding_of(e.value)
+    assert (f.kind, f.rank, f.step, f.steps_named()) == ("reduce", 0, 0, [(0, 0)])
+    tr = alg.translation(Context("allreduce", 3, 0, alg.shape()))
+    assert explain("other words", f, tr, alg.program) == f"other words {in_xml}"
+    assert explain("not the checker's", None, tr, alg.program) == "not the checker's"
+    # both ends of a message, from a finding that names the peer's step
+    both = checker.Finding("size mismatch", rank=1, step=0, peer=2, peer_step=1)
+    assert explain("m", both, tr, alg.program) == (
+        "m (in the XML: rank 1 step 0 is gpu 1 tb 0 step 1 (rrs), gpu 1 tb 0 step 0 (s); "
+        "rank 2 step 1 is gpu 2 tb 0 step 2 (rrcs), gpu 2 tb 0 step 1 (rrs))")
+    # a wrong element's chunk, after the words that name it, or at the end without them
+    wrong = checker.Finding("wrong result", rank=0, buffer=0, element=1)
+    assert explain("x", wrong, tr, alg.program) == "x (rank 0 buffer 0 element 1 is in chunk 1)"
+    # the checker reworded: the same XML steps and chunk are named
+    monkeypatch.setattr(checker, "_describe_id", lambda coll, p, ident: "something")
+    with pytest.raises(ValueError) as e:
+        msccl.load(mixes)
+    assert "something" in str(e.value) and str(e.value).endswith(in_xml), str(e.value)
+    with pytest.raises(ValueError) as e:
+        msccl.load(unstored)
+    assert "rank 0 buffer 0 element 1 (chunk 1) ends as something from ranks {0}" in str(e.value)
 
 
 def test_a_shape_it_does_not_serve_is_refused_naming_what_it_serves():

@@ -13,7 +13,9 @@ For one call shape, :func:`check` builds every rank's schedule and proves:
   rank twice or misses one, or a copy from the wrong place, is named with the
   rank, buffer, element and step.
 
-It also counts what the cost model needs (:class:`Stats`).
+It also counts what the cost model needs (:class:`Stats`). A refusal is a
+:class:`~ringcomm.schedule.ScheduleError` whose message names what is wrong, and
+which carries the same facts as data (:class:`Finding`, :func:`finding_of`).
 """
 from __future__ import annotations
 
@@ -52,6 +54,89 @@ class Stats:
     messages: int
 
 
+# -- what a refusal says, as data ----------------------------------------------------
+#: the kinds of :class:`Finding`
+KINDS = frozenset({"builder", "structure", "peer", "size mismatch", "unmatched", "deadlock",
+                   "reduce", "wrong result", "barrier", "model"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """What the checker refused, as data: the facts its message gives in words, for
+    a caller that relates them to something else (``ringcomm.msccl`` names the XML
+    steps that a rank's step carries) without reading the words. A refusal carries
+    it (:func:`finding_of`).
+
+    Attributes:
+        kind: what is wrong, one of :data:`KINDS`: ``builder`` (it returned no
+            Schedule), ``structure`` (:func:`validate` refuses a region, a buffer or a
+            local op), ``peer`` (a message to no other rank), ``size mismatch``,
+            ``unmatched`` (a message without a partner), ``deadlock`` (steps that wait
+            on each other in a cycle), ``reduce`` (a reduction of undefined or different
+            data, or counting a rank twice), ``wrong result``, ``barrier`` (a rank leaves
+            it early), ``model`` (no symbolic model of the collective).
+        rank: the rank at fault (None: no one rank).
+        step: the index of its step at fault (None: no one step).
+        peer: the other rank of the message at fault.
+        peer_step: the index of the peer's step that holds the message's match.
+        buffer, element: where ``rank``'s wrong data lies: the element that ends wrong
+            (``wrong result``), the destination element reduced (``reduce``).
+        more: the report's further entries, of the same kind: the other messages
+            without a partner; the rest of a deadlock's cycle (each entry waits for
+            the next one's rank, the last for the first's).
+    """
+    kind: str
+    rank: int | None = None
+    step: int | None = None
+    peer: int | None = None
+    peer_step: int | None = None
+    buffer: int | None = None
+    element: int | None = None
+    more: tuple[Finding, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"checker: a finding of unknown kind {self.kind!r}")
+
+    def steps_named(self) -> list[tuple[int, int]]:
+        """Every (rank, step index) the finding names, in order: each entry's own
+        step, then the peer's step that holds its match."""
+        out = []
+        for f in (self, *self.more):
+            if f.rank is not None and f.step is not None:
+                out.append((f.rank, f.step))
+            if f.peer is not None and f.peer_step is not None:
+                out.append((f.peer, f.peer_step))
+        return out
+
+    def element_words(self) -> str:
+        """The words that name :attr:`element` in the message (``rank 0 buffer 1
+        element 2``)."""
+        return f"rank {self.rank} buffer {self.buffer} element {self.element}"
+
+
+def finding_of(err: BaseException) -> Finding | None:
+    """The :class:`Finding` that a refusal of the checker carries; None for any other
+    error (a builder's own :class:`~ringcomm.schedule.ShapeNotServed`, say)."""
+    return getattr(err, "finding", None)
+
+
+def _refusal(message: str, finding: Finding | None) -> ScheduleError:
+    err = ScheduleError(message)
+    err.finding = finding
+    return err
+
+
+class _StepLabel(str):
+    """A step's label for NCCL's rules (``step 3``), keeping the step's index: the
+    rules' refusals name their steps by label, and the finding reads it back."""
+
+    def __new__(cls, step: int) -> _StepLabel:
+        self = super().__new__(cls, f"step {step}")
+        self.step = step
+        return self
+
+
 def local_layout(collective: str, layout: tuple, rank: int, root: int) -> tuple:
     """What ``rank`` knows of a global ``layout`` (gather and scatter non-roots know
     only their own count)."""
@@ -73,8 +158,8 @@ def schedules(build: BuildFn, collective: str, size: int, layout: tuple, root: i
                       tuple(hosts))
         s = build(ctx)
         if not isinstance(s, Schedule):
-            raise ScheduleError(f"{collective} builder returned {type(s).__name__} on rank {r}, "
-                                "expected a ringcomm.schedule.Schedule")
+            raise _refusal(f"{collective} builder returned {type(s).__name__} on rank {r}, "
+                           "expected a ringcomm.schedule.Schedule", Finding("builder", rank=r))
         out.append(s)
     return out
 
@@ -83,59 +168,59 @@ def validate(s: Schedule) -> None:
     """Structural checks of one rank's schedule.
 
     Raises:
-        ScheduleError: naming the rank, step and region at fault.
+        ScheduleError: naming the rank, step and region at fault (its finding:
+            ``structure``).
     """
     ctx = s.ctx
     lens = buffer_lengths(ctx)
     nb = s.nbuffers + len(s.scratch)
     reducing = ctx.collective in REDUCING
 
-    def where(i: int) -> str:
-        return f"{ctx.collective} rank {ctx.rank} step {i}"
+    def refuse(i: int, what: str, peer: int | None = None) -> ScheduleError:
+        return _refusal(f"{ctx.collective} rank {ctx.rank} step {i}: {what}",
+                        Finding("structure", rank=ctx.rank, step=i, peer=peer))
 
-    def inside(i: int, rg: Region, what: str) -> None:
+    def inside(i: int, rg: Region, what: str, peer: int | None = None) -> None:
         if not 0 <= rg.buf < nb:
-            raise ScheduleError(f"{where(i)}: {what} uses buffer {rg.buf}, which does not exist "
-                                f"(buffers 0..{nb - 1})")
+            raise refuse(i, f"{what} uses buffer {rg.buf}, which does not exist "
+                            f"(buffers 0..{nb - 1})", peer)
         ln = s.buffer_len(rg.buf, lens)
         if ln is None:
-            raise ScheduleError(f"{where(i)}: {what} uses buffer {rg.buf}, which rank "
-                                f"{ctx.rank} does not have")
+            raise refuse(i, f"{what} uses buffer {rg.buf}, which rank {ctx.rank} does not "
+                            "have", peer)
         if rg.n < 0 or rg.off < 0 or rg.off + rg.n > ln:
-            raise ScheduleError(f"{where(i)}: {what} region {tuple(rg)} is outside buffer "
-                                f"{rg.buf} of {ln} elements")
+            raise refuse(i, f"{what} region {tuple(rg)} is outside buffer {rg.buf} of {ln} "
+                            "elements", peer)
 
     for i, st in enumerate(s.steps):
         for x in st.sends:
-            inside(i, x.region, f"send to rank {x.peer}")
+            inside(i, x.region, f"send to rank {x.peer}", x.peer)
         for x in st.recvs:
-            inside(i, x.region, f"receive from rank {x.peer}")
+            inside(i, x.region, f"receive from rank {x.peer}", x.peer)
         for op in st.local:
             name = type(op).__name__.lower()
             if not isinstance(op, (Reduce, Copy)):
-                raise ScheduleError(f"{where(i)}: unknown local op {op!r}")
+                raise refuse(i, f"unknown local op {op!r}")
             if isinstance(op, Reduce) and not reducing:
-                raise ScheduleError(f"{where(i)}: {ctx.collective} does not reduce, but the step "
-                                    "has a reduce")
+                raise refuse(i, f"{ctx.collective} does not reduce, but the step has a reduce")
             inside(i, op.dst, f"{name} destination")
             inside(i, op.src, f"{name} source")
             if op.dst.n != op.src.n:
-                raise ScheduleError(f"{where(i)}: {name} of {op.src.n} elements into "
-                                    f"{op.dst.n}")
+                raise refuse(i, f"{name} of {op.src.n} elements into {op.dst.n}")
             if _overlap(op.dst, op.src):  # torch refuses or is undefined for these
-                raise ScheduleError(f"{where(i)}: {name} destination {tuple(op.dst)} overlaps "
-                                    f"its source {tuple(op.src)}")
+                raise refuse(i, f"{name} destination {tuple(op.dst)} overlaps its source "
+                                f"{tuple(op.src)}")
         written = [x.region for x in st.recvs]
         for a in range(len(written)):
             for b in range(a + 1, len(written)):
                 if _overlap(written[a], written[b]):
-                    raise ScheduleError(f"{where(i)}: two receives write region "
-                                        f"{tuple(written[a])} and {tuple(written[b])}")
+                    raise refuse(i, f"two receives write region {tuple(written[a])} and "
+                                    f"{tuple(written[b])}")
         for x in st.sends:
             for w in written:
                 if _overlap(x.region, w):
-                    raise ScheduleError(f"{where(i)}: sends region {tuple(x.region)} while "
-                                        f"receiving into {tuple(w)} in the same step")
+                    raise refuse(i, f"sends region {tuple(x.region)} while receiving into "
+                                    f"{tuple(w)} in the same step")
 
 
 def _overlap(a: Region, b: Region) -> bool:
@@ -212,7 +297,7 @@ def _initial(collective: str, p: int, layout: tuple, r: int, root: int, lens: li
                 init.append(undef(n))
                 want.append(val(src * p + r, n, np.int64(1) << np.int64(src)))
         else:
-            raise ScheduleError(f"checker: no symbolic model for {collective!r}")
+            raise _refusal(f"checker: no symbolic model for {collective!r}", Finding("model"))
     return init, want
 
 
@@ -250,7 +335,8 @@ def check(build: BuildFn, collective: str, size: int, layout: tuple, *, root: in
         hosts: the host of every rank (:class:`ringcomm.schedule.Context`); empty: one host.
     Raises:
         ScheduleError: the schedule is malformed, deadlocks, or computes a wrong result;
-            the message names the rank, step and element.
+            the message names the rank, step and element, and the error carries them
+            as data (:func:`finding_of`).
     """
     if symbolic and size > MAX_RANKS:
         raise ValueError(f"checker: symbolic runs support at most {MAX_RANKS} ranks")
@@ -258,6 +344,28 @@ def check(build: BuildFn, collective: str, size: int, layout: tuple, *, root: in
                                                               root, seg, hosts)
     for s in scheds:
         validate(s)
+    rules, state, wants, reduced = _streams(scheds, collective, layout, root, symbolic)
+    try:
+        _drain(rules)
+    except ScheduleError as e:
+        raise _refusal(f"{collective} on {size} ranks, layout {_short(layout)}: {e}",
+                       finding_of(e)) from None
+    if symbolic and collective == "barrier":
+        _check_barrier(state, size)
+    if symbolic:
+        _check_results(state, wants, collective, size, layout)
+    return Stats(rounds=rules.rounds, busiest=rules.busiest_bytes, sent_max=max(rules.sent),
+                 reduced_max=max(reduced), steps_max=max(len(s.steps) for s in scheds),
+                 messages=sum(len(st.sends) for s in scheds for st in s.steps))
+
+
+def _streams(scheds: Sequence[Schedule], collective: str, layout: tuple, root: int,
+             symbolic: bool) -> tuple[Rules, list, list, list[int]]:
+    """NCCL's rules loaded with every rank's steps: per step a group of its messages,
+    then its local work (run on the symbolic contents when ``symbolic``). Gives the
+    rules, every rank's contents (per buffer: ids, masks), the contents expected at
+    the end (None: not checked), and the elements each rank reduces."""
+    size = len(scheds)
     rules = Rules(size)
     reduced = [0] * size
     state: list[list] = []
@@ -271,51 +379,95 @@ def check(build: BuildFn, collective: str, size: int, layout: tuple, *, root: in
             state.append(init)
             wants.append(want)
         for i, st in enumerate(s.steps):
-            label = f"step {i}"
+            label = _StepLabel(i)
             ops = []
             for x in st.sends:
                 ops.append(("send", x.peer, x.region.n, _reader(state, r, x.region, symbolic)))
             for x in st.recvs:
                 ops.append(("recv", x.peer, x.region.n, _writer(state, r, x.region, symbolic)))
-            rules.add_group(r, ops, label)
+            try:
+                rules.add_group(r, ops, label)
+            except ScheduleError as e:  # a peer that is no other rank
+                e.finding = Finding("peer", rank=r, step=i, peer=next(
+                    o[1] for o in ops if not 0 <= o[1] < size or o[1] == r))
+                raise
             for op in st.local:
                 if isinstance(op, Reduce):
                     reduced[r] += op.dst.n
                 if symbolic:
                     rules.add_local(r, _local_fn(state, r, op, collective, size, i), label)
-    try:
-        rules.drain()
-    except ScheduleError as e:
-        raise ScheduleError(f"{collective} on {size} ranks, layout {_short(layout)}: {e}") from None
-    if symbolic and collective == "barrier":
-        # A rank may leave only once it holds data (so: causally after) every rank's
-        # entry token; only data dependencies order the steps on every executor.
-        for r in range(size):
-            know = 0
-            for _, masks in state[r]:
-                know |= int(np.bitwise_or.reduce(masks)) if masks.size else 0
-            if know != (1 << size) - 1:
-                missing = sorted(i for i in range(size) if not know >> i & 1)
-                raise ScheduleError(f"barrier on {size} ranks: rank {r} leaves without having "
-                                    f"heard (directly or not) from ranks {missing}")
-    if symbolic:
-        for r in range(size):
-            for b, want in enumerate(wants[r]):
-                if want is None:
-                    continue
-                ids, masks = state[r][b]
-                bad = np.nonzero((ids != want[0]) | (masks != want[1]))[0]
-                if bad.size:
-                    e = int(bad[0])
-                    raise ScheduleError(
-                        f"{collective} on {size} ranks, layout {_short(layout)}: rank {r} "
-                        f"buffer {b} element {e} ends as {_describe_id(collective, size, ids[e])}"
-                        f" from ranks {_ranks(masks[e])}, expected "
-                        f"{_describe_id(collective, size, want[0][e])} from ranks "
-                        f"{_ranks(want[1][e])} ({bad.size} wrong elements)")
-    return Stats(rounds=rules.rounds, busiest=rules.busiest_bytes, sent_max=max(rules.sent),
-                 reduced_max=max(reduced), steps_max=max(len(s.steps) for s in scheds),
-                 messages=sum(len(st.sends) for s in scheds for st in s.steps))
+    return rules, state, wants, reduced
+
+
+def _drain(rules: Rules) -> None:
+    """:meth:`Rules.drain`, its refusals with their :class:`Finding`: a size mismatch
+    (raised in a round) or, when nothing can move, the rules' report of the messages
+    without partners or the wait cycle."""
+    while any(rules.queues):
+        try:
+            moved = rules.step_round()
+        except ScheduleError as e:
+            if finding_of(e) is None:  # the rules' own: a size mismatch
+                e.finding = _mismatch_finding(e)
+            raise
+        if not moved:
+            raise _refusal(rules.stuck_report(), _stall_finding(rules))
+
+
+def _mismatch_finding(err: ScheduleError) -> Finding | None:
+    """The size mismatch a round of the rules stopped at, from the send the rules
+    attached to their error."""
+    where = getattr(err, "mismatch", None)
+    if where is None:
+        return None
+    label, op, peer_label = where
+    return Finding("size mismatch", rank=op.rank, step=label.step, peer=op.peer,
+                   peer_step=peer_label.step)
+
+
+def _stall_finding(rules: Rules) -> Finding:
+    """What :meth:`Rules.stuck` found when nothing can move, as a finding: its
+    messages without partners (at most 4), or else its cycle of waiting ranks."""
+    orphans, cycle = rules.stuck()
+    entries = ([Finding("unmatched", rank=op.rank, step=label.step, peer=op.peer)
+                for label, op in orphans[:4]]
+               or [Finding("deadlock", rank=op.rank, step=label.step, peer=op.peer,
+                           peer_step=where.step) for label, op, where in cycle])
+    return dataclasses.replace(entries[0], more=tuple(entries[1:])) if entries else \
+        Finding("deadlock")
+
+
+def _check_barrier(state: list, size: int) -> None:
+    """A rank may leave only once it holds data (so: causally after) every rank's
+    entry token; only data dependencies order the steps on every executor."""
+    for r in range(size):
+        know = 0
+        for _, masks in state[r]:
+            know |= int(np.bitwise_or.reduce(masks)) if masks.size else 0
+        if know != (1 << size) - 1:
+            missing = sorted(i for i in range(size) if not know >> i & 1)
+            raise _refusal(f"barrier on {size} ranks: rank {r} leaves without having heard "
+                           f"(directly or not) from ranks {missing}", Finding("barrier", rank=r))
+
+
+def _check_results(state: list, wants: list, collective: str, size: int,
+                   layout: tuple) -> None:
+    """Every checked buffer ends as expected, or the first wrong element is named."""
+    for r in range(size):
+        for b, want in enumerate(wants[r]):
+            if want is None:
+                continue
+            ids, masks = state[r][b]
+            bad = np.nonzero((ids != want[0]) | (masks != want[1]))[0]
+            if bad.size:
+                e = int(bad[0])
+                found = Finding("wrong result", rank=r, buffer=b, element=e)
+                raise _refusal(
+                    f"{collective} on {size} ranks, layout {_short(layout)}: "
+                    f"{found.element_words()} ends as {_describe_id(collective, size, ids[e])}"
+                    f" from ranks {_ranks(masks[e])}, expected "
+                    f"{_describe_id(collective, size, want[0][e])} from ranks "
+                    f"{_ranks(want[1][e])} ({bad.size} wrong elements)", found)
 
 
 def _short(layout) -> str:
@@ -355,23 +507,27 @@ def _local_fn(state, r: int, op, collective: str, p: int, step: int):
             dids[da:db], dmasks[da:db] = src
         return copy
 
+    def refuse(e: int, what: str) -> ScheduleError:
+        return _refusal(f"{where}: {what}", Finding("reduce", rank=r, step=step,
+                                                    buffer=op.dst.buf, element=da + e))
+
     def reduce():
         di, dm, si, sm = dids[da:db], dmasks[da:db], sids[sa:sb], smasks[sa:sb]
         undef = np.nonzero((di == _UNDEF) | (si == _UNDEF))[0]
         if undef.size:
             e = int(undef[0])
-            raise ScheduleError(f"{where}: reduces undefined data (buffer {op.dst.buf} element "
-                                f"{da + e} with buffer {op.src.buf} element {sa + e})")
+            raise refuse(e, f"reduces undefined data (buffer {op.dst.buf} element {da + e} "
+                            f"with buffer {op.src.buf} element {sa + e})")
         mixed = np.nonzero(di != si)[0]
         if mixed.size:
             e = int(mixed[0])
-            raise ScheduleError(f"{where}: reduces {_describe_id(collective, p, di[e])} with "
-                                f"{_describe_id(collective, p, si[e])}")
+            raise refuse(e, f"reduces {_describe_id(collective, p, di[e])} with "
+                            f"{_describe_id(collective, p, si[e])}")
         twice = np.nonzero(dm & sm)[0]
         if twice.size:
             e = int(twice[0])
-            raise ScheduleError(f"{where}: {_describe_id(collective, p, di[e])} would count "
-                                f"ranks {_ranks(dm[e] & sm[e])} twice")
+            raise refuse(e, f"{_describe_id(collective, p, di[e])} would count ranks "
+                            f"{_ranks(dm[e] & sm[e])} twice")
         dmasks[da:db] = dm | sm
     return reduce
 
@@ -453,7 +609,7 @@ def check_user_schedule(build: Callable, ctx: Context, name: str):
         raise ShapeNotServed(f"ringcomm: algorithm {name!r} does not serve this call "
                              f"({coll} on {p} ranks, layout {_short(layout)}): {e}") from None
     except ScheduleError as e:
-        raise ScheduleError(f"ringcomm: algorithm {name!r} is wrong: {e}") from None
+        raise _refusal(f"ringcomm: algorithm {name!r} is wrong: {e}", finding_of(e)) from None
     except Exception as e:  # noqa: BLE001 - a user's code may raise anything
         raise AlgorithmFailed(f"algorithm {name!r} raised {type(e).__name__}: {e} while "
                               f"building its {coll} schedule for {p} ranks, layout "

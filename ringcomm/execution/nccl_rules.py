@@ -128,10 +128,12 @@ class Rules:
                 if rv is None:
                     continue
                 if rv.n != op.n:
-                    raise ScheduleError(
+                    err = ScheduleError(
                         f"size mismatch: rank {op.rank} {g.label} sends {op.n} {self.unit} to "
                         f"rank {op.peer}, whose matching receive ({peer_head.label}) takes "
                         f"{rv.n}")
+                    err.mismatch = (g.label, op, peer_head.label)  # the send, as data
+                    raise err
                 rv.payload(op.payload())
                 op.done = rv.done = True
                 g.pending -= 1
@@ -173,9 +175,12 @@ class Rules:
                         return item.label
         return None
 
-    def stuck_report(self) -> str:
-        """Why nothing can move: the messages without partners and the wait cycle."""
-        waits: dict[int, tuple[int, str]] = {}
+    def stuck(self) -> tuple[list[tuple[Any, _Op]], list[tuple[Any, _Op, Any]]]:
+        """Why nothing can move, as data: ``(orphans, cycle)``. ``orphans``: the
+        (group label, message) pairs at the streams' heads that no peer's stream
+        matches, in rank order; ``cycle``: when there is none, the ranks' waits round
+        the cycle, each (group label, message, the label of its match's group)."""
+        waits: dict[int, tuple[Any, _Op, Any]] = {}
         orphans = []
         for r, q in enumerate(self.queues):
             if not q:
@@ -186,20 +191,26 @@ class Rules:
                     continue
                 where = self._find_match(op)
                 if where is None:
-                    orphans.append(f"rank {r} {g.label}: {op.describe(self.unit)} has no "
-                                   f"matching {'receive' if op.kind == 'send' else 'send'} on "
-                                   f"rank {op.peer}")
+                    orphans.append((g.label, op))
                 elif r not in waits:
-                    waits[r] = (op.peer, f"rank {r} {g.label} ({op.describe(self.unit)}) "
-                                         f"waits for rank {op.peer}, whose match is in its "
-                                         f"{where}")
+                    waits[r] = (g.label, op, where)
         if orphans:
-            return "unmatched message: " + "; ".join(orphans[:4])
-        start = next(iter(waits), None)
+            return orphans, []
         seen: list[int] = []
-        r = start
+        r = next(iter(waits), None)
         while r is not None and r in waits and r not in seen:
             seen.append(r)
-            r = waits[r][0]
-        cycle = seen[seen.index(r):] if r in seen else seen
-        return "deadlock under NCCL's group rules: " + "; ".join(waits[x][1] for x in cycle)
+            r = waits[r][1].peer
+        return [], [waits[x] for x in (seen[seen.index(r):] if r in seen else seen)]
+
+    def stuck_report(self) -> str:
+        """Why nothing can move (:meth:`stuck`), in words."""
+        orphans, cycle = self.stuck()
+        if orphans:
+            return "unmatched message: " + "; ".join(
+                f"rank {op.rank} {label}: {op.describe(self.unit)} has no matching "
+                f"{'receive' if op.kind == 'send' else 'send'} on rank {op.peer}"
+                for label, op in orphans[:4])
+        return "deadlock under NCCL's group rules: " + "; ".join(
+            f"rank {op.rank} {label} ({op.describe(self.unit)}) waits for rank {op.peer}, "
+            f"whose match is in its {where}" for label, op, where in cycle)

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Callable
 
 from ringcomm.schedule import Context, Copy, Region, Schedule
-from ringcomm.msccl.xmlformat import COLL_NAMES, WHOLE, Gpu, Program, Step, ThreadBlock
+from ringcomm.msccl.xmlformat import (COLL_NAMES, WHOLE, Gpu, Program, Step, StepType,
+                                      ThreadBlock)
 
 #: MSCCL's runtime takes fewer than this many chunks per step (MSCCL_MAX_COUNT)
 MAX_COUNT = 72
@@ -86,28 +87,34 @@ def program(name: str, collective: str, scheds: list[Schedule], chunks: int) -> 
 
 
 class _Block:
+    """One thread block being written: its peers and its steps (attribute dicts,
+    their dependencies as (block key, index) lists under ``_deps``)."""
+
     def __init__(self, send: int, recv: int):
         self.send, self.recv = send, recv
-        self.steps: list[dict] = []  # attribute dicts, deps as (block, index) lists
+        self.steps: list[dict] = []
 
 
-def _gpu(r: int, sched: Schedule, ref: Callable, sent: dict, taken: dict, collective: str,
-         size: int, chunks: int) -> Gpu:
-    blocks: dict[tuple, _Block] = {}
-    history: list[tuple] = []  # (block key, step index, letter, lo, hi, writes)
-    counters: dict[tuple, int] = {}
+class _Blocks:
+    """A rank's thread blocks as its steps are added, keyed ``("local", -1)``,
+    ``("send", peer)`` or ``("recv", peer)``; each step depends on the latest
+    earlier step of every other block that touches the same chunks in a
+    conflicting way (a read after a write, a write after a read or a write)."""
 
-    def block(key: tuple) -> _Block:
-        if key not in blocks:
-            blocks[key] = _Block(key[1] if key[0] == "send" else -1,
-                                 key[1] if key[0] == "recv" else -1)
-        return blocks[key]
+    def __init__(self) -> None:
+        self.blocks: dict[tuple, _Block] = {}
+        self.history: list[tuple] = []  # (block key, step index, letter, lo, hi, writes)
 
-    def add(key: tuple, attrs: dict, reads: list, writes: list) -> None:
-        bl = block(key)
+    def add(self, key: tuple, attrs: dict, reads: list, writes: list) -> None:
+        """Append step ``attrs`` to block ``key``; it reads and writes the chunk spans
+        (letter, lo, hi) ``reads`` and ``writes``."""
+        if key not in self.blocks:
+            self.blocks[key] = _Block(key[1] if key[0] == "send" else -1,
+                                      key[1] if key[0] == "recv" else -1)
+        bl = self.blocks[key]
         index = len(bl.steps)
         deps: dict[tuple, int] = {}
-        for other, i, letter, lo, hi, wrote in history:
+        for other, i, letter, lo, hi, wrote in self.history:
             if other == key:
                 continue
             for acc, is_write in [(x, False) for x in reads] + [(x, True) for x in writes]:
@@ -116,13 +123,40 @@ def _gpu(r: int, sched: Schedule, ref: Callable, sent: dict, taken: dict, collec
         attrs["_deps"] = sorted(deps.items())
         bl.steps.append(attrs)
         for letter, lo, hi in reads:
-            history.append((key, index, letter, lo, hi, False))
+            self.history.append((key, index, letter, lo, hi, False))
         for letter, lo, hi in writes:
-            history.append((key, index, letter, lo, hi, True))
+            self.history.append((key, index, letter, lo, hi, True))
 
-    def span(x: tuple) -> tuple:
-        return x[0], x[1], x[1] + x[2]
 
+def _span(x: tuple) -> tuple:
+    return x[0], x[1], x[1] + x[2]
+
+
+def _gpu(r: int, sched: Schedule, ref: Callable, sent: dict, taken: dict, collective: str,
+         size: int, chunks: int) -> Gpu:
+    """Rank ``r``'s ``<gpu>``: its schedule's steps lowered into blocks
+    (:func:`_lower`), numbered and given their nops (:func:`_thread_blocks`), with
+    the chunk counts of the buffers they use."""
+    tbs = _thread_blocks(_lower(r, sched, ref, sent, taken))
+    used = {st.srcbuf for tb in tbs for st in tb.steps if st.kind is not StepType.NOP} | \
+        {st.dstbuf for tb in tbs for st in tb.steps if st.kind is not StepType.NOP}
+    per = chunks if collective in WHOLE else chunks // size
+    i_chunks = (chunks if collective in ("reduce_scatter", "alltoall") or collective in WHOLE
+                else per)
+    o_chunks = (chunks if collective in ("allgather", "alltoall") else per)
+    if collective in WHOLE:
+        o_chunks = 0  # in place: everything is in i
+    return Gpu(r, i_chunks if "i" in used else 0, o_chunks if "o" in used else 0,
+               sum(sched.scratch), tbs)
+
+
+def _lower(r: int, sched: Schedule, ref: Callable, sent: dict, taken: dict) -> _Blocks:
+    """Rank ``r``'s steps as MSCCL steps, in order: a send ``s`` and a receive ``r``
+    in the block of its peer and direction (the other side's place in the fields it
+    does not use), a reduce ``re`` and a copy ``cpy`` in the local block; each cut
+    into pieces of fewer than :data:`MAX_COUNT` chunks."""
+    out = _Blocks()
+    counters: dict[tuple, int] = {}
     for st in sched.steps:
         for kind, xfers in (("send", st.sends), ("recv", st.recvs)):
             for x in xfers:
@@ -135,24 +169,33 @@ def _gpu(r: int, sched: Schedule, ref: Callable, sent: dict, taken: dict, collec
                     cnt = min(MAX_COUNT - 1, mine[2] - a)
                     m, t = (mine[0], mine[1] + a, cnt), (theirs[0], theirs[1] + a, cnt)
                     src, dst = (m, t) if kind == "send" else (t, m)
-                    attrs = {"type": "s" if kind == "send" else "r", "srcbuf": src[0],
-                             "srcoff": src[1], "dstbuf": dst[0], "dstoff": dst[1], "cnt": cnt}
-                    access = [span(m)]
-                    add((kind, x.peer), attrs, access if kind == "send" else [],
-                        access if kind == "recv" else [])
+                    attrs = {"type": StepType.SEND if kind == "send" else StepType.RECV,
+                             "srcbuf": src[0], "srcoff": src[1], "dstbuf": dst[0],
+                             "dstoff": dst[1], "cnt": cnt}
+                    access = [_span(m)]
+                    out.add((kind, x.peer), attrs, access if kind == "send" else [],
+                            access if kind == "recv" else [])
         for op in st.local:
             d, s_ = ref(r, op.dst), ref(r, op.src)
             for a in range(0, d[2], MAX_COUNT - 1):
                 cnt = min(MAX_COUNT - 1, d[2] - a)
                 dd, ss = (d[0], d[1] + a, cnt), (s_[0], s_[1] + a, cnt)
-                attrs = {"type": "cpy" if isinstance(op, Copy) else "re", "srcbuf": ss[0],
-                         "srcoff": ss[1], "dstbuf": dd[0], "dstoff": dd[1], "cnt": cnt}
-                reads = [span(ss)] + ([] if isinstance(op, Copy) else [span(dd)])
-                add(("local", -1), attrs, reads, [span(dd)])
+                attrs = {"type": StepType.COPY if isinstance(op, Copy) else StepType.REDUCE,
+                         "srcbuf": ss[0], "srcoff": ss[1], "dstbuf": dd[0], "dstoff": dd[1],
+                         "cnt": cnt}
+                reads = [_span(ss)] + ([] if isinstance(op, Copy) else [_span(dd)])
+                out.add(("local", -1), attrs, reads, [_span(dd)])
+    return out
+
+
+def _thread_blocks(lowered: _Blocks) -> tuple[ThreadBlock, ...]:
+    """The blocks numbered (local work, then sends, then receives, by peer), their
+    steps numbered by position: of a step's dependencies the first is its own, the
+    others go on ``nop`` s just before it; a step that is waited on publishes."""
+    blocks = lowered.blocks
     order = sorted(blocks, key=lambda k: ({"local": 0, "send": 1, "recv": 2}[k[0]], k[1]))
     ids = {k: i for i, k in enumerate(order)}
-    # a dependency of several: the first on the step, the rest on nops before it
-    positions: dict[tuple, list[int]] = {}
+    positions: dict[tuple, list[int]] = {}  # block -> each step's position, nops counted
     for k in order:
         pos, at = [], 0
         for attrs in blocks[k].steps:
@@ -168,7 +211,7 @@ def _gpu(r: int, sched: Schedule, ref: Callable, sent: dict, taken: dict, collec
         for attrs in blocks[k].steps:
             deps = [(ids[o], positions[o][i]) for o, i in attrs["_deps"]]
             for dep_tb, dep_s in deps[1:]:
-                steps.append(Step(len(steps), "nop", "i", -1, "o", -1, 0, dep_tb, dep_s,
+                steps.append(Step(len(steps), StepType.NOP, "i", -1, "o", -1, 0, dep_tb, dep_s,
                                   (ids[k], len(steps)) in published))
             own = deps[0] if deps else (-1, -1)
             steps.append(Step(len(steps), attrs["type"], attrs["srcbuf"], attrs["srcoff"],
@@ -176,16 +219,7 @@ def _gpu(r: int, sched: Schedule, ref: Callable, sent: dict, taken: dict, collec
                               (ids[k], len(steps)) in published))
         bl = blocks[k]
         tbs.append(ThreadBlock(ids[k], bl.send, bl.recv, 0, tuple(steps)))
-    used = {st.srcbuf for tb in tbs for st in tb.steps if st.type != "nop"} | \
-        {st.dstbuf for tb in tbs for st in tb.steps if st.type != "nop"}
-    per = chunks if collective in WHOLE else chunks // size
-    i_chunks = (chunks if collective in ("reduce_scatter", "alltoall") or collective in WHOLE
-                else per)
-    o_chunks = (chunks if collective in ("allgather", "alltoall") else per)
-    if collective in WHOLE:
-        o_chunks = 0  # in place: everything is in i
-    return Gpu(r, i_chunks if "i" in used else 0, o_chunks if "o" in used else 0,
-               sum(sched.scratch), tuple(tbs))
+    return tuple(tbs)
 
 
 def export(collective: str, name: str, build: Callable, size: int, chunks: int,

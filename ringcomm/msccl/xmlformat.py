@@ -8,6 +8,7 @@ blocks (``<tb>``), a thread block its ``<step>``s, run in order.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import xml.etree.ElementTree as ET
 from typing import Iterable
@@ -24,12 +25,68 @@ COLL_NAMES = {"allreduce": "allreduce", "allgather": "allgather",
               "broadcast": "broadcast", "reduce": "reduce"}
 #: collectives whose buffers are one block, not one per rank
 WHOLE = frozenset({"allreduce", "broadcast", "reduce"})
-#: step type -> (receives, local work, sends)
-STEP_TYPES = {"s": (False, None, True), "r": (True, None, False),
-              "rcs": (True, None, True), "rrs": (True, "reduce", True),
-              "rrc": (True, "reduce", False), "rrcs": (True, "reduce", True),
-              "cpy": (False, "copy", False), "re": (False, "reduce", False),
-              "nop": (False, None, False)}
+class StepType(str, enum.Enum):
+    """A ``<step>``'s ``type``: what the step receives, does locally and sends
+    (msccl-tools' ``Instruction`` names). A member is the XML's spelling too
+    (``StepType.SEND == "s"``), so it is written as it is read."""
+    SEND = "s"
+    RECV = "r"
+    RECV_COPY_SEND = "rcs"
+    RECV_REDUCE_SEND = "rrs"
+    RECV_REDUCE_COPY = "rrc"
+    RECV_REDUCE_COPY_SEND = "rrcs"
+    COPY = "cpy"
+    REDUCE = "re"
+    NOP = "nop"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def receives(self) -> bool:
+        """It takes a message from its thread block's ``recv`` peer."""
+        return self in _RECEIVING
+
+    @property
+    def sends(self) -> bool:
+        """It gives a message to its thread block's ``send`` peer."""
+        return self in _SENDING
+
+    @property
+    def reduces(self) -> bool:
+        """Its local work is a reduction (of what it received, or ``re``'s source)."""
+        return self in _REDUCING
+
+    @property
+    def copies(self) -> bool:
+        """Its local work is a copy (``cpy``)."""
+        return self is StepType.COPY
+
+    @property
+    def local(self) -> bool:
+        """It has no message: ``cpy``, ``re`` and ``nop``."""
+        return not (self.receives or self.sends)
+
+    @property
+    def uses_src(self) -> bool:
+        """Its ``srcbuf``/``srcoff`` name data of its own rank: what a send sends, what
+        a reduction or copy reads (the others' hold the sender's side, or nothing)."""
+        return self is StepType.SEND or self.reduces or self.copies
+
+    @property
+    def uses_dst(self) -> bool:
+        """Its ``dstbuf``/``dstoff`` name data of its own rank that it writes (a send's
+        and ``rrs``'s hold the receiver's side, or nothing)."""
+        return self not in (StepType.SEND, StepType.RECV_REDUCE_SEND, StepType.NOP)
+
+
+_RECEIVING = frozenset({StepType.RECV, StepType.RECV_COPY_SEND, StepType.RECV_REDUCE_SEND,
+                        StepType.RECV_REDUCE_COPY, StepType.RECV_REDUCE_COPY_SEND})
+_SENDING = frozenset({StepType.SEND, StepType.RECV_COPY_SEND, StepType.RECV_REDUCE_SEND,
+                      StepType.RECV_REDUCE_COPY_SEND})
+_REDUCING = frozenset({StepType.RECV_REDUCE_SEND, StepType.RECV_REDUCE_COPY,
+                       StepType.RECV_REDUCE_COPY_SEND, StepType.REDUCE})
+
 BUFFERS = ("i", "o", "s")
 PROTOCOLS = ("Simple", "LL", "LL128")
 _ALGO_ATTRS = ("name", "proto", "nchannels", "nchunksperloop", "ngpus", "coll", "inplace",
@@ -42,7 +99,9 @@ _STEP_ATTRS = ("s", "type", "srcbuf", "srcoff", "dstbuf", "dstoff", "cnt", "depi
 class Step:
     """One ``<step>``: ``cnt`` chunks from ``srcbuf[srcoff]`` and/or to
     ``dstbuf[dstoff]``; it waits for step ``deps`` of thread block ``depid`` (-1: none)
-    and publishes its completion when ``hasdep``."""
+    and publishes its completion when ``hasdep``. ``type`` is a :class:`StepType` as
+    :func:`parse` reads it (or its spelling, as a caller may write it); :attr:`kind`
+    is always the member."""
     s: int
     type: str
     srcbuf: str
@@ -53,6 +112,11 @@ class Step:
     depid: int = -1
     deps: int = -1
     hasdep: bool = False
+
+    @property
+    def kind(self) -> StepType:
+        """Its type as a :class:`StepType` (ValueError: not one)."""
+        return StepType(self.type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +177,9 @@ class Program:
         one that sends nothing), which the XML does not state; None for the others."""
         if self.collective not in ("broadcast", "reduce"):
             return None
-        part = 0 if self.collective == "broadcast" else 2  # receives / sends
+        what = "receives" if self.collective == "broadcast" else "sends"
         quiet = [g.id for g in self.gpus
-                 if not any(STEP_TYPES[st.type][part] for tb in g.tbs for st in tb.steps)]
+                 if not any(getattr(st.kind, what) for tb in g.tbs for st in tb.steps)]
         return quiet[0] if len(quiet) == 1 else 0 if self.ngpus == 1 else -1
 
     def chunks(self, buf: str) -> int:
@@ -250,7 +314,8 @@ def _gpu(el: ET.Element, gid: int, program: Program) -> Gpu:
         seen: dict[tuple, int] = {}
         for tb in tbs.values():
             peer = getattr(tb, what)
-            uses = any(STEP_TYPES[st.type][2 if what == "send" else 0] for st in tb.steps)
+            uses = any(st.kind.sends if what == "send" else st.kind.receives
+                       for st in tb.steps)
             if peer < 0 or not uses:
                 continue
             other = seen.setdefault((peer, tb.chan), tb.id)
@@ -283,20 +348,21 @@ def _step(el: ET.Element, gid: int, tid: int, pos: int, send: int, recv: int,
     if s != pos:
         raise ValueError(f"MSCCL XML: {at}: s={s}, but it is step {pos} of its tb (steps are "
                          "numbered by position, nops included)")
-    kind = el.get("type")
-    if kind not in STEP_TYPES:
-        raise ValueError(f"MSCCL XML: {at}: type={kind!r} is not one of "
-                         f"{' '.join(STEP_TYPES)}")
+    raw = el.get("type")
+    try:
+        kind = StepType(raw)
+    except ValueError:
+        raise ValueError(f"MSCCL XML: {at}: type={raw!r} is not one of "
+                         f"{' '.join(t.value for t in StepType)}") from None
     step = Step(s, kind, el.get("srcbuf", "i"), _int(el, "srcoff", at, -1),
                 el.get("dstbuf", "o"), _int(el, "dstoff", at, -1), _int(el, "cnt", at, 0),
                 _int(el, "depid", at, -1), _int(el, "deps", at, -1),
                 bool(_int(el, "hasdep", at, 0)))
-    recvs, local, sends = STEP_TYPES[kind]
-    if sends and send < 0:
+    if kind.sends and send < 0:
         raise ValueError(f"MSCCL XML: {at}: a {kind} step sends, but tb {tid} has send=-1")
-    if recvs and recv < 0:
+    if kind.receives and recv < 0:
         raise ValueError(f"MSCCL XML: {at}: a {kind} step receives, but tb {tid} has recv=-1")
-    if kind == "nop":
+    if kind is StepType.NOP:
         if step.depid < 0:
             raise ValueError(f"MSCCL XML: {at}: a nop carries a dependency, this one none")
         return step
@@ -305,9 +371,9 @@ def _step(el: ET.Element, gid: int, tid: int, pos: int, send: int, recv: int,
                          "one chunk")
     # the fields each type uses (the others hold the peer's side, or nothing)
     fields = []
-    if kind == "s" or local is not None:
+    if kind.uses_src:
         fields.append(("src", step.srcbuf, step.srcoff))
-    if kind != "s" and kind != "rrs":
+    if kind.uses_dst:
         fields.append(("dst", step.dstbuf, step.dstoff))
     for what, buf, off in fields:
         if buf not in BUFFERS:
