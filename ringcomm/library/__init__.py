@@ -1,6 +1,9 @@
-"""A library of collective algorithms, each written only through ringcomm's public
-API (:mod:`ringcomm.schedule` and :func:`ringcomm.register_algorithm`), as a user
-outside ringcomm would write one. ``import ringcomm`` registers them.
+"""A library of collective algorithms, written through the names a user's code
+outside ringcomm may use (:mod:`ringcomm.schedule`,
+:func:`ringcomm.register_algorithm`, ``ringcomm.REGISTRY``), as a user would
+write one; ``hierarchical`` also reads auto's built-in tuning table
+(``ringcomm.algorithms.select.DEFAULT_TUNING``) for the crossover of its
+leaders' exchange. ``import ringcomm`` registers them.
 
 ======================  ============  ==================================================
 algorithm               collective    steps (p ranks, k segments per message)
