@@ -472,3 +472,16 @@ def test_shapes_round_to_whole_elements_per_rank():
     assert (s.size, s.count) == (4, 1)
     assert auto_nbytes("allgather", shape_for("allgather", 4096, 4, 4), 4) == 1024
     assert math.isclose(BUSBW_FACTOR["allreduce"](4), 1.5)
+
+
+def test_bench_copies_times_every_copy_in_both_forms(tmp_path):
+    # scripts/bench_copies.py's JSON backs the hot path's comments: every row in both
+    # forms, each a positive time (no timing asserted)
+    out = tmp_path / "copies.json"
+    mpirun(2, str(ROOT / "scripts" / "bench_copies.py"), "--calls", "20", "--rounds", "2",
+           "--json", str(out), timeout=180)
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "ringcomm.bench_copies/1" and len(doc["rows"]) == 4
+    assert all(r["in_code_us"] > 0 and r["other_us"] > 0 for r in doc["rows"])
+    committed = json.loads((ROOT / "docs" / "data" / "hot_path_copies.json").read_text())
+    assert [r["copy"] for r in committed["rows"]] == [r["copy"] for r in doc["rows"]]

@@ -171,7 +171,7 @@ class P2PProgram(_Program):
             return base + k % span
 
         work_of = self._local_work(bufs)  # first: it may refuse the binding
-        work = [[work_of(*w) for w in step[4]] for step in plan.p2p_steps]
+        work = [[work_of(*w) for w in local] for *_, local in plan.p2p_steps]
         sreq = [tp.send_init(views[v], peer, tag("s", peer)) for peer, v in plan.send_list]
         rreq = [tp.recv_init(views[v], peer, tag("r", peer)) for peer, v in plan.recv_list]
         batch, rw = tp.batch, plan.recv_waits
@@ -246,11 +246,13 @@ class P2PProgram(_Program):
         return work_of
 
     def _release(self, bd: tuple) -> None:
-        self.tp.free(bd[1])
+        _, requests = bd
+        self.tp.free(requests)
 
     def _drop(self, key: Any, bd: tuple, bufs: Sequence) -> None:
         super()._drop(key, bd, bufs)
-        self.tp.abandon(bd[1], keep=list(bufs))
+        _, requests = bd
+        self.tp.abandon(requests, keep=list(bufs))
 
     def run(self, bufs: Sequence[torch.Tensor | None]) -> None:
         """One collective on the caller's 1-D buffers (``ringcomm.schedule.BUFFERS``'
@@ -259,12 +261,18 @@ class P2PProgram(_Program):
         bd = self._bindings.get(key)
         if bd is None:
             key, bd = self._binding(bufs)
-        if trace.active():
-            return self._run_traced(key, bd, bufs)
-        tp = self.tp
+        # one loop with the trace's test per step: a second loop without it saved
+        # 0.00-0.04 us a call of one step (scripts/bench_copies.py,
+        # docs/data/hot_path_copies.json)
+        plan, tp = self.plan, self.tp
         start, wait = tp.start, tp.wait
+        traced = trace.active()
+        if traced:
+            trace.annotate(peers=plan.peers, steps=len(plan.steps))
+            t0, k = trace.now(), 0
+        steps, _ = bd
         try:
-            for actions, work in bd[0]:
+            for actions, work in steps:
                 for is_wait, b in actions:
                     if is_wait:
                         wait(b)
@@ -272,11 +280,20 @@ class P2PProgram(_Program):
                         start(b)
                 for fn, d, s in work:
                     fn(d, s)
+                if traced and k < len(plan.steps):
+                    t0, k = plan.trace_step(k, t0), k + 1
         except BaseException as e:
-            self._drop(key, bd, bufs)
-            if isinstance(e, getattr(self.tp, "Mismatch", ())):
-                raise self._mismatch(e) from e
-            raise
+            raise self._failed(key, bd, bufs, e)
+
+    def _failed(self, key: Any, bd: tuple, bufs: Sequence, e: BaseException) -> BaseException:
+        """A run failed: its binding dropped; the error to raise (a message of another
+        call named as a collective mismatch)."""
+        self._drop(key, bd, bufs)
+        if isinstance(e, getattr(self.tp, "Mismatch", ())):
+            err = self._mismatch(e)
+            err.__cause__ = e
+            return err
+        return e
 
     def _mismatch(self, e: Any) -> CollectiveMismatch:
         """The error of a call whose peer runs another: what each runs, as far as
@@ -298,25 +315,6 @@ class P2PProgram(_Program):
                                   f"but rank {e.peer} runs {theirs}. Every rank must make the "
                                   "same calls in the same order, with the same reduce op, "
                                   "dtype, sizes and root")
-
-    def _run_traced(self, key: Any, bd: tuple, bufs: Sequence) -> None:
-        """:meth:`run`, each step recorded in the trace."""
-        plan, tp = self.plan, self.tp
-        trace.annotate(peers=plan.peers, steps=len(plan.steps))
-        t0, k = trace.now(), 0
-        try:
-            for actions, work in bd[0]:
-                for is_wait, b in actions:
-                    (tp.wait if is_wait else tp.start)(b)
-                for fn, d, s in work:
-                    fn(d, s)
-                if k < len(plan.steps):
-                    t0, k = plan.trace_step(k, t0), k + 1
-        except BaseException as e:
-            self._drop(key, bd, bufs)
-            if isinstance(e, getattr(self.tp, "Mismatch", ())):
-                raise self._mismatch(e) from e
-            raise
 
 
 class GroupComm(Protocol):
@@ -346,6 +344,11 @@ class GroupComm(Protocol):
     def local_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
 
+#: how GroupProgram finds a region's tensor for local work (its recipe's first field):
+#: a caller's buffer whole, a slice of a caller's buffer, a scratch tensor (fixed)
+_WHOLE, _SLICED, _SCRATCH = 0, 1, 2
+
+
 class GroupProgram(_Program):
     """A plan on an NCCL-like communicator: one group per step, local work after it."""
 
@@ -362,20 +365,21 @@ class GroupProgram(_Program):
             buf, a, e, whole = plan.regions[v]
             if buf >= nbuf:
                 t = self.scratch[buf - nbuf]
-                self._recipe.append((2, t if whole else t[a:e], a, e))
+                self._recipe.append((_SCRATCH, t if whole else t[a:e], a, e))
             else:
-                self._recipe.append((0 if whole else 1, buf, a, e))
-        self._static = all(k == 2 for k, *_ in self._recipe)
+                self._recipe.append((_WHOLE if whole else _SLICED, buf, a, e))
+        self._static = all(k == _SCRATCH for k, *_ in self._recipe)
         self._fixed = [x[1] for x in self._recipe] if self._static else None
         # the common small case: caller buffers whole (no slicing) next to scratch
-        self._whole = (None if self._static or any(k == 1 for k, *_ in self._recipe) else
-                       ([x[1] if x[0] == 2 else None for x in self._recipe],
-                        [(i, x[1]) for i, x in enumerate(self._recipe) if x[0] == 0]))
+        self._whole = (None if self._static or any(k == _SLICED for k, *_ in self._recipe)
+                       else ([x if k == _SCRATCH else None for k, x, _, _ in self._recipe],
+                             [(i, x) for i, (k, x, _, _) in enumerate(self._recipe)
+                              if k == _WHOLE]))
         # otherwise caller buffers are sliced: the last call's slices are kept while the
         # caller's tensors, or the tensors they are views of, live (weak references to
         # them: a slice held after they are gone would keep their memory), so DDP's
         # buckets, FSDP's flat parameters and any tensor passed again are sliced once
-        self._callers = sorted({x for k, x, _, _ in self._recipe if k != 2})
+        self._callers = sorted({x for k, x, _, _ in self._recipe if k != _SCRATCH})
         self._sliced: tuple | None = None
         me = weakref.ref(self)
 
@@ -417,7 +421,8 @@ class GroupProgram(_Program):
                 return last[1]
         # views of detached tensors, whole buffers too: a view keeps its base tensor
         # alive, and a kept caller tensor would never die
-        out = [x if kind == 2 else bufs[x].detach()[a:e] for kind, x, a, e in self._recipe]
+        out = [x if kind == _SCRATCH else bufs[x].detach()[a:e]
+               for kind, x, a, e in self._recipe]
         forget = self._forget
         self._sliced = ([(weakref.ref(_owner(bufs[b]), forget), bufs[b].data_ptr())
                          for b in self._callers], out)
