@@ -54,7 +54,7 @@ def _burst_inputs(rank: int, p: int) -> dict:
 
 
 def _burst(rank: int, pg) -> list[torch.Tensor]:
-    """Eighteen collectives in flight at once, then every result: allreduces of
+    """Fifteen collectives in flight at once, then every result: allreduces of
     several sizes, broadcasts from every root in turn, an all-gather, a
     reduce-scatter and an all-to-all."""
     p = pg.size()

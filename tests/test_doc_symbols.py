@@ -14,6 +14,7 @@ import importlib
 import inspect
 import re
 import subprocess
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,9 @@ ELSEWHERE = {
 }
 #: file extensions whose names are checked as paths of the repo
 FILE_SUFFIXES = ("py", "md", "json", "png", "sh", "xml", "toml")
-#: top-level folders of other repositories the docs cite (NCCL's src/, msccl-tools')
-FOREIGN_ROOTS = ("src/", "msccl/", "tools/")
+#: folders of other repositories the docs cite (NCCL's src/, msccl-tools' language/
+#: and its tools/)
+FOREIGN_ROOTS = ("src/", "msccl/language/", "tools/")
 
 
 def doc_files() -> list[Path]:
@@ -86,13 +88,33 @@ class Index:
 
 
 def _sets(obj: object, name: str) -> bool:
-    """Whether a class's source sets or declares ``name`` (an instance attribute,
-    a slot, a field)."""
-    try:
-        src = inspect.getsource(obj)  # type: ignore[arg-type]
-    except (TypeError, OSError):
-        return False
-    return re.search(rf"self\.{name}\b|[\"']{name}[\"']|^\s+{name}\s*[:=]", src, re.M) is not None
+    """Whether a class (or a base) sets or declares ``name``: ``self.name = ...`` in a
+    method, an entry of its ``__slots__``, or a name assigned or annotated in its body
+    (a field)."""
+    for klass in getattr(obj, "__mro__", ())[:-1]:  # object itself sets nothing
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (TypeError, OSError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node in body:  # the class body: fields, __slots__
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, ast.AnnAssign) else [])
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return True
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name)
+                                                    and t.id == "__slots__" for t in node.targets):
+                try:
+                    if name in ast.literal_eval(node.value):
+                        return True
+                except ValueError:  # slots computed: the self.name check below decides
+                    pass
+        for node in ast.walk(tree):  # self.name = ... in any method
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    and node.attr == name and isinstance(node.value, ast.Name)
+                    and node.value.id == "self"):
+                return True
+    return False
 
 
 def _has(obj: object, rest: list[str]) -> bool:
@@ -168,6 +190,7 @@ def test_every_file_the_docs_name_is_in_the_repo():
     ("`execution.executors.run_grouped`", ["execution.executors.run_grouped"]),
     ("`ringcomm.trace.merge` and `engine.fence()`", []),
     ("`Planner.signature`, `calls.Call.owned`, `ops.Averaging`", []),
+    ("`Planner.key` and `Engine.value`", ["Planner.key", "Engine.value"]),  # locals
     ("`torch.distributed.nothing_here` and `dist.Work`", []),  # not the project's
     ("`front/calls.py`", []),
     ("```\n`front.nothing`\n```", []),  # fenced: an example, not a claim

@@ -46,10 +46,11 @@ BUILTIN = {(c, n) for c, algos in REGISTRY.items() for n in algos}
 #: ``verify=False``; others are checked on first use of each call shape
 TRUSTED = set(BUILTIN)
 
-#: called as ``fn(collective, name)`` before an algorithm is removed: each may refuse
-#: (ValueError, before it forgets anything) or forget what it holds of the algorithm.
-#: :mod:`ringcomm.algorithms.select` adds its tuning's, so this package need not
-#: import the module that imports it
+#: called in order as ``fn(collective, name)`` before an algorithm is removed: each
+#: forgets what it holds of the algorithm, or refuses (ValueError) before it forgets
+#: anything; the ones before it have forgotten theirs by then. The one registered is
+#: :mod:`ringcomm.algorithms.select`'s (its tuning), so this package need not import
+#: the module that imports it
 ON_UNREGISTER: list[Callable[[str, str], None]] = []
 
 #: bumped whenever a registration changes, so caches of built schedules drop

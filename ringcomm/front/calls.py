@@ -37,7 +37,7 @@ CALLS = 256
 
 
 class Group(Protocol):
-    """What a request builder uses of its process group."""
+    """What a function that prepares calls uses of its process group."""
 
     inputs: Inputs
     lanes: Lanes

@@ -169,10 +169,6 @@ class TorchContract:
     REFUSED = ("reconfigure",)
 
     _view: BackendView | None = None
-    #: the backend creator that made this group, which makes its children too
-    #: (:func:`ringcomm.front.create.create_group` sets it: handed in, not imported,
-    #: since the creator imports the group); None for a group made directly
-    _creator: Any = None
 
     # -- the backend of a device ------------------------------------------------
     def _get_backend(self, device: Any) -> BackendView:
@@ -282,11 +278,9 @@ class TorchContract:
                              f"of a group of {self._size}")
         if self._rank not in ranks:
             return None
-        if self._creator is None:
-            raise RuntimeError(f"ringcomm split_group: group {self.getGroupName()!r} was "
-                               "made directly, not by torch's backend creator "
-                               "(init_process_group, new_group), so it has no creator "
-                               "for its children")
+        # the creator torch has for ringcomm (front/create.py registered it): found
+        # there, not imported, since the creator's module imports this group's
+        creator = dist.Backend._plugins["RINGCOMM"].creator_fn
         name = group_name or f"{self.getGroupName()}:split:{'-'.join(map(str, ranks))}"
         spec = dist.distributed_c10d._DistributedBackendOptions()
         spec.store = dist.PrefixStore(f"ringcomm/split/{name}/", self._torch_store)
@@ -296,7 +290,7 @@ class TorchContract:
         spec.group_id = name
         members = self._global_ranks or list(range(self._size))
         spec.global_ranks_in_group = [members[r] for r in ranks]
-        child = self._creator(spec, opts if opts is not None else self._options)
+        child = creator(spec, opts if opts is not None else self._options)
         child.setGroupName(name)
         child.setGroupDesc(group_desc or f"{self.getGroupDesc() or name}:split")
         if self.bound_device_id is not None:

@@ -67,7 +67,6 @@ def create_group(dist_opts: Any, pg_options: Any) -> ProcessGroupRingcomm:
                               dist_opts.timeout, options, str(dist_opts.group_id),
                               store=store, cpu_error=cpu_error, hosts=hosts,
                               torch_store=dist_opts.store, global_ranks=members)
-    pg._creator = create_group  # its children (split_group) are made as it was
     # torch >= 2.15 binds the device on the group it made before asking for ours
     bound = getattr(getattr(dist_opts, "process_group", None), "bound_device_id", None)
     if bound is not None:

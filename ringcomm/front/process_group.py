@@ -1,8 +1,8 @@
-"""The ringcomm ProcessGroup: a table from torch's method names to the request
-builders of :mod:`ringcomm.front.reductions` and :mod:`ringcomm.front.data_movement`
-(what they share: :mod:`ringcomm.front.calls`), plus what belongs to the group
-itself:
-its identity, its algorithm choices, point-to-point messages and its end.
+"""The ringcomm ProcessGroup: a table from torch's method names to the functions
+that prepare their calls (:mod:`ringcomm.front.reductions`,
+:mod:`ringcomm.front.data_movement`; what they share: :mod:`ringcomm.front.calls`),
+plus what belongs to the group itself: its identity, its algorithm choices,
+point-to-point messages and its end.
 
 A torch call ``pg.allreduce([t], opts)`` goes ``METHODS["allreduce"]`` ->
 ``reductions.allreduce(pg, [t], opts)``, which finds the prepared call of the
@@ -35,7 +35,7 @@ from ringcomm.transport import Transport
 
 __all__ = ["ProcessGroupRingcomm", "Options", "METHODS"]
 
-#: torch's ProcessGroup method name -> the request builder that serves it
+#: torch's ProcessGroup method name -> the function that prepares its call
 METHODS: dict[str, Callable[..., tuple]] = {
     "allreduce": reductions.allreduce,
     "allreduce_coalesced": reductions.allreduce_coalesced,

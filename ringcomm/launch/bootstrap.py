@@ -48,8 +48,6 @@ _world = None  # the world intracommunicator once known (MPI.Intracomm)
 _mpi_node: int | None = None
 
 
-
-
 def mpi():
     """mpi4py's ``MPI`` module, MPI started (under ``srun --mpi=pmix`` ringcomm may
     have imported it unstarted: :func:`ringcomm.launch.slurm.leave_pmix_if_unusable`)."""

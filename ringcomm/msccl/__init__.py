@@ -19,8 +19,8 @@ Command line: ``python -m ringcomm.msccl check FILE.xml`` and
 ``python -m ringcomm.msccl export ring allreduce 8 > ring8.xml``.
 
 The modules: :mod:`~ringcomm.msccl.algorithm` (:class:`Algorithm`, :func:`load`,
-:func:`register`, :func:`to_xml`; ``CACHE``, the translations an algorithm keeps,
-is read there), :mod:`~ringcomm.msccl.xmlformat` (the XML as data,
+:func:`register`, :func:`to_xml`; ``ringcomm.msccl.algorithm.CACHE``, the
+translations an algorithm keeps, is set there), :mod:`~ringcomm.msccl.xmlformat` (the XML as data,
 :class:`StepType`), :mod:`~ringcomm.msccl.translate` (a program as every rank's
 steps), :mod:`~ringcomm.msccl.export` (schedules as a program) and
 ``__main__`` (the command line). This package only hands their names on.
@@ -28,8 +28,8 @@ steps), :mod:`~ringcomm.msccl.export` (schedules as a program) and
 from __future__ import annotations
 
 from ringcomm.msccl import export, translate, xmlformat
-from ringcomm.msccl.algorithm import CACHE, Algorithm, load, register, to_xml
+from ringcomm.msccl.algorithm import Algorithm, load, register, to_xml
 from ringcomm.msccl.xmlformat import COLLECTIVES, Program, StepType, parse, write
 
-__all__ = ["Algorithm", "load", "register", "to_xml", "CACHE", "COLLECTIVES", "Program",
+__all__ = ["Algorithm", "load", "register", "to_xml", "COLLECTIVES", "Program",
            "StepType", "parse", "write", "export", "translate", "xmlformat"]

@@ -609,12 +609,13 @@ def schedule_of(tr: Translation, ctx: Context) -> Schedule:
 
 
 def explain(message: str, finding: Finding | None, tr: Translation, program: Program) -> str:
-    """The checker's ``message`` with what it names in the XML's terms, read from the
-    checker's ``finding`` (:class:`ringcomm.execution.checker.Finding`), never from
-    the message's words.
+    """The checker's ``message`` with what it names in the XML's terms. What is named
+    comes from the checker's ``finding`` (:class:`ringcomm.execution.checker.Finding`),
+    never parsed out of the message's words.
 
     A wrong element of an allreduce's, broadcast's or reduce's buffer is given its
-    chunk (after the words that name it, else at the end), and every rank's step the
+    chunk: placed after the words that name the element where the message has them
+    (the finding's own ``element_words()``), else at the end. Every rank's step the
     finding names is given the XML's gpu, tb and step it carries. Without a finding
     (not the checker's refusal) the message is returned as it is.
     """

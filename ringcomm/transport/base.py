@@ -99,7 +99,7 @@ class Link(abc.ABC):
 
     # -- the library's own collectives (algorithm "native") ------------------------
     def check_native(self, collective: str, dtype: torch.dtype, op: Any) -> None:
-        """Raise ValueError unless :meth:`native` can run ``collective`` on ``dtype``
+        """Raise ValueError unless :meth:`native_init` can run ``collective`` on ``dtype``
         with ``op`` (called before anything is enqueued)."""
         raise ValueError(f"ringcomm {collective}: algorithm 'native' needs a transport with "
                          f"collectives of its own; {type(self).__name__} has none")
