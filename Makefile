@@ -23,7 +23,7 @@ PIP_ENV := $(if $(OTHER_TORCH),PIP_CONFIG_FILE=/dev/null)
 # the newest and the oldest torch ringcomm supports (make test-compat)
 COMPAT_TORCH ?= torch==2.15.0 torch==2.7.1
 
-.PHONY: install demo test test-compat test-compat-one test-cluster test-parallel test-bench test-frameworks check-nccl-api conformance bench clean
+.PHONY: install demo test test-wide test-compat test-compat-one test-cluster test-parallel test-bench test-frameworks check-nccl-api conformance bench clean
 
 install: $(VENV)/.installed
 
@@ -45,7 +45,12 @@ define pytest
 endef
 
 test: install
-	$(call pytest,-m "not cluster and not frameworks and not parallel and not bench and not gpucheck")
+	$(call pytest,-m "not cluster and not frameworks and not parallel and not bench and not gpucheck and not wide")
+
+# the launches make test leaves out because another launch there covers them: the
+# other launcher, or five oversubscribed ranks (about a minute and a half)
+test-wide: install
+	$(call pytest,-m wide)
 
 # torch's backend contract, the collectives, DDP, batch p2p and the init idioms
 # on the newest and the oldest supported torch (COMPAT_TORCH), each in its own

@@ -8,7 +8,9 @@ import pytest
 from conftest import assert_checks, mpirun, torchrun
 
 
-@pytest.mark.parametrize("n", [1, 2, pytest.param(3, marks=pytest.mark.compat), 5])  # 4: test_properties
+# 4: test_properties; 5 (oversubscribed, 25 s here): make test-wide
+@pytest.mark.parametrize("n", [1, 2, pytest.param(3, marks=pytest.mark.compat),
+                               pytest.param(5, marks=pytest.mark.wide)])
 def test_collectives_mpiexec(n):
     out = mpirun(n, "collectives_check.py", timeout=240).stdout
     assert_checks(out, f"collectives_check mpiexec n={n}", n)
@@ -28,6 +30,7 @@ def test_more_collectives_mpiexec(n):
     assert_checks(out, f"more_collectives_check mpiexec n={n}", n)
 
 
+@pytest.mark.wide  # torchrun's launch: test_collectives_torchrun; the program: mpiexec above
 @pytest.mark.parametrize("n", [2])
 def test_more_collectives_torchrun(n):
     out = torchrun(n, "more_collectives_check.py", timeout=240).stdout
@@ -35,14 +38,18 @@ def test_more_collectives_torchrun(n):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("launch", [mpirun, torchrun], ids=["mpiexec", "torchrun"])
+@pytest.mark.parametrize("launch", [mpirun, pytest.param(torchrun, marks=pytest.mark.wide)],
+                         ids=["mpiexec", "torchrun"])
 def test_torch_ddp_matches_gloo(launch):
     out = launch(2, "torch_ddp_check.py", timeout=180).stdout
     assert_checks(out, f"torch_ddp_check {launch.__name__} n=2", 2)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("launch", [mpirun, torchrun], ids=["mpiexec", "torchrun"])
+# mpiexec on 3 ranks and torchrun on 2 in make test; the other two in make test-wide
+@pytest.mark.parametrize("launch,n", [
+    (mpirun, 3), (torchrun, 2), pytest.param(mpirun, 2, marks=pytest.mark.wide),
+    pytest.param(torchrun, 3, marks=pytest.mark.wide)],
+    ids=["mpiexec-3", "torchrun-2", "mpiexec-2", "torchrun-3"])
 def test_comm_hooks_that_wait_in_callbacks_match_gloo(launch, n):
     """torch's PowerSGD hooks, and a hook whose callback issues an allreduce and waits
     for it: the callbacks' collectives run, DDP trains as on gloo, nothing hangs."""

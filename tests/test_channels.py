@@ -187,7 +187,9 @@ def test_nccl_path_with_channels(size):
     assert lib.calls["NcclCommunicator"] == 2 * size
 
 
-@pytest.mark.parametrize("launch,n", [(mpirun, 3), (torchrun, 2)], ids=["mpiexec3", "torchrun2"])
+@pytest.mark.parametrize("launch,n", [(mpirun, 3),
+                                     pytest.param(torchrun, 2, marks=pytest.mark.wide)],
+                         ids=["mpiexec3", "torchrun2"])
 def test_channels_under_launchers(launch, n):
     out = launch(n, "channels_check.py", timeout=240).stdout
     assert_checks(out, f"channels_check {launch.__name__} n={n}", n)

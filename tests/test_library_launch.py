@@ -20,7 +20,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+#: the cases make test leaves to make test-wide: 2 ranks under mpiexec (3 ranks and
+#: torchrun's 2 cover it) and 5 oversubscribed ranks (14 s here)
+WIDE = ("mpiexec n=2", "mpiexec n=5 local_size=2")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.wide) if c in WIDE else c
+                                  for c in CASES])
 def test_library_against_gloo(case):
     launch, n, env, hosts, extra = CASES[case]
     out = launch(n, "library_check.py", "--hosts", hosts, *extra, timeout=240, env=env).stdout
