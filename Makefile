@@ -48,7 +48,7 @@ test: install
 	$(call pytest,-m "not cluster and not frameworks and not parallel and not bench and not gpucheck and not wide")
 
 # the launches make test leaves out because another launch there covers them: the
-# other launcher, or five oversubscribed ranks (about a minute and a half)
+# other launcher, one rank, or five oversubscribed ranks (about two minutes)
 test-wide: install
 	$(call pytest,-m wide)
 

@@ -17,13 +17,16 @@ def test_collectives_mpiexec(n):
 
 
 @pytest.mark.compat
+@pytest.mark.wide  # torchrun's launch: test_contract, test_library_launch, test_ddp, ...
 @pytest.mark.parametrize("n", [2])  # 3 ranks: mpiexec above; torchrun on 3 hosts: test_multinode
 def test_collectives_torchrun(n):
     out = torchrun(n, "collectives_check.py", timeout=240).stdout
     assert_checks(out, f"collectives_check torchrun n={n}", n)
 
 
-@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.compat), 3])  # 4: test_properties; 5: collectives_check
+# 4: test_properties; 5: collectives_check; 1 (one rank: collectives_check's): test-wide
+@pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.wide),
+                               pytest.param(2, marks=pytest.mark.compat), 3])
 def test_more_collectives_mpiexec(n):
     extra = ["--compile"] if n == 2 else []  # torch.compile costs ~10 s a launch: once
     out = mpirun(n, "more_collectives_check.py", *extra, timeout=240).stdout
@@ -99,7 +102,8 @@ def test_the_demo_checks_its_results():
     assert "all results correct" in out, out
 
 
-@pytest.mark.parametrize("launch,n", [(mpirun, 3), (torchrun, 2)], ids=["mpiexec3", "torchrun2"])
+@pytest.mark.parametrize("launch,n", [(mpirun, 3), pytest.param(torchrun, 2, marks=pytest.mark.wide)],
+                         ids=["mpiexec3", "torchrun2"])
 def test_user_registered_schedule_under_torch_and_ddp(launch, n):
     out = launch(n, "user_algorithm_check.py", timeout=180).stdout
     assert_checks(out, f"user_algorithm_check {launch.__name__} n={n}", n)

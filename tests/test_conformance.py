@@ -3,12 +3,15 @@ the processes the suite spawns: ``test_all_to_all_single_unequal_split``, a gate
 opened for ringcomm (about 9 s). The whole suite (collectives, subgroups,
 send/recv, DDP on CPU) is ``make conformance``, with its results in
 docs/conformance.md; what it covers, our own tests check against gloo in
-``make test`` (test_backend: every collective; test_ddp: torch's DDP on ringcomm)."""
+``make test`` (test_backend: every collective; test_ddp: torch's DDP on ringcomm),
+so this one runs in ``make test-wide``."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT
 
@@ -24,6 +27,7 @@ CI_TESTS = [
 ]
 
 
+@pytest.mark.wide  # what it covers, test_backend and test_ddp check against gloo
 def test_torch_suite_part_passes(tmp_path):
     xml = tmp_path / "suite.xml"
     env = dict(os.environ, OMP_NUM_THREADS="1", BACKEND="ringcomm", WORLD_SIZE="3",

@@ -351,75 +351,76 @@ def report_refusals(m: Meshes, rank: int):
 
 
 # -- ops ------------------------------------------------------------------------------
-def check_ops(c: Checker, m: Meshes, what_mesh: str, rank: int):
-    """DTensor ops that need collectives, each against plain tensors and gloo."""
-    n = m.shape
-    one = len(n) == 1
-    A = rand_int((7, 6), 901, torch.float64)
-    B = rand_int((6, 5), 902, torch.float64)
-    X = rand_int((8, 12), 903, torch.float64) / 4  # no empty shard: amax refuses one
+class _Ops:
+    """What the op checks share: the checker, the meshes, the inputs, and a run of an
+    op on ringcomm's mesh and gloo's compared with both and with plain tensors."""
 
-    if one:
-        mm_cases = [([Shard(1)], [Shard(0)]), ([Shard(0)], [Replicate()]),
-                    ([Replicate()], [Shard(1)]), ([Shard(0)], [Shard(1)]),
-                    ([Shard(1)], [Replicate()])]
-        red_cases = [[Shard(0)], [Shard(1)]]
-    else:
-        mm_cases = [([Shard(0), Shard(1)], [Replicate(), Shard(0)]),
-                    ([Shard(1), Shard(1)], [Shard(0), Shard(0)]),
-                    ([Replicate(), Shard(1)], [Shard(1), Replicate()])]
-        red_cases = [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(0)]]
+    def __init__(self, c: Checker, m: Meshes, what_mesh: str):
+        self.c, self.m, self.what_mesh = c, m, what_mesh
+        self.one = len(m.shape) == 1
+        self.A = rand_int((7, 6), 901, torch.float64)
+        self.B = rand_int((6, 5), 902, torch.float64)
+        self.X = rand_int((8, 12), 903, torch.float64) / 4  # no empty shard: amax refuses one
+        if self.one:
+            self.mm_cases = [([Shard(1)], [Shard(0)]), ([Shard(0)], [Replicate()]),
+                             ([Replicate()], [Shard(1)]), ([Shard(0)], [Shard(1)]),
+                             ([Shard(1)], [Replicate()])]
+            self.red_cases = [[Shard(0)], [Shard(1)]]
+        else:
+            self.mm_cases = [([Shard(0), Shard(1)], [Replicate(), Shard(0)]),
+                             ([Shard(1), Shard(1)], [Shard(0), Shard(0)]),
+                             ([Replicate(), Shard(1)], [Shard(1), Replicate()])]
+            self.red_cases = [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(0)]]
 
-    def run_both(fn):
-        gl = fn(m.gloo)
-        return c.run(f"{what_mesh}: op on ringcomm", fn, m.ring), gl
-
-    def compare(what, got, gl, want, tol=0.0):
+    def check(self, what: str, fn, want, tol: float = 0.0) -> None:
+        """``fn(mesh) -> (local, full)`` on gloo's mesh, then on ringcomm's: the local
+        parts agree with gloo's, the full tensor with ``want``."""
+        gl = fn(self.m.gloo)
+        got = self.c.run(f"{self.what_mesh}: op on ringcomm", fn, self.m.ring)
         if got is None:
             return
         g_loc, g_full = got
-        c.check(same(g_loc, gl[0], tol), f"{what}: local vs gloo's: {diff(g_loc, gl[0])}")
-        c.check(same(g_full, want, tol), f"{what}: full vs plain tensors: {diff(g_full, want)}")
+        what = f"{self.what_mesh}: {what}"
+        self.c.check(same(g_loc, gl[0], tol), f"{what}: local vs gloo's: {diff(g_loc, gl[0])}")
+        self.c.check(same(g_full, want, tol),
+                     f"{what}: full vs plain tensors: {diff(g_full, want)}")
 
-    for pa, pb in mm_cases:
-        def f(mesh, pa=pa, pb=pb):
-            out = distribute_tensor(A, mesh, pa) @ distribute_tensor(B, mesh, pb)
-            return out.to_local().clone(), out.full_tensor()
-        compare(f"{what_mesh}: matmul {name(pa)} @ {name(pb)}", *run_both(f), A @ B)
 
-    for pl in red_cases:
+def _local_and_full(out):
+    return out.to_local().clone(), out.full_tensor()
+
+
+def check_matmuls(o: _Ops) -> None:
+    for pa, pb in o.mm_cases:
+        o.check(f"matmul {name(pa)} @ {name(pb)}",
+                lambda mesh, pa=pa, pb=pb: _local_and_full(
+                    distribute_tensor(o.A, mesh, pa) @ distribute_tensor(o.B, mesh, pb)),
+                o.A @ o.B)
+
+
+def check_reductions(o: _Ops) -> None:
+    X = o.X
+    for pl in o.red_cases:
         for dim in (0, 1):
-            def f(mesh, pl=pl, dim=dim):
-                out = distribute_tensor(X, mesh, pl).sum(dim=dim)
-                return out.to_local().clone(), out.full_tensor()
-            compare(f"{what_mesh}: sum(dim={dim}) of {name(pl)}", *run_both(f), X.sum(dim=dim))
-
-            def f(mesh, pl=pl, dim=dim):
-                out = distribute_tensor(X, mesh, pl).amax(dim=dim)
-                return out.to_local().clone(), out.full_tensor()
-            compare(f"{what_mesh}: amax(dim={dim}) of {name(pl)}", *run_both(f),
-                    X.amax(dim=dim))
-
-            def f(mesh, pl=pl, dim=dim):
-                out = torch.softmax(distribute_tensor(X, mesh, pl), dim=dim)
-                return out.to_local().clone(), out.full_tensor()
-            compare(f"{what_mesh}: softmax(dim={dim}) of {name(pl)}", *run_both(f),
+            o.check(f"sum(dim={dim}) of {name(pl)}", lambda mesh, pl=pl, dim=dim: _local_and_full(
+                distribute_tensor(X, mesh, pl).sum(dim=dim)), X.sum(dim=dim))
+            o.check(f"amax(dim={dim}) of {name(pl)}", lambda mesh, pl=pl, dim=dim: _local_and_full(
+                distribute_tensor(X, mesh, pl).amax(dim=dim)), X.amax(dim=dim))
+            o.check(f"softmax(dim={dim}) of {name(pl)}",
+                    lambda mesh, pl=pl, dim=dim: _local_and_full(
+                        torch.softmax(distribute_tensor(X, mesh, pl), dim=dim)),
                     torch.softmax(X, dim=dim), tol=1e-12)
+        o.check(f"vector_norm of {name(pl)}", lambda mesh, pl=pl: _local_and_full(
+            torch.linalg.vector_norm(distribute_tensor(X, mesh, pl))),
+            torch.linalg.vector_norm(X), tol=1e-12)
+        o.check(f"sum() of {name(pl)}", lambda mesh, pl=pl: _local_and_full(
+            distribute_tensor(X, mesh, pl).sum()), X.sum())
 
-        def f(mesh, pl=pl):
-            out = torch.linalg.vector_norm(distribute_tensor(X, mesh, pl))
-            return out.to_local().clone(), out.full_tensor()
-        compare(f"{what_mesh}: vector_norm of {name(pl)}", *run_both(f),
-                torch.linalg.vector_norm(X), tol=1e-12)
 
-        def f(mesh, pl=pl):
-            out = distribute_tensor(X, mesh, pl).sum()
-            return out.to_local().clone(), out.full_tensor()
-        compare(f"{what_mesh}: sum() of {name(pl)}", *run_both(f), X.sum())
-
-    # backward through redistribute and through a sharded matmul
-    W = rand_int((8, 12), 904, torch.float64)
-    if one:
+def check_backward(o: _Ops) -> None:
+    """Backward through redistribute and through a sharded matmul."""
+    X, W = o.X, rand_int((8, 12), 904, torch.float64)
+    if o.one:
         bw_cases = [([Shard(0)], [Replicate()]), ([Replicate()], [Shard(1)]),
                     ([Shard(0)], [Shard(1)]), ([Shard(1)], [Shard(0)])]
     else:
@@ -432,22 +433,26 @@ def check_ops(c: Checker, m: Meshes, what_mesh: str, rank: int):
             w = distribute_tensor(W, mesh, dst)
             y = x.redistribute(mesh, dst)
             (y * y * w).sum().backward()
-            return x.grad.to_local().clone(), x.grad.full_tensor()
-        compare(f"{what_mesh}: grad through redistribute {name(src)}->{name(dst)}",
-                *run_both(f), 2 * X * W)
-
-    pa, pb = mm_cases[0]
+            return _local_and_full(x.grad)
+        o.check(f"grad through redistribute {name(src)}->{name(dst)}", f, 2 * X * W)
+    pa, pb = o.mm_cases[0]
     for which in (0, 1):
         def f(mesh, which=which):
-            a = distribute_tensor(A, mesh, pa).requires_grad_(True)
-            b = distribute_tensor(B, mesh, pb).requires_grad_(True)
-            (a @ b).redistribute(mesh, [Replicate()] * len(n)).pow(2).sum().backward()
-            g = (a, b)[which].grad
-            return g.to_local().clone(), g.full_tensor()
-        a0, b0 = A.clone().requires_grad_(True), B.clone().requires_grad_(True)
+            a = distribute_tensor(o.A, mesh, pa).requires_grad_(True)
+            b = distribute_tensor(o.B, mesh, pb).requires_grad_(True)
+            (a @ b).redistribute(mesh, [Replicate()] * len(o.m.shape)).pow(2).sum().backward()
+            return _local_and_full((a, b)[which].grad)
+        a0, b0 = o.A.clone().requires_grad_(True), o.B.clone().requires_grad_(True)
         (a0 @ b0).pow(2).sum().backward()
-        compare(f"{what_mesh}: matmul {name(pa)} @ {name(pb)} grad of {'AB'[which]}",
-                *run_both(f), (a0.grad, b0.grad)[which])
+        o.check(f"matmul {name(pa)} @ {name(pb)} grad of {'AB'[which]}", f,
+                (a0.grad, b0.grad)[which])
+
+
+def check_ops(c: Checker, m: Meshes, what_mesh: str, rank: int):
+    """DTensor ops that need collectives, each against plain tensors and gloo."""
+    o = _Ops(c, m, what_mesh)
+    for check in (check_matmuls, check_reductions, check_backward):
+        check(o)
 
 
 def main() -> None:
