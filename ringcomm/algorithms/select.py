@@ -171,16 +171,7 @@ def add_band(collective: str, world_size: int, low: int, high: int | None,
 
 
 def remove_bands(collective: str, algorithm: str) -> None:
-    """Drop every band of ``algorithm`` (it is being unregistered); refuse, before
-    that, one that auto's built-in tuning names.
-
-    Raises:
-        ValueError: ``DEFAULT_TUNING`` names ``algorithm`` for ``collective``.
-    """
-    if any(algo == algorithm for rows in DEFAULT_TUNING.get(collective, {}).values()
-           for _, algo in rows):
-        raise ValueError(f"ringcomm.unregister_algorithm: {collective} algorithm "
-                         f"{algorithm!r} is in auto's built-in tuning")
+    """Drop every band of ``algorithm`` (unregistered, or its registration replaced)."""
     for key in [k for k in BANDS if k[0] == collective]:
         BANDS[key] = [b for b in BANDS[key] if b[2] != algorithm]
         if not BANDS[key]:
@@ -216,4 +207,18 @@ def choose(table: dict, collective: str, nbytes: int, world_size: int,
     return rows[-1][1]
 
 
-ON_UNREGISTER.append(remove_bands)
+def _unregistering(collective: str, algorithm: str) -> None:
+    """Before ``algorithm`` is unregistered: refuse one that auto's built-in tuning
+    names, else drop its bands.
+
+    Raises:
+        ValueError: ``DEFAULT_TUNING`` names ``algorithm`` for ``collective``.
+    """
+    if any(algo == algorithm for rows in DEFAULT_TUNING.get(collective, {}).values()
+           for _, algo in rows):
+        raise ValueError(f"ringcomm.unregister_algorithm: {collective} algorithm "
+                         f"{algorithm!r} is in auto's built-in tuning")
+    remove_bands(collective, algorithm)
+
+
+ON_UNREGISTER.append(_unregistering)
