@@ -132,6 +132,18 @@ SETTINGS: tuple[Setting, ...] = (
             "ranks per host, as consecutive blocks of world ranks, for hierarchical "
             "algorithms; 0 takes the layout from the launcher", option="local_size",
             minimum=0),
+    Setting("RINGCOMM_SHM", "bool", True,
+            "ranks of a group on one host exchange messages through shared memory "
+            "(`ringcomm.transport.shm`); off: over MPI"),
+    Setting("RINGCOMM_SHM_DIR", "path", "/dev/shm",
+            "directory (a tmpfs) where shared-memory segments are made; each is unlinked "
+            "as soon as every rank mapped it"),
+    Setting("RINGCOMM_SHM_SLOT_BYTES", "int", 256 * 1024,
+            "bytes of one slot of a shared-memory FIFO, rounded up to a page (a message "
+            "travels in chunks of it)", minimum=4096),
+    Setting("RINGCOMM_SHM_SLOTS", "int", 4,
+            "slots of each shared-memory FIFO (one per peer and direction): a rank maps "
+            "peers x slots x slot bytes of its own", minimum=2),
     Setting("RINGCOMM_IFACE", "name", None,
             "network interface for MPI and NCCL when ranks span hosts (default: the one "
             "that carries this host's traffic to `MASTER_ADDR`); see docs/multi-node.md"),

@@ -62,11 +62,12 @@ def mpirun(n: int, program: str, *args: str, timeout: float = 120, env: dict | N
 
 
 def torchrun(n: int, program: str, *args: str, timeout: float = 120, env: dict | None = None,
-             check: bool = True) -> subprocess.CompletedProcess:
-    """Run tests/ranks/``program`` (or a path) on ``n`` ranks under torchrun."""
+             check: bool = True, launcher_args: list[str] = ()) -> subprocess.CompletedProcess:
+    """Run tests/ranks/``program`` (or a path) on ``n`` ranks under torchrun (with
+    ``launcher_args`` for torchrun itself)."""
     path = program if os.path.sep in program else str(RANKS / program)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={n}", path, *args]
+           f"--nproc-per-node={n}", *launcher_args, path, *args]
     return _checked(_run(cmd, timeout, env), cmd, check)
 
 

@@ -62,7 +62,9 @@ def create_group(dist_opts: Any, pg_options: Any) -> ProcessGroupRingcomm:
         hosts = bootstrap.host_layout(comm, world_rank, options.local_size)
         # one communicator per channel: messages of different channels never match
         comms = [comm, *(comm.Dup() for _ in range(options.num_channels - 1))]
-        transports = [MPITransport(c) for c in comms]
+        # ranks sharing a host exchange a schedule's messages through shared memory
+        from ringcomm.transport import shm
+        transports = [shm.connect(MPITransport(c), c, hosts, k) for k, c in enumerate(comms)]
     pg = ProcessGroupRingcomm(dist_opts.group_rank, dist_opts.group_size, transports,
                               dist_opts.timeout, options, str(dist_opts.group_id),
                               store=store, cpu_error=cpu_error, hosts=hosts,

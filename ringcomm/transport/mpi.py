@@ -325,6 +325,11 @@ class MPITransport(Transport):
         self._suspect: tuple | None = None
         #: the batch :meth:`wait` waits for
         self._waiting: _Batch | None = None
+        #: run between polls of every wait: a transport that wraps this one moves its
+        #: own messages there (:class:`ringcomm.transport.shm.ShmTransport`)
+        self.idle_hook = None
+        #: users' sends and receives not yet seen complete (see :meth:`user_pending`)
+        self._user: set[Handle] = set()
 
     @staticmethod
     def _mem(buf: torch.Tensor):
@@ -371,8 +376,7 @@ class MPITransport(Transport):
             # a completed request is never tested again: an inactive persistent request
             # tests done with an empty status, which would overwrite the real one
             done = complete(reqs, statuses, self._deadline, self.spin_s, self.max_sleep_s,
-                            self._match_all_any_source if self._any_source else None,
-                            self.stopped, first, self._probe)
+                            self._idle(), self.stopped, first, self._probe)
         except MPI.Exception as e:
             if e.Get_error_class() in (MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
                 raise RuntimeError(
@@ -391,6 +395,31 @@ class MPITransport(Transport):
                 raise RuntimeError(f"received {got} bytes from rank {h.peer} where {h.nbytes} "
                                    "were expected: ranks passed different sizes to this "
                                    "collective")
+
+    def _idle(self):
+        """What a wait runs between polls: any-source matching, the wrapper's hook."""
+        hook = self.idle_hook
+        if not self._any_source:
+            return hook
+        if hook is None:
+            return self._match_all_any_source
+        match = self._match_all_any_source
+        return lambda: (match(), hook())
+
+    def user_pending(self) -> bool:
+        """Whether a user's send or receive may still need MPI's progress."""
+        return bool(self._user)
+
+    def poke(self) -> None:
+        """Let MPI progress once (a probe), and match any-source receives: a rank
+        waiting on something else keeps its pending MPI transfers moving, as MPI's
+        own waits do (a large message moves only inside MPI calls on both sides).
+        Called only while MPI has work pending: MPICH ends a process whose MPI call
+        finds a peer dead, so a group on one host makes no MPI call it needs not."""
+        with _mpi_lock:
+            self.p2p_comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+        if self._any_source:
+            self._match_all_any_source()
 
     def _probe(self, i: int) -> None:
         """Raise :class:`TransportMismatch` if the peer that ``h``, the receive waited
@@ -459,7 +488,9 @@ class MPITransport(Transport):
         mem = self._mem(buf)
         with _mpi_lock:
             req = self.p2p_comm.Isend(mem, peer, tag)
-        return Handle(req, buf, peer, "send")
+        h = Handle(req, buf, peer, "send")
+        self._user.add(h)
+        return h
 
     def p2p_irecv(self, buf: torch.Tensor, peer: int | None, tag: int) -> Handle:
         self._check_tag(tag)
@@ -472,10 +503,13 @@ class MPITransport(Transport):
             h = Handle(None, buf, -1, "recv", MPI.Status())
             h.req = _AnySource(tag, mem)
             self._any_source.setdefault(tag, collections.deque()).append(h)
+            self._user.add(h)
             return h
         with _mpi_lock:
             req = self.p2p_comm.Irecv(mem, peer, tag)
-        return Handle(req, buf, peer, "recv", MPI.Status())
+        h = Handle(req, buf, peer, "recv", MPI.Status())
+        self._user.add(h)
+        return h
 
     def p2p_wait(self, handle: Handle, deadline: float) -> bool:
         if not poll(lambda: self.p2p_done(handle), deadline, self.spin_s, self.max_sleep_s,
@@ -492,7 +526,10 @@ class MPITransport(Transport):
                 return False
         # Test with a status: a receive learns its sender here.
         with _mpi_lock:
-            return handle.req == MPI.REQUEST_NULL or handle.req.Test(handle.status)
+            done = handle.req == MPI.REQUEST_NULL or handle.req.Test(handle.status)
+        if done:
+            self._user.discard(handle)
+        return done
 
     def _match_any_source(self, tag: int) -> None:
         # Head, probe, receive and pop under one lock hold: another thread (a future's
@@ -517,6 +554,7 @@ class MPITransport(Transport):
             self._match_any_source(tag)
 
     def p2p_cancel(self, handle: Handle) -> None:
+        self._user.discard(handle)
         with _mpi_lock:
             if isinstance(handle.req, _AnySource):  # not matched yet: nothing was posted
                 waiting = self._any_source.get(handle.req.tag)

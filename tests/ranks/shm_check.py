@@ -1,0 +1,145 @@
+"""Per-rank program: the shared-memory transport (ringcomm/transport/shm.py).
+
+Modes (first argument):
+
+``correct``: every collective and algorithm against a single-process oracle, at
+sizes around the slot size (run with small slots: chunking and full FIFOs), over
+the transport the group got; which ranks it reaches through shared memory (all on
+one host, a block's with ``RINGCOMM_LOCAL_SIZE``); that no segment of the job is
+left in the directory once the group exists; ``--expect mpi`` where set-up must
+have fallen back to MPI.
+
+``mismatch``: rank 0 reduces fewer elements than the others: every rank fails
+with an error naming the sizes, well before the group's timeout.
+
+``kill``: the last rank kills itself (SIGKILL) at a collective; every other rank
+fails, naming that rank and its host, well before the group's timeout, and writes
+what it found to ``$SHM_CHECK_OUT/rank<r>``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import ringcomm
+from ringcomm import settings
+from ringcomm.front.create import GROUPS
+from ringcomm.testing import check_collectives
+from ringcomm.transport.shm import ShmTransport
+from _common import Checker
+
+TIMEOUT_S = 60.0
+
+
+def world_group():
+    return next(g for g in GROUPS if g.size() == dist.get_world_size())
+
+
+def transports():
+    return [lane.tp for lane in world_group().lanes.cpus]
+
+
+def left_in_directory(tp) -> list[str]:
+    return [p for p in getattr(tp, "segments", ()) if os.path.exists(p)]
+
+
+def correct(c: Checker, rank: int, size: int, expect: str) -> None:
+    tps = transports()
+    if expect == "mpi":
+        c.check(not any(isinstance(tp, ShmTransport) for tp in tps),
+                f"set-up should have fallen back to MPI, got {[type(t).__name__ for t in tps]}")
+    else:
+        local = settings.get("RINGCOMM_LOCAL_SIZE") or size
+        block = [r for r in range(size) if r // local == rank // local and r != rank]
+        for tp in tps:
+            c.check(isinstance(tp, ShmTransport), f"transport is {type(tp).__name__}")
+            if isinstance(tp, ShmTransport):
+                c.check(tp.local_peers() == block, f"local peers {tp.local_peers()} != {block}")
+                c.check(not left_in_directory(tp), f"segments left: {left_in_directory(tp)}")
+    slot = settings.get("RINGCOMM_SHM_SLOT_BYTES")
+    for numel in (1, slot // 4 - 1, slot // 4 + 1, 3 * slot // 4 + 5):
+        c.count += c.run(f"check_collectives numel={numel}", check_collectives, world_group(),
+                         "cpu", dtypes=(torch.float32, torch.int64), numel=numel) or 0
+    # a large message through few small slots, each algorithm of allreduce
+    x = torch.arange(300_000, dtype=torch.float64) + rank
+    want = torch.arange(300_000, dtype=torch.float64) * size + sum(range(size))
+    for algo in ("ring", "tree", "recursive_doubling", "double_tree"):
+        g = dist.new_group(pg_options=ringcomm.Options(algorithms={"allreduce": algo}))
+        y = x.clone()
+        c.run(f"allreduce {algo}", dist.all_reduce, y, group=g)
+        c.check(torch.equal(y, want), f"allreduce {algo}: wrong sum")
+    if size % 2 == 0 and settings.get("RINGCOMM_LOCAL_SIZE"):
+        g = dist.new_group(pg_options=ringcomm.Options(algorithms={"allreduce": "hierarchical"}))
+        y = x.clone()
+        c.run("allreduce hierarchical", dist.all_reduce, y, group=g)
+        c.check(torch.equal(y, want), "allreduce hierarchical: wrong sum")
+
+
+def mismatch(c: Checker, rank: int, size: int) -> None:
+    x = torch.ones(100 if rank == 0 else 200)
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        c.check(False, "mismatched sizes: all_reduce returned")
+    except Exception as e:  # noqa: BLE001
+        took = time.monotonic() - t0
+        text = str(e)
+        c.case("shm: mismatched allreduce sizes", e, took)
+        c.check("size" in text or "mismatch" in text, f"error names no size: {text}")
+        c.check(took < TIMEOUT_S / 2, f"took {took:.1f} s, the group's timeout is {TIMEOUT_S}")
+
+
+def kill(c: Checker, rank: int, size: int) -> None:
+    x = torch.ones(1000)
+    dist.all_reduce(x)  # every rank is up and mapped
+    victim = size - 1
+    if rank == victim:
+        print(f"rank {rank}: killing myself at the second allreduce", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        c.check(False, "all_reduce with a dead peer returned")
+    except Exception as e:  # noqa: BLE001
+        took = time.monotonic() - t0
+        text = str(e)
+        c.case("shm: a rank killed at an allreduce", e, took)
+        c.check(f"rank {victim}" in text, f"error does not name rank {victim}: {text}")
+        c.check(took < TIMEOUT_S / 2, f"took {took:.1f} s, the group's timeout is {TIMEOUT_S}")
+    for tp in transports():
+        c.check(not left_in_directory(tp), f"segments left: {left_in_directory(tp)}")
+    # to a file: hydra may stop forwarding output once it saw a rank die
+    out = os.environ.get("SHM_CHECK_OUT", "")
+    if os.path.isdir(out):
+        with open(os.path.join(out, f"rank{rank}"), "w") as f:
+            f.write("survived\n" + "".join(f"FAIL {x}\n" for x in c.failures))
+    os._exit(1 if c.failures else 0)  # the group cannot be torn down with a dead member
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=("correct", "mismatch", "kill"))
+    p.add_argument("--expect", choices=("shm", "mpi"), default="shm")
+    args = p.parse_args()
+    dist.init_process_group("ringcomm", timeout=timedelta(seconds=TIMEOUT_S))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    c = Checker(rank)
+    if args.mode == "kill":
+        kill(c, rank, size)  # exits: a group with a dead member cannot be torn down
+    elif args.mode == "mismatch":
+        mismatch(c, rank, size)
+    else:
+        correct(c, rank, size, args.expect)
+    dist.destroy_process_group()
+    c.finish()
+
+
+if __name__ == "__main__":
+    main()

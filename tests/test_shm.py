@@ -1,0 +1,135 @@
+"""The shared-memory transport (ringcomm/transport/shm.py): its layout, every
+collective over it against an oracle, several hosts (shared memory inside each,
+MPI between), and its faults under both launchers: a killed rank, mismatched sizes,
+a directory too small, two jobs on one host at once."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from conftest import BIN, LAUNCHERS, RANKS, _env, mpirun, torchrun
+from ringcomm.transport.shm import Geometry
+
+#: small slots: messages of every test size take several chunks and fill the FIFO
+SMALL = {"RINGCOMM_SHM_SLOT_BYTES": "4096", "RINGCOMM_SHM_SLOTS": "2"}
+
+
+def _segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("ringcomm-")}
+
+
+def test_geometry_places_nothing_twice():
+    """Counters, tags and slots of every outbox lie apart, counters on lines of
+    their own, slots page-aligned, all inside the segment."""
+    for npeers, slots, slot_bytes in ((1, 2, 4096), (3, 4, 256 * 1024), (7, 5, 5000)):
+        g = Geometry(npeers, slots, slot_bytes)
+        spans = [(0, 512)] + [(g.tail_at(j), g.tail_at(j) + 128) for j in range(npeers)]
+        for j in range(npeers):
+            spans.append((g.outbox_at(j), g.outbox_at(j) + 128 + g.meta_bytes))
+            spans += [(g.slot_at(j, s), g.slot_at(j, s) + g.slot_bytes) for s in range(slots)]
+            assert all(g.slot_at(j, s) % 4096 == 0 for s in range(slots))
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+        assert spans[-1][1] <= g.nbytes
+        assert g.slot_bytes >= slot_bytes
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_over_shared_memory(n):
+    before = _segments()
+    mpirun(n, "shm_check.py", "correct", timeout=240, env=SMALL)
+    assert _segments() <= before
+
+
+def test_shared_memory_inside_hosts_mpi_between():
+    """RINGCOMM_LOCAL_SIZE=2 on 4 ranks: two 'hosts'; each rank reaches its block's
+    peer through shared memory and the other block through MPI, hierarchical too."""
+    mpirun(4, "shm_check.py", "correct", timeout=300, env={**SMALL, "RINGCOMM_LOCAL_SIZE": "2"})
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_mismatched_sizes_fail_at_once(launcher):
+    before = _segments()
+    out = LAUNCHERS[launcher](2, "shm_check.py", "mismatch", timeout=120)
+    assert "checks passed" in out.stdout
+    assert _segments() <= before
+
+
+def test_a_killed_rank_ends_the_others_wait_torchrun(tmp_path):
+    """The last of 3 ranks SIGKILLs itself at an allreduce; torchrun is told to look
+    at its workers only every 10 s, so the others must find out themselves: each
+    fails naming a rank that stopped, long before the group's 60 s timeout, leaves no
+    segment behind, and writes what it found to a file."""
+    before = _segments()
+    t0 = time.monotonic()
+    out = torchrun(3, "shm_check.py", "kill", timeout=120, check=False,
+                   env={"SHM_CHECK_OUT": str(tmp_path)}, launcher_args=["--monitor-interval=10"])
+    found = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    text = out.stdout + out.stderr
+    assert sorted(found) == ["rank0", "rank1"], (found, text[-3000:])
+    for name, result in found.items():
+        assert result.startswith("survived") and "FAIL" not in result, (name, result)
+    assert "exited while rank" in text and "rank 2" in text, text[-3000:]
+    assert time.monotonic() - t0 < 55
+    assert _segments() <= before
+
+
+def test_a_killed_rank_ends_the_job_mpiexec():
+    """Under mpiexec, hydra ends the whole job when a rank dies (even with
+    -disable-auto-cleanup): no rank hangs, none leaves a segment, and a survivor
+    that reports first names the dead rank."""
+    before = _segments()
+    t0 = time.monotonic()
+    out = mpirun(3, "shm_check.py", "kill", timeout=120, check=False,
+                 env={"SHM_CHECK_OUT": "/nonexistent"})
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "killing myself" in text, text[-3000:]
+    assert time.monotonic() - t0 < 60, "the job outlived the group's timeout"
+    if "failed (group" in text:
+        assert "rank 2 (pid" in text and "exited while rank" in text, text[-3000:]
+    assert _segments() <= before
+
+
+def _small_tmpfs(size: str):
+    d = tempfile.mkdtemp(prefix="ringcomm-tmpfs-")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", d],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        os.rmdir(d)
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    return d
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_a_full_directory_falls_back_to_mpi(launcher):
+    """A 64 KiB tmpfs cannot hold two 1 MiB segments: group creation warns, naming
+    the sizes, and the collectives run over MPI, correctly."""
+    d = _small_tmpfs("64k")
+    try:
+        out = LAUNCHERS[launcher](2, "shm_check.py", "correct", "--expect", "mpi", timeout=240,
+                                  env={"RINGCOMM_SHM_DIR": d})
+        text = out.stdout + out.stderr
+        assert "shared memory is not used" in text, text[-3000:]
+        assert "MiB free" in text and "needs" in text, text[-3000:]
+        assert not os.listdir(d)
+    finally:
+        subprocess.run(["umount", d])
+        os.rmdir(d)
+
+
+def test_two_jobs_on_one_host_at_once():
+    """Two jobs whose segments would share names if names were per host: both pass."""
+    env = {**SMALL}
+    procs = [subprocess.Popen([str(BIN / "mpiexec"), "-n", "2", sys.executable, str(RANKS / "shm_check.py"),
+                               "correct"], env=_env(env), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
