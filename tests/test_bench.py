@@ -65,6 +65,7 @@ def quick_run(tmp_path_factory):
     proc = mpirun(2, SCRIPT, "-b", "4", "-e", "64K", "-f", "128", "-n", "3", "-w", "0",
                   "--min-time", "0", "--rounds", "1", "-c", "--coll", "all",
                   "--algos", "auto,tree,ring",  # auto first: its pick must not see ring's setting
+                  "--peers", "mpi,gloo,nccl,floor",  # the same columns where DeepSpeed is installed
                   "--predict-ranks", "8,64",
                   "--json", files["json"], "--csv", files["csv"], "--plot", files["png"], "--markdown", files["md"],
                   "--write-tuning", files["tuning"], timeout=150)
@@ -485,3 +486,25 @@ def test_bench_copies_times_every_copy_in_both_forms(tmp_path):
     assert all(r["in_code_us"] > 0 and r["other_us"] > 0 for r in doc["rows"])
     committed = json.loads((ROOT / "docs" / "data" / "hot_path_copies.json").read_text())
     assert [r["copy"] for r in committed["rows"]] == [r["copy"] for r in doc["rows"]]
+
+
+def test_deepspeed_column_and_a_barrier_before_each_call(tmp_path):
+    """The deepspeed column (DeepSpeed's shared-memory allreduce) is checked like any
+    other where DeepSpeed is installed, and skipped naming why where it is not;
+    --barrier-each is recorded in the JSON, and every column still checks right."""
+    out = str(tmp_path / "ds.json")
+    mpirun(2, SCRIPT, "-b", "4K", "-e", "64K", "-f", "16", "-n", "3", "-w", "1", "--min-time", "0",
+           "--rounds", "1", "-c", "--algos", "auto", "--peers", "mpi,deepspeed",
+           "--barrier-each", "--no-model", "--json", out, timeout=400)
+    with open(out) as f:
+        doc = json.load(f)
+    assert doc["meta"]["timing"]["barrier_each"] is True
+    rows = [r for r in doc["results"] if r["column"] == "deepspeed"]
+    assert len(rows) == 2, rows
+    import importlib.util
+    if importlib.util.find_spec("deepspeed") is None:
+        assert all(r["status"] == "skipped" and "not installed" in r["reason"] for r in rows)
+    else:
+        assert all(r["status"] == "ok" and r["wrong"] == 0 for r in rows), rows
+    others = [r for r in doc["results"] if r["column"] in ("auto", "mpi")]
+    assert others and all(r["status"] == "ok" and r["wrong"] == 0 for r in others), others

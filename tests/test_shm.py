@@ -133,3 +133,56 @@ def test_two_jobs_on_one_host_at_once():
     outs = [p.communicate(timeout=400)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
+
+
+def _plan(steps, n=8, scratch=1):
+    """A two-rank allreduce plan of rank 0 from ``steps(b, tmp)``."""
+    from ringcomm.execution.plan import Plan
+    from ringcomm.schedule import Builder, Context
+
+    b = Builder(Context("allreduce", 2, 0, (n,)))
+    tmps = [b.scratch(n) for _ in range(scratch)]
+    steps(b, *tmps)
+    return Plan(b.build())
+
+
+def test_held_receives_are_those_only_one_local_step_reads():
+    """Plan.held_receives: a receive into scratch that one reduction reads is held;
+    one whose scratch is read again, sent on, partly overwritten, or that is not the
+    last its step awaits from that peer, is not; nor is one into a caller buffer."""
+    from ringcomm.schedule import Copy, Reduce
+    D = 0
+
+    def swap_sum(b, t):
+        b.step(sends=[(1, (D, 0, 8))], recvs=[(1, (t, 0, 8))], local=[Reduce((D, 0, 8), (t, 0, 8))])
+    assert _plan(swap_sum).held_receives() == {0: (0, 0)}
+
+    def read_twice(b, t):
+        b.step(sends=[(1, (D, 0, 8))], recvs=[(1, (t, 0, 8))],
+               local=[Reduce((D, 0, 8), (t, 0, 8)), Reduce((D, 0, 8), (t, 0, 8))])
+    assert _plan(read_twice).held_receives() == {}
+
+    def sent_on(b, t):
+        swap_sum(b, t)
+        b.step(sends=[(1, (t, 0, 8))], recvs=[(1, (D, 0, 8))])
+    assert _plan(sent_on).held_receives() == {}
+
+    def refilled_then_sent(b, t):
+        swap_sum(b, t)
+        b.step(recvs=[(1, (t, 0, 8))])
+        b.step(sends=[(1, (t, 0, 8))])
+    assert _plan(refilled_then_sent).held_receives() == {0: (0, 0)}
+
+    def two_from_one_peer(b, t, u):
+        b.step(sends=[(1, (D, 0, 8))], recvs=[(1, (t, 0, 8)), (1, (u, 0, 8))],
+               local=[Reduce((D, 0, 8), (t, 0, 8)), Reduce((D, 0, 8), (u, 0, 8))])
+    assert _plan(two_from_one_peer, scratch=2).held_receives() == {1: (0, 1)}
+
+    def into_the_caller(b, t):
+        b.step(sends=[(1, (D, 0, 8))], recvs=[(1, (D, 0, 8))])
+    assert _plan(into_the_caller).held_receives() == {}
+
+    def copied_out_half_read_later(b, t):
+        b.step(recvs=[(1, (t, 0, 8))], local=[Copy((D, 0, 8), (t, 0, 8))])
+        b.step(local=[Reduce((D, 0, 4), (t, 4, 4))])
+    assert _plan(copied_out_half_read_later).held_receives() == {}

@@ -116,6 +116,10 @@ def _size_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--rounds", type=int, default=5,
                    help="split each point's timed calls into this many rounds that visit "
                         "the columns in turn, so background load hits all of them alike")
+    g.add_argument("--barrier-each", action="store_true",
+                   help="a barrier (MPI's, not timed) before each timed call, as the OSU "
+                        "benchmarks do: each call then pays its own start-up, which calls "
+                        "back to back overlap")
 
 
 def _what_flags(g: argparse._ArgumentGroup) -> None:
@@ -141,7 +145,9 @@ def _what_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--peers", default=None,
                    help="other implementations to compare: mpi (the MPI library's own "
                         "collective), gloo, nccl (only with CUDA), floor (allreduce: "
-                        "dispatch into a do-nothing process group + mpi's time; needs mpi); "
+                        "dispatch into a do-nothing process group + mpi's time; needs mpi), "
+                        "deepspeed (allreduce: DeepSpeed's shared-memory inference_all_reduce "
+                        "with DS_ACCELERATOR=cpu; its op is built on first use); "
                         "'none' for none (default: all with --device cpu, nccl with cuda)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where ringcomm's algorithms run: CPU tensors over MPI, or CUDA "

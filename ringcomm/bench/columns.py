@@ -14,9 +14,12 @@ set, the no-argument function that the timing loop calls.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -26,7 +29,7 @@ import ringcomm
 from ringcomm import settings
 from ringcomm.bench.sizes import REDUCING, TORCH_DTYPE, Shape
 
-PEER_NAMES = ("mpi", "gloo", "nccl", "floor")
+PEER_NAMES = ("mpi", "gloo", "nccl", "floor", "deepspeed")
 #: the do-nothing backend the floor column dispatches into
 NULL_BACKEND = "ccnull"
 #: the ProcessGroup method torch's functional API calls for each collective
@@ -40,8 +43,9 @@ LAUNCH_HINT = ("launch it with `mpiexec -n N python -m ringcomm.bench ...` or "
 class Column:
     """One contender: a ringcomm algorithm or another library's collective."""
 
-    name: str            # table heading: ring, tree, auto, native, mpi, gloo, nccl, rc-nccl, floor
-    kind: str            # ringcomm | mpi | gloo | nccl | ringcomm-cuda | floor
+    name: str            # table heading: ring, tree, auto, native, mpi, gloo, nccl, rc-nccl,
+    #                      floor, deepspeed
+    kind: str            # ringcomm | mpi | gloo | nccl | ringcomm-cuda | floor | deepspeed
     algo: str | None     # ringcomm algorithm name (auto included)
     device: str = "cpu"
     skipped: str | None = None  # why this column does not run at all
@@ -53,7 +57,9 @@ class Column:
                 "gloo": "torch gloo", "nccl": "torch NCCL",
                 "ringcomm-cuda": f"ringcomm {self.algo} on CUDA tensors",
                 "floor": "dist.all_reduce into a do-nothing process group + mpi's time "
-                         "(the lower bound of a Python backend)"}[self.kind]
+                         "(the lower bound of a Python backend)",
+                "deepspeed": "DeepSpeed's shared-memory allreduce (deepspeed.comm."
+                             "inference_all_reduce, its CPU SHM op)"}[self.kind]
 
 
 # ----------------------------------------------------------------------------
@@ -152,6 +158,9 @@ def plan_columns(args: argparse.Namespace, no_mpi: str | None, local_size: int) 
             if args.device != "cuda":
                 cols.append(Column("rc-nccl", "ringcomm-cuda", "auto", device="cuda",
                                    skipped=why))
+    if "deepspeed" in args.peer_list:
+        cols.append(Column("deepspeed", "deepspeed", None,
+                           skipped=deepspeed_missing(args, local_size)))
     if "floor" in args.peer_list:
         why = None
         if "allreduce" not in args.collectives:
@@ -162,6 +171,24 @@ def plan_columns(args: argparse.Namespace, no_mpi: str | None, local_size: int) 
             why = "the floor is for CPU tensors over MPI"
         cols.append(Column("floor", "floor", None, skipped=why or no_mpi))
     return cols
+
+
+def deepspeed_missing(args: argparse.Namespace, local_size: int) -> str | None:
+    """Why the deepspeed column cannot run here (None: it can; its op is built, with
+    the machine's compiler, on first use)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "DeepSpeed is not installed (pip install deepspeed)"
+    if args.device != "cpu":
+        return "the deepspeed column is DeepSpeed's CPU shared-memory allreduce"
+    if "allreduce" not in args.collectives:
+        return "measured for allreduce only"
+    if local_size != dist.get_world_size():
+        return "DeepSpeed's shared-memory allreduce needs every rank on one host"
+    return None
+
+
+#: the dtypes DeepSpeed's shared-memory allreduce reduces
+_DEEPSPEED_DTYPES = ("float", "bfloat16", "half")
 
 
 def nccl_needed(cols: list[Column]) -> bool:
@@ -182,6 +209,13 @@ def static_unsupported(col: Column, coll: str, dtype_name: str,
             return f"ringcomm has no {coll} algorithms"
     if col.kind in ("mpi", "floor") and coll in REDUCING and dtype_name == "bfloat16":
         return "MPI has no bfloat16 reduction"
+    if col.kind == "deepspeed":
+        if coll != "allreduce":
+            return "DeepSpeed's shared-memory path is an allreduce"
+        if dtype_name not in _DEEPSPEED_DTYPES:
+            return f"DeepSpeed's shared-memory allreduce takes {', '.join(_DEEPSPEED_DTYPES)}"
+        if concurrent > 1:
+            return "DeepSpeed's shared-memory allreduce is blocking"
     if col.kind == "floor" and coll != "allreduce":
         return "the floor is measured for allreduce only"
     if col.kind == "floor" and concurrent > 1:
@@ -259,6 +293,7 @@ class Calls:
         self.nccl = dist.new_group(backend="nccl") if runs("nccl") else None
         self.null = dist.new_group(backend=register_null_backend()) if runs("floor") else None
         self._rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self._deepspeed = None  # DeepSpeed's allreduce op, once built
 
     def make_call(self, col: Column, coll: str, bufs: dict, op: str,
                   more: list[dict] = ()) -> Callable[[], None]:
@@ -268,6 +303,8 @@ class Calls:
         if not more:
             if col.kind == "mpi":
                 return self._mpi_call(coll, bufs, op)
+            if col.kind == "deepspeed":
+                return self._deepspeed_call(bufs, op)
             return self._torch_call(col, coll, bufs, op, False)
         if col.kind == "mpi":
             starts = [self._mpi_call(coll, b, op, start=True) for b in (bufs, *more)]
@@ -313,6 +350,28 @@ class Calls:
             rs = self._rs
             return lambda: rs(out, inp, op=rop, **kw)
         return lambda: dist.all_to_all_single(out, inp, **kw)
+
+    def _deepspeed_call(self, bufs: dict, op: str) -> Callable[[], Any]:
+        """DeepSpeed's shared-memory allreduce of ``bufs`` (its op built and its
+        segments made once, on every rank)."""
+        if op != "sum":
+            raise NotImplementedError("DeepSpeed's inference_all_reduce sums")
+        if self._deepspeed is None:
+            # before DeepSpeed is imported: its CPU accelerator, and the ranks on this
+            # host (every rank: deepspeed_missing checked), which its SHM op reads
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            os.environ.setdefault("LOCAL_SIZE", str(self.p))
+            import deepspeed.comm as dscomm
+
+            with contextlib.redirect_stdout(sys.stderr):  # its build's words, not the table's
+                dscomm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+            fn = getattr(getattr(torch.ops, "deepspeed", None), "inference_all_reduce_", None)
+            if fn is None:
+                raise RuntimeError("DeepSpeed's shared-memory op did not build here (it "
+                                   "falls back to torch's all_reduce)")
+            self._deepspeed = fn
+        fn, inp = self._deepspeed, bufs["inp"]
+        return lambda: fn(inp)
 
     def _mpi_call(self, coll: str, bufs: dict, op: str, start: bool = False) -> Callable:
         """The MPI library's own collective on ``bufs``. With ``start``, a function

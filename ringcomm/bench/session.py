@@ -137,6 +137,8 @@ class Session:
                        # collectives in flight per timed call (time of all of them,
                        # aggregate bandwidths)
                        "concurrent": a.concurrent,
+                       # a barrier before each timed call (OSU's method)
+                       "barrier_each": a.barrier_each,
                        "min_time_s": a.min_time, "max_iters": a.max_iters,
                        "statistic": "max over ranks of the per-rank median"},
             "load_average": {"start": self.load_start, "end": load_end},

@@ -144,8 +144,12 @@ class Bench:
         sync()
         times = np.empty(n)
         clock = time.perf_counter
-        self.s.ctrl.barrier()
+        barrier = self.s.ctrl.barrier
+        barrier()
+        each = self.args.barrier_each
         for k in range(n):
+            if each:
+                barrier()
             t0 = clock()
             call()
             sync()

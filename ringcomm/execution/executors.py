@@ -170,10 +170,24 @@ class P2PProgram(_Program):
             counts[kind, peer] = k + 1
             return base + k % span
 
-        work_of = self._local_work(bufs)  # first: it may refuse the binding
+        work_of, held_of = self._local_work(bufs)  # first: it may refuse the binding
         work = [[work_of(*w) for w in local] for *_, local in plan.p2p_steps]
         sreq = [tp.send_init(views[v], peer, tag("s", peer)) for peer, v in plan.send_list]
-        rreq = [tp.recv_init(views[v], peer, tag("r", peer)) for peer, v in plan.recv_list]
+        # a receive whose data only one local step reads stays where the sender put it,
+        # on a transport that can leave it there (shared memory): that step reads it
+        # from the sender's memory instead of a copy in scratch
+        held = plan.held_receives() if hasattr(tp, "recv_held_init") else {}
+        rreq = []
+        for j, (peer, v) in enumerate(plan.recv_list):
+            t = tag("r", peer)
+            h = tp.recv_held_init(views[v], peer, t) if j in held else None
+            if h is None:
+                h = tp.recv_init(views[v], peer, t)
+            else:
+                i, li = held[j]
+                is_reduce, d, _ = plan.p2p_steps[i][4][li]
+                work[i][li] = held_of(is_reduce, d, h)
+            rreq.append(h)
         batch, rw = tp.batch, plan.recv_waits
         steps, ns, nr = [], 0, 0
         for i, (send_upto, recv_upto, mine, send_waits, _) in enumerate(plan.p2p_steps):
@@ -210,7 +224,9 @@ class P2PProgram(_Program):
         """``work_of(is_reduce, dst, src)``: one local step bound to the memory of
         this binding's regions (numbers of ``plan.regions``), as ``(fn, dst, src)``
         for ``fn(dst, src)``: operands over raw addresses (:func:`ringcomm.ops.memory`),
-        made once, holding no reference to the caller's tensors."""
+        made once, holding no reference to the caller's tensors; and
+        ``held_of(is_reduce, dst, handle)``: the same step reading held receive
+        ``handle`` where it lies (``Transport.recv_held_init``)."""
         full = [*bufs, *self.scratch]
         reducers: dict = {}
 
@@ -239,11 +255,18 @@ class P2PProgram(_Program):
                                  f"{sm.size} bytes ({dtype}, {sdtype}): a malformed schedule")
             if not is_reduce:
                 return ops.serial_copy, dm, sm
+            return reducer(dtype), ops.operand(dm, dtype), ops.operand(sm, dtype)
+
+        def reducer(dtype: torch.dtype):
             fn = reducers.get(dtype)
             if fn is None:
                 fn = reducers[dtype] = ops.serial_reducer(self.op, dtype)
-            return fn, ops.operand(dm, dtype), ops.operand(sm, dtype)
-        return work_of
+            return fn
+
+        def held_of(is_reduce: bool, d: int, handle: Any) -> tuple:
+            dm, dtype = mem(d)
+            return self.tp.held_work(handle, dm, dtype, reducer(dtype) if is_reduce else None)
+        return work_of, held_of
 
     def _release(self, bd: tuple) -> None:
         _, requests = bd

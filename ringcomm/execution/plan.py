@@ -79,6 +79,7 @@ class Plan:
                 [(x.peer, ridx(x.region)) for x in st.recvs],
                 [(isinstance(op, Reduce), ridx(op.dst), ridx(op.src)) for op in st.local]))
         self._dependencies()
+        self._held: dict[int, tuple[int, int]] | None = None  # see held_receives
 
     def _dependencies(self) -> None:
         """For the point-to-point executor: when each send may go out and each
@@ -152,6 +153,79 @@ class Plan:
         #: per step, what P2PProgram.run needs, in one tuple
         self.p2p_steps = [(self.send_upto[i], self.recv_upto[i], self.step_recvs[i],
                            self.step_send_waits[i], st[2]) for i, st in enumerate(self.steps)]
+
+    def held_receives(self) -> dict[int, tuple[int, int]]:
+        """Receives whose data a transport may leave in the sender's memory until the
+        one local step that reads it (a reduction or copy straight from there, no copy
+        into scratch first): ``{receive number: (step, index in the step's local
+        work)}``.
+
+        A receive qualifies when it lands in scratch and exactly one local step reads
+        what it brought: the first local step of the step that waits for it to touch
+        that scratch, which reads it whole and writes elsewhere; nothing after reads
+        that scratch before a receive or a copy overwrites all of it (a send of it
+        would send what was never written there). It must also be the last receive
+        from its peer that its step waits for: messages from a peer are taken in
+        order, and a later one the step awaits could need the sender's slots the held
+        data occupies."""
+        if self._held is not None:
+            return self._held
+        out: dict[int, tuple[int, int]] = {}
+        self._held = out
+        for i, mine in enumerate(self.step_recvs):
+            last_of_peer = {self.recv_list[j][0]: j for j in mine}
+            for peer, j in last_of_peer.items():
+                v = self.recv_list[j][1]
+                if self.regions[v][0] < self.nbuffers:
+                    continue
+                li = self._sole_reader(i, j, v, mine)
+                if li is not None:
+                    out[j] = (i, li)
+        return out
+
+    def _sole_reader(self, i: int, j: int, v: int, mine: list[int]) -> int | None:
+        """The index in step ``i``'s local work of the one step that reads receive
+        ``j``'s region ``v``, if that step is the only reader (see
+        :meth:`held_receives`)."""
+        buf, a, e, _ = self.regions[v]
+
+        def touches(u: int) -> bool:
+            b2, a2, e2, _ = self.regions[u]
+            return b2 == buf and a2 < e and a < e2 and e2 > a2
+
+        def covers(u: int) -> bool:
+            b2, a2, e2, _ = self.regions[u]
+            return b2 == buf and a2 <= a and e <= e2
+
+        if any(touches(self.recv_list[k][1]) for k in mine if k != j):
+            return None
+        local = self.steps[i][2]
+        li = next((k for k, (_, d, s) in enumerate(local) if touches(d) or touches(s)), None)
+        if li is None or local[li][2] != v or touches(local[li][1]):
+            return None
+        # what follows, in program order: the rest of step i's local work, then each
+        # later step's sends, receives and local work
+        later = [("local", op) for op in local[li + 1:]]
+        for sends, recvs, work in self.steps[i + 1:]:
+            later += [("send", u) for _, u in sends]
+            later += [("recv", u) for _, u in recvs]
+            later += [("local", op) for op in work]
+        for kind, x in later:
+            if kind == "send":
+                if touches(x):
+                    return None
+            elif kind == "recv":
+                if covers(x):
+                    return li
+                if touches(x):
+                    return None
+            else:
+                is_reduce, d, s = x
+                if touches(s) or (touches(d) and (is_reduce or not covers(d))):
+                    return None
+                if touches(d):
+                    return li
+        return li
 
     @property
     def peers(self) -> list[int]:

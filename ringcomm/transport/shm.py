@@ -131,7 +131,7 @@ class _Pair:
     integer fields are places in them."""
 
     __slots__ = ("peer", "out", "in_", "head_out", "meta_out", "tail_in", "head_in", "meta_in",
-                 "tail_peer", "slots_out", "slots_in", "sent", "got", "sendq", "recvq")
+                 "tail_peer", "slots_out", "slots_in", "sent", "got", "sendq", "recvq", "held")
 
     def __init__(self, peer: int):
         self.peer = peer
@@ -139,17 +139,23 @@ class _Pair:
         self.got = 0  # chunks consumed from the peer (the value at tail_in)
         self.sendq: collections.deque = collections.deque()
         self.recvq: collections.deque = collections.deque()
+        #: received messages left in the peer's slots until a local step reads them
+        #: (:meth:`ShmTransport.recv_held_init`), oldest first
+        self.held: collections.deque = collections.deque()
 
 
 class _Msg:
     """One message of a schedule over shared memory: its chunks of the caller's memory,
     each with its view of every slot it may go through, and its progress."""
 
-    __slots__ = ("pair", "chunks", "views", "n", "nbytes", "tag", "i", "done")
+    __slots__ = ("pair", "chunks", "views", "n", "nbytes", "tag", "i", "done", "held", "first")
 
-    def __init__(self, pair: _Pair, mem: np.ndarray, tag: int, slots: list):
+    def __init__(self, pair: _Pair, mem: np.ndarray, tag: int, slots: list,
+                 held: bool = False):
         size = slots[0].size
         self.pair, self.tag, self.nbytes = pair, tag, mem.size
+        #: a receive whose data stays in the sender's slots, from chunk ``first`` on
+        self.held, self.first = held, 0
         # at least one chunk: an empty message still takes its place in the order
         self.chunks = [mem[a:a + size] for a in range(0, max(mem.size, 1), size)]
         self.views = [[slot[:c.size] for slot in slots] for c in self.chunks]
@@ -265,6 +271,53 @@ class ShmTransport(Transport):
         msg = _Msg(pair, self._memory(buf), tag, pair.slots_in)
         return Handle(msg, None, peer, "recv", None, tag, buf.nbytes)
 
+    def recv_held_init(self, buf: torch.Tensor, peer: int, tag: int) -> Handle | None:
+        """A receive of ``buf``'s size whose data stays in the sender's slots once it
+        completes, until the local step made by :meth:`held_work` reads it from
+        there: a reduction from the sender's memory, with no copy into ``buf`` first.
+        None where that cannot be: a peer on another host, or a message larger than
+        the FIFO (it could never lie there whole)."""
+        pair = self.pairs.get(peer)
+        if pair is None or max(buf.nbytes, 1) > self.geometry.slots * self.geometry.slot_bytes:
+            return None
+        msg = _Msg(pair, self._memory(buf), tag, pair.slots_in, held=True)
+        return Handle(msg, None, peer, "recv", None, tag, buf.nbytes)
+
+    def held_work(self, handle: Handle, dst: np.ndarray, dtype: torch.dtype,
+                  reduce_fn=None) -> tuple:
+        """The local step that reads held receive ``handle``: ``(fn, a, b)`` for
+        ``fn(a, b)``, which reduces (``reduce_fn(dst, src)`` on
+        :func:`ringcomm.ops.operand` s of ``dtype``) or, without one, copies the
+        message from the sender's slots into ``dst`` (raw memory of the message's
+        size) and frees the slots."""
+        m = handle.req
+        if dst.size != m.nbytes:
+            raise ValueError(f"ringcomm: a held receive of {m.nbytes} bytes read into "
+                             f"{dst.size}: a malformed schedule")
+        size = self.geometry.slot_bytes
+        parts = [dst[a:a + size] for a in range(0, max(dst.size, 1), size)]
+        if reduce_fn is None:
+            targets = parts
+            sources = m.views
+            fn = ops.serial_copy
+        else:
+            targets = [ops.operand(p, dtype) for p in parts]
+            sources = [[ops.operand(v, dtype) for v in per_slot] for per_slot in m.views]
+            fn = reduce_fn
+        return self._consume, (fn, targets, sources), m
+
+    def _consume(self, work: tuple, m: _Msg) -> None:
+        fn, targets, sources = work
+        nslots, k = self._nslots, m.first
+        for t, per_slot in zip(targets, sources):
+            fn(t, per_slot[k % nslots])
+            k += 1
+        pair = m.pair
+        held = pair.held
+        held.remove(m)
+        self._fence()  # the reads of the slots before the count that frees them
+        pair.out[pair.tail_in] = held[0].first if held else pair.got
+
     def batch(self, handles: Sequence[Handle]) -> _Batch:
         local = [h for h in handles if isinstance(h.req, _Msg)]
         remote = [h for h in handles if not isinstance(h.req, _Msg)]
@@ -327,6 +380,19 @@ class ShmTransport(Transport):
         while q and avail > 0:
             m = q[0]
             i, n, chunks, views = m.i, m.n, m.chunks, m.views
+            if m.held:  # taken whole, left where it lies
+                if avail < n:
+                    break
+                at = meta + 2 * (k % nslots)
+                if inp[at] != m.tag or inp[at + 1] != m.nbytes:
+                    self._refuse(pair, m, k0, k, inp[at], inp[at + 1])
+                m.first = k
+                k += n
+                avail -= n
+                pair.held.append(m)
+                q.popleft()
+                m.done = True
+                continue
             while i < n and avail > 0:
                 s = k % nslots
                 if i == 0:
@@ -346,7 +412,7 @@ class ShmTransport(Transport):
             m.done = True
         pair.got = k
         self._fence()  # the reads of the slots before the count that frees them
-        pair.out[pair.tail_in] = k
+        pair.out[pair.tail_in] = pair.held[0].first if pair.held else k
 
     def _refuse(self, pair: _Pair, m: _Msg, k0: int, k: int, tag: int, size: int) -> None:
         """The first chunk of the next message from the peer is not the one ``m``
@@ -355,7 +421,7 @@ class ShmTransport(Transport):
         if k != k0:
             pair.got = k
             self._fence()
-            pair.out[pair.tail_in] = k
+            pair.out[pair.tail_in] = pair.held[0].first if pair.held else k
         if tag != m.tag:
             raise TransportMismatch(pair.peer, m.tag, tag)
         raise RuntimeError(f"received {size} bytes from rank {pair.peer} where {m.nbytes} "
@@ -463,6 +529,10 @@ class ShmTransport(Transport):
         if remote:
             self.inner.abandon(remote, keep)
         left = [h for h in handles if isinstance(h.req, _Msg) and not h.req.done]
+        for h in handles:
+            if isinstance(h.req, _Msg) and h.req in h.req.pair.held:
+                h.req.pair.held.remove(h.req)  # its slots are never freed: broken below
+                left.append(h)
         for h in left:
             pair = h.req.pair
             for q in (pair.sendq, pair.recvq):
