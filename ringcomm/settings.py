@@ -141,6 +141,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("RINGCOMM_SHM_SLOT_BYTES", "int", 256 * 1024,
             "bytes of one slot of a shared-memory FIFO, rounded up to a page (a message "
             "travels in chunks of it)", minimum=4096),
+    Setting("RINGCOMM_SHM_MIN_BYTES", "int", 128 * 1024,
+            "messages below this size go over MPI even between ranks on one host: MPI's "
+            "eager path is faster there (docs/data/shm_transport_2ranks.json)", minimum=0),
     Setting("RINGCOMM_SHM_SLOTS", "int", 4,
             "slots of each shared-memory FIFO (one per peer and direction): a rank maps "
             "peers x slots x slot bytes of its own", minimum=2),

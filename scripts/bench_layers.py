@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     program, lane = call.programs[0], call.lane
     tp, engine = lane.tp, lane.engine
     fa = MPI.buffer.fromaddress
-    comm = tp.comm.Dup()
+    # the group's MPI communicator (under shared memory, the MPI transport it wraps)
+    mpi_tp = getattr(tp, "inner", tp)
+    comm = mpi_tp.comm.Dup()
     by_hand = [comm.Recv_init([fa(s.data_ptr(), s.nbytes), MPI.BYTE], peer, 7),
                comm.Send_init([fa(t.data_ptr(), t.nbytes), MPI.BYTE], peer, 7)]
     through = tp.batch([tp.recv_init(s, peer, 9), tp.send_init(t, peer, 9)])
@@ -79,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         tp.end()
 
     layers = [
-        ("MPI's own Allreduce (mpi4py)", lambda: tp.comm.Allreduce(MPI.IN_PLACE, t.numpy())),
+        ("MPI's own Allreduce (mpi4py)", lambda: comm.Allreduce(MPI.IN_PLACE, t.numpy())),
         ("one exchange, persistent requests by hand (mpi4py)", persistent_by_hand),
-        ("one exchange through the transport (start, wait)", transport_exchange),
+        (f"one exchange through the transport ({type(tp).__name__}: start, wait)",
+         transport_exchange),
         (f"the program ({type(program).__name__}.run): messages + local work", program_run),
         ("the prepared call (execute)", prepared_call),
         ("the engine (inline run, deadline, completed Work)",
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                            "rows": [{"layer": k, "time_us": v} for k, v in rows]}, f, indent=1)
     for q in by_hand:
         q.Free()
-    tp.free(through.handles)
+    tp.free(list(through.handles))
     comm.Free()
     dist.destroy_process_group()
     return 0

@@ -9,7 +9,7 @@ panel shows: the look comes from the name alone, never from a column's position.
   project's DDP, ``ours/<backend>`` and ``off/<backend>``) is drawn in solid,
   coloured lines (:data:`ALGORITHMS`).
 * The peers it is measured against (the MPI library's collective ``mpi``, torch's
-  ``gloo`` and ``nccl``, the ``floor``, torch's DDP ``torch/<backend>``) are drawn
+  ``gloo`` and ``nccl``, the ``floor``, ``deepspeed``, torch's DDP ``torch/<backend>``) are drawn
   in greys and black, dashed (the floor, a lower bound, dotted) (:data:`PEERS`).
 * Any other name (an algorithm a user registered, an MSCCL XML's) gets a stable
   look hashed from the name (not Python's salted ``hash``) into spare colours
@@ -46,6 +46,7 @@ PEERS: dict[str, tuple[str, str, str]] = {
     "gloo": ("#7f7f7f", "^", "--"),
     "nccl": ("#404040", "v", "--"),
     "floor": ("#b0b0b0", "x", ":"),
+    "deepspeed": ("#606060", "D", "-."),         # DeepSpeed's shared-memory allreduce
     "torch/ringcomm": ("#252525", "D", "--"),  # torch's DDP on ringcomm
     "torch/gloo": ("#969696", "P", "--"),      # torch's DDP on gloo: all torch
 }

@@ -162,6 +162,7 @@ class P2PProgram(_Program):
         plan, tp = self.plan, self.tp
         views = self._views(bufs)
         lay = self._layout = TagLayout(tp.tag_limit)
+        tp.number_bits = lay.number_bits  # a transport with two paths tells messages apart
         base, span = lay.base(self.signature[0], self.epoch), 1 << lay.number_bits
         counts: dict = collections.defaultdict(int)
 

@@ -159,6 +159,10 @@ class Transport(Link):
     Mismatch: type = TransportMismatch
     #: tags lie in [0, tag_limit)
     tag_limit: int = 1 << 30
+    #: the low bits of a schedule's tags that number its messages to or from one peer
+    #: (set by the executor that numbers them; a transport with two paths to a peer
+    #: tells by them that a message came the other way); None: not known
+    number_bits: int | None = None
     #: ``peer_failure() -> text | None``: what a peer of the group reported, if any
     #: (the group's front sets it); a long wait looks at it
     peer_failure = None

@@ -328,6 +328,9 @@ class MPITransport(Transport):
         #: run between polls of every wait: a transport that wraps this one moves its
         #: own messages there (:class:`ringcomm.transport.shm.ShmTransport`)
         self.idle_hook = None
+        #: ``probe_hook(handle)``, if set, runs in a long wait for ``handle`` (it may
+        #: raise): a wrapping transport looks at the peer and at its own path
+        self.probe_hook = None
         #: users' sends and receives not yet seen complete (see :meth:`user_pending`)
         self._user: set[Handle] = set()
 
@@ -438,6 +441,8 @@ class MPITransport(Transport):
         Only a probe looks at the request: testing a persistent request outside the
         wait's own order would spend its status."""
         h = self._waiting.handles[i]
+        if self.probe_hook is not None:  # first: it makes no MPI call
+            self.probe_hook(h)
         if h.kind == "recv":
             st = MPI.Status()
             with _mpi_lock:
@@ -454,6 +459,15 @@ class MPITransport(Transport):
         reported = self.peer_failure() if self.peer_failure is not None else None
         if reported is not None:
             raise TransportPeerFailed(reported)
+
+    def first_tag_from(self, peer: int) -> int | None:
+        """The tag of the first message from ``peer`` not yet received on the
+        collectives' communicator, if any (a wrapping transport asks: the message it
+        awaits on its own path may have come this way)."""
+        st = MPI.Status()
+        with _mpi_lock:
+            found = self.comm.Iprobe(peer, MPI.ANY_TAG, st)
+        return st.Get_tag() if found else None
 
     def free(self, handles: Sequence[Handle]) -> None:
         with _mpi_lock:

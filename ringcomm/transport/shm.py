@@ -218,6 +218,9 @@ class ShmTransport(Transport):
         self._mpi_out = 0
         if hasattr(inner, "idle_hook"):
             inner.idle_hook = self.progress
+            inner.probe_hook = self._came_here
+        #: messages below this size go over MPI, whose eager path is faster there
+        self.min_bytes = settings.get("RINGCOMM_SHM_MIN_BYTES")
         self.spin_s = settings.get("RINGCOMM_SPIN_US") * 1e-6
         self.max_sleep_s = settings.get("RINGCOMM_MAX_SLEEP_US") * 1e-6
 
@@ -257,15 +260,22 @@ class ShmTransport(Transport):
             raise ValueError("ringcomm shared-memory transport: buffers must be contiguous")
         return ops.memory(buf.data_ptr(), buf.nbytes)
 
+    def _route(self, buf: torch.Tensor, peer: int) -> _Pair | None:
+        """The pair a message of ``buf`` to or from ``peer`` goes through; None: MPI
+        (another host, or a message below ``RINGCOMM_SHM_MIN_BYTES``: both sides decide
+        alike from the size, and a receive of another size than its send is found by
+        :meth:`_came_here` or :meth:`_look_at_peers`)."""
+        return self.pairs.get(peer) if buf.nbytes >= self.min_bytes else None
+
     def send_init(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
-        pair = self.pairs.get(peer)
+        pair = self._route(buf, peer)
         if pair is None:
             return self.inner.send_init(buf, peer, tag)
         msg = _Msg(pair, self._memory(buf), tag, pair.slots_out)
         return Handle(msg, None, peer, "send", None, tag, buf.nbytes)
 
     def recv_init(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
-        pair = self.pairs.get(peer)
+        pair = self._route(buf, peer)
         if pair is None:
             return self.inner.recv_init(buf, peer, tag)
         msg = _Msg(pair, self._memory(buf), tag, pair.slots_in)
@@ -277,7 +287,7 @@ class ShmTransport(Transport):
         there: a reduction from the sender's memory, with no copy into ``buf`` first.
         None where that cannot be: a peer on another host, or a message larger than
         the FIFO (it could never lie there whole)."""
-        pair = self.pairs.get(peer)
+        pair = self._route(buf, peer)
         if pair is None or max(buf.nbytes, 1) > self.geometry.slots * self.geometry.slot_bytes:
             return None
         msg = _Msg(pair, self._memory(buf), tag, pair.slots_in, held=True)
@@ -507,11 +517,48 @@ class ShmTransport(Transport):
             text = self._failure_of(peer)
             if text is not None:
                 raise TransportPeerFailed(f"rank {peer} on host {self._host} stopped: {text}")
-            pid = self._pids.get(peer)
-            if pid is not None and not _alive(pid):
-                raise TransportPeerFailed(
-                    f"rank {peer} (pid {pid}) on host {self._host} exited while rank "
-                    f"{self.rank} waited for it over shared memory")
+            self._check_alive(peer, "over shared memory")
+        first_tag = getattr(self.inner, "first_tag_from", None)
+        for h in handles:
+            if h.kind == "recv" and not h.req.done and first_tag is not None:
+                self._same_number(h.peer, h.tag, first_tag(h.peer), "over MPI")
+
+    def _came_here(self, h: Handle) -> None:
+        """Called while MPI waits long for ``h``: raise if its peer, on this host, is
+        gone, or if the message a receive awaits came over shared memory instead (the
+        sender's size put it there)."""
+        peer, tag = h.peer, h.tag
+        pair = self.pairs.get(peer)
+        if pair is None:
+            return
+        self._check_alive(peer, "over MPI")
+        if h.kind != "recv":
+            return
+        inp, k = pair.in_, pair.got
+        if inp[pair.head_in] > k and not pair.recvq:
+            self._fence()
+            self._same_number(peer, tag, inp[pair.meta_in + 2 * (k % self._nslots)],
+                              "over shared memory")
+
+    def _same_number(self, peer: int, tag: int, found: int | None, how: str) -> None:
+        """Raise if ``found``, the tag of the next message from ``peer`` on the path a
+        receive tagged ``tag`` does not wait on, numbers the same message: it came the
+        other way, so the sender's size differs (a message's size decides its path)."""
+        bits = self.number_bits
+        if found is None or bits is None:
+            return
+        mask = (1 << bits) - 1
+        if found & mask == tag & mask and found != tag:
+            raise RuntimeError(f"the message from rank {peer} that rank {self.rank} awaits "
+                               f"came {how}, so the two ranks gave it different sizes "
+                               "(RINGCOMM_SHM_MIN_BYTES decides the way): ranks passed "
+                               "different sizes to this collective")
+
+    def _check_alive(self, peer: int, how: str) -> None:
+        pid = self._pids.get(peer)
+        if pid is not None and not _alive(pid):
+            raise TransportPeerFailed(f"rank {peer} (pid {pid}) on host {self._host} exited "
+                                      f"while rank {self.rank} waited for it {how}")
 
     def _failure_of(self, peer: int) -> str | None:
         mm, words = self._maps[self._map_index[peer]]

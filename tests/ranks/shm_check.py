@@ -9,8 +9,9 @@ one host, a block's with ``RINGCOMM_LOCAL_SIZE``); that no segment of the job is
 left in the directory once the group exists; ``--expect mpi`` where set-up must
 have fallen back to MPI.
 
-``mismatch``: rank 0 reduces fewer elements than the others: every rank fails
-with an error naming the sizes, well before the group's timeout.
+``mismatch``: rank 0 reduces fewer elements than the others (``--sizes``; on both
+sides of ``RINGCOMM_SHM_MIN_BYTES``, the two sizes go different ways): every rank
+fails with an error naming the sizes, well before the group's timeout.
 
 ``kill``: the last rank kills itself (SIGKILL) at a collective; every other rank
 fails, naming that rank and its host, well before the group's timeout, and writes
@@ -82,8 +83,8 @@ def correct(c: Checker, rank: int, size: int, expect: str) -> None:
         c.check(torch.equal(y, want), "allreduce hierarchical: wrong sum")
 
 
-def mismatch(c: Checker, rank: int, size: int) -> None:
-    x = torch.ones(100 if rank == 0 else 200)
+def mismatch(c: Checker, rank: int, size: int, sizes: tuple[int, int]) -> None:
+    x = torch.ones(sizes[0] if rank == 0 else sizes[1])
     t0 = time.monotonic()
     try:
         dist.all_reduce(x)
@@ -91,13 +92,13 @@ def mismatch(c: Checker, rank: int, size: int) -> None:
     except Exception as e:  # noqa: BLE001
         took = time.monotonic() - t0
         text = str(e)
-        c.case("shm: mismatched allreduce sizes", e, took)
+        c.case(f"shm: mismatched allreduce sizes {sizes[0]} and {sizes[1]} floats", e, took)
         c.check("size" in text or "mismatch" in text, f"error names no size: {text}")
         c.check(took < TIMEOUT_S / 2, f"took {took:.1f} s, the group's timeout is {TIMEOUT_S}")
 
 
 def kill(c: Checker, rank: int, size: int) -> None:
-    x = torch.ones(1000)
+    x = torch.ones(100_000)  # above RINGCOMM_SHM_MIN_BYTES: over shared memory
     dist.all_reduce(x)  # every rank is up and mapped
     victim = size - 1
     if rank == victim:
@@ -127,6 +128,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=("correct", "mismatch", "kill"))
     p.add_argument("--expect", choices=("shm", "mpi"), default="shm")
+    p.add_argument("--sizes", default="100,200",
+                   help="mismatch: the elements rank 0 and the others reduce")
     args = p.parse_args()
     dist.init_process_group("ringcomm", timeout=timedelta(seconds=TIMEOUT_S))
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -134,7 +137,7 @@ def main() -> None:
     if args.mode == "kill":
         kill(c, rank, size)  # exits: a group with a dead member cannot be torn down
     elif args.mode == "mismatch":
-        mismatch(c, rank, size)
+        mismatch(c, rank, size, tuple(int(x) for x in args.sizes.split(",")))
     else:
         correct(c, rank, size, args.expect)
     dist.destroy_process_group()
