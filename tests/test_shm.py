@@ -140,7 +140,14 @@ def test_two_jobs_on_one_host_at_once():
                                "correct"], env=_env(env), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
              for _ in range(2)]
-    outs = [p.communicate(timeout=400)[0] for p in procs]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=400)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, signal.SIGKILL)
+            pytest.fail("two jobs at once: a job outlived 400 s")
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
 

@@ -179,10 +179,6 @@ class _Batch:
         self.mpi = mpi
 
 
-class ShmUnavailable(RuntimeError):
-    """The shared-memory transport could not be set up (the group uses MPI)."""
-
-
 class ShmTransport(Transport):
     """Shared memory to the ranks on this host, ``inner`` (MPI) to the others.
 
