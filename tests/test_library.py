@@ -27,7 +27,8 @@ ALLREDUCE = [n for c, n in NAMES if c == "allreduce"]
 DEPTHS = (1, 5)  # segments per chunk
 #: a few larger world sizes per algorithm (powers of two and not)
 LARGER = {"rabenseifner": (12, 32), "double_tree": (13, 32), "hierarchical": (13,),
-          "bruck": (13, 32), "pairwise": (12, 16)}
+          "bruck": (13, 32), "pairwise": (12, 16), "one_shot": (13,), "two_shot": (13, 16),
+          "direct": (13,)}
 #: host layouts for hierarchical: unequal hosts, interleaved ranks, one rank per host
 HOSTS = [(0, 0, 1), (0, 1, 1), (0, 0, 1, 1, 2), (0, 1, 0, 1), (0, 0, 0, 1, 1, 1, 1),
          (0, 1, 2, 3, 4), (0, 0, 0, 0, 0, 1), (0, 0, 1, 2, 2, 2, 3, 3)]
@@ -43,6 +44,10 @@ def _hosts(p: int) -> tuple:
     return tuple(r // 2 for r in range(p)) if p > 2 else ()
 
 
+#: the root of a rooted collective on p ranks: neither always 0 nor always the last
+ROOTS = {p: (p // 2 + 1) % p for p in range(1, 64)}
+
+
 @pytest.mark.parametrize("collective,name", NAMES, ids=ids(NAMES))
 def test_checker_proves_every_library_algorithm(collective, name):
     build = ALGORITHMS[collective, name]
@@ -51,7 +56,8 @@ def test_checker_proves_every_library_algorithm(collective, name):
         for k in DEPTHS if p <= 8 else (2,):
             for layout, seg in checker.shapes(collective, p, k):
                 for hosts in ((), _hosts(p)) if name == "hierarchical" else ((),):
-                    checker.check(build, collective, p, layout, seg=seg, hosts=hosts)
+                    checker.check(build, collective, p, layout, seg=seg, hosts=hosts,
+                                  root=ROOTS[p])
                     n += 1
     assert n >= 25
 
@@ -118,6 +124,15 @@ def _inputs(collective: str, p: int, layout, seed: int):
         xs = [rnd(n) for n in layout]
         return ([[junk(n) for n in layout] + [xs[r].clone()] for r in range(p)],
                 [list(xs) + [None] for _ in range(p)])
+    if collective == "broadcast":  # from ROOTS[p]
+        x = rnd(layout[0])
+        root = ROOTS[p]
+        return ([[x.clone() if r == root else junk(layout[0])] for r in range(p)],
+                [[x] for _ in range(p)])
+    if collective == "reduce_scatter":
+        xs = [[rnd(n) for n in layout] for _ in range(p)]
+        return ([[c.clone() for c in xs[r]] + [junk(layout[r])] for r in range(p)],
+                [[None] * p + [sum(xs[i][r] for i in range(p))] for r in range(p)])
     sent = [[rnd(layout[i][j]) for j in range(p)] for i in range(p)]  # alltoall
     return ([[s.clone() for s in sent[r]] + [junk(layout[i][r]) for i in range(p)]
              for r in range(p)],
@@ -135,7 +150,7 @@ def test_runs_match_single_process(collective, name, executor):
                 bufs, want = _inputs(collective, p, layout, seed=p * 100 + k)
                 hosts = _hosts(p) if name == "hierarchical" else ()
                 run_schedule(build, collective, p, layout, bufs, seg=seg, executor=executor,
-                             hosts=hosts, timeout_s=20)
+                             hosts=hosts, timeout_s=20, root=ROOTS[p])
                 for r in range(p):
                     for b, w in enumerate(want[r]):
                         if w is not None:
@@ -192,6 +207,13 @@ def test_step_counts_are_the_documented_ones():
     assert rounds("alltoall", "pairwise", 7, ((1,) * 7,) * 7) == 6
     # double tree: k segments per half finish after about k + 2 * height rounds, far
     # fewer than the binomial tree's reduce-then-broadcast
+    # the direct ones: one step, or two for two_shot, at any p (k per segment)
+    assert [rounds("allreduce", "one_shot", p, (4 * p,)) for p in (2, 3, 5, 8)] == [1] * 4
+    assert [rounds("allreduce", "two_shot", p, (4 * p,)) for p in (2, 3, 5, 8)] == [2] * 4
+    assert rounds("allreduce", "two_shot", 5, (5 * 12,), seg=4) == 3 + 1
+    assert rounds("reduce_scatter", "direct", 5, (8,) * 5, seg=4) == 2
+    assert rounds("allgather", "direct", 7, (3,) * 7) == 1
+    assert rounds("broadcast", "direct", 7, (30,)) == 1
     dt = rounds("allreduce", "double_tree", 16, (16 * 64,), seg=16)
     assert dt <= 32 + 2 * 4 + 2 < rounds("allreduce", "tree", 16, (16 * 64,), seg=16)
 
@@ -339,8 +361,8 @@ def test_first_use_check_refuses_nothing_at_realistic_shapes():
     for (coll, name), build in ALGORITHMS.items():
         p = 8
         n = (8 << 20) // 4 if coll == "allreduce" else 1 << 18
-        layout = {"allreduce": (n,), "allgather": (n,) * p,
-                  "alltoall": ((n,) * p, (n,) * p)}[coll]
+        layout = {"allreduce": (n,), "allgather": (n,) * p, "broadcast": (n,),
+                  "reduce_scatter": (n,) * p, "alltoall": ((n,) * p, (n,) * p)}[coll]
         ctx = Context(coll, p, 3, layout, seg=seg, hosts=_hosts(p))
         assert check_user_schedule(build, ctx, name).ctx == ctx
 

@@ -71,6 +71,7 @@ def test_mismatched_sizes_fail_at_once(launcher, sizes):
     assert _segments() <= before
 
 
+@pytest.mark.wide  # 12 s; the kill under mpiexec stays in make test
 def test_a_killed_rank_ends_the_others_wait_torchrun(tmp_path):
     """The last of 3 ranks SIGKILLs itself at an allreduce; torchrun is told to look
     at its workers only every 10 s, so the others must find out themselves: each
@@ -116,7 +117,7 @@ def _small_tmpfs(size: str):
     return d
 
 
-@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+@pytest.mark.parametrize("launcher", ["mpiexec", pytest.param("torchrun", marks=pytest.mark.wide)])
 def test_a_full_directory_falls_back_to_mpi(launcher):
     """A 64 KiB tmpfs cannot hold two 1 MiB segments: group creation warns, naming
     the sizes, and the collectives run over MPI, correctly."""

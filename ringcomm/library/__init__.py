@@ -13,7 +13,15 @@ algorithm               collective    steps (p ranks, k segments per message)
 ``hierarchical``        allreduce     binomial within hosts + any allreduce across them
 ``bruck``               allgather     ceil(log2 p) + a local rotation
 ``pairwise``            alltoall      p - 1
+``one_shot``            allreduce     k: every buffer to every rank, reduced everywhere
+``two_shot``            allreduce     k + 1: direct reduce-scatter, then direct allgather
+``direct``              allgather,    1 (allgather, broadcast) or k (reduce_scatter):
+                        broadcast,    every rank straight to every rank
+                        reduce_scatter
 ======================  ============  ==================================================
+
+The direct ones (``direct.py``) are for one host, where shared memory moves every
+pair's message at once and a step costs a hand-over, not a trip over a link.
 
 They are registered with ``verify=False``: like the built-ins they are proved by
 the test suite (``tests/test_library.py`` checks them with
@@ -29,7 +37,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ringcomm.algorithms import register_algorithm
-from ringcomm.library import bruck, double_tree, hierarchical, pairwise, rabenseifner
+from ringcomm.library import bruck, direct, double_tree, hierarchical, pairwise, rabenseifner
 
 #: (collective, name) -> builder, for every algorithm this package registers
 ALGORITHMS: dict[tuple[str, str], Callable] = {
@@ -38,9 +46,14 @@ ALGORITHMS: dict[tuple[str, str], Callable] = {
     ("allreduce", "hierarchical"): hierarchical.allreduce,
     ("allgather", "bruck"): bruck.allgather,
     ("alltoall", "pairwise"): pairwise.alltoall,
+    ("allreduce", "one_shot"): direct.one_shot,
+    ("allreduce", "two_shot"): direct.two_shot,
+    ("allgather", "direct"): direct.allgather,
+    ("broadcast", "direct"): direct.broadcast,
+    ("reduce_scatter", "direct"): direct.reduce_scatter,
 }
 
 for (_collective, _name), _build in ALGORITHMS.items():
     register_algorithm(_collective, _name, _build, verify=False)
 
-__all__ = ["ALGORITHMS", "bruck", "double_tree", "hierarchical", "pairwise", "rabenseifner"]
+__all__ = ["ALGORITHMS", "bruck", "direct", "double_tree", "hierarchical", "pairwise", "rabenseifner"]

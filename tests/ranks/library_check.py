@@ -6,8 +6,12 @@ op or a form, against a single-process computation from every rank's inputs.
   op and dtype on an odd size (gloo's where it has them, the local oracle for AVG and
   the rest), sizes 0, 1, p-1 and 7, and 3 MiB on the world group (2 MiB segments) and
   on a group with 64 KiB segments (dozens of segments per call);
+* allreduce with ``one_shot`` and ``two_shot`` as the three above;
 * allgather with ``bruck``: ``all_gather`` (equal and uneven sizes) and
   ``all_gather_into_tensor``;
+* ``direct`` allgather, broadcast (every root) and reduce_scatter: against gloo, on
+  both groups (the 64 KiB segments cut reduce_scatter's chunks), with an uneven
+  all_gather and reduce_scatter against the inputs;
 * alltoall with ``pairwise``: ``all_to_all_single`` (equal, uneven with zeros) and
   ``all_to_all`` lists;
 * the host layout the group saw (``--hosts 0,0,1`` or ``--hosts none`` for one host)
@@ -33,7 +37,9 @@ R = dist.ReduceOp
 OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
           torch.int64, torch.int8, torch.uint8)
-ALLREDUCE = ("rabenseifner", "double_tree", "hierarchical")
+ALLREDUCE = ("rabenseifner", "double_tree", "hierarchical", "one_shot", "two_shot")
+#: the direct algorithms of the other collectives (ringcomm/library/direct.py)
+DIRECT = ("allgather", "broadcast", "reduce_scatter")
 
 
 @dataclass
@@ -209,6 +215,54 @@ def check_alltoall_pairwise(ctx: Ctx) -> None:
     ringcomm.set_algorithm("alltoall", "auto")
 
 
+def check_direct(ctx: Ctx) -> None:
+    """allgather, broadcast (from every root) and reduce_scatter with ``direct``, against
+    gloo: equal sizes (with and without segments cutting the chunks), then uneven
+    all_gather and reduce_scatter against the inputs."""
+    c, rank, p, gloo = ctx.c, ctx.rank, ctx.p, ctx.gloo
+    groups = ((None, "world"), (ctx.small_seg, "seg64k"))
+    for coll in DIRECT:
+        for group, _ in groups:
+            ringcomm.set_algorithm(coll, "direct", group=group)
+    for dtype in (torch.float32, torch.int32):
+        for n in sorted({0, 1, 1001, 40003}):
+            x = data(rank, n, dtype, salt=7)
+            refs = [torch.empty(n, dtype=dtype) for _ in range(p)]
+            dist.all_gather(refs, x.clone(), group=gloo)
+            chunks = [data(rank * p + j, n, dtype, salt=8) for j in range(p)]
+            rs_ref = torch.empty(n, dtype=dtype)  # data() sums exactly in any order
+            dist.reduce_scatter(rs_ref, [t.clone() for t in chunks], group=gloo)
+            for group, gname in groups:
+                outs = [torch.empty(n, dtype=dtype) for _ in range(p)]
+                what = f"all_gather[direct,{gname}] {dtype} n={n}"
+                if c.run(what, dist.all_gather, outs, x.clone(), group=group) is None:
+                    c.check(same(outs, refs), what)
+                for root in range(p):
+                    t = x.clone() if rank == root else torch.zeros(n, dtype=dtype)
+                    what = f"broadcast[direct,{gname}] root={root} {dtype} n={n}"
+                    if c.run(what, dist.broadcast, t, src=root, group=group) is None:
+                        c.check(same(t, refs[root]), what)
+                out = torch.empty(n, dtype=dtype)
+                what = f"reduce_scatter[direct,{gname}] {dtype} n={n}"
+                if c.run(what, dist.reduce_scatter, out, [t.clone() for t in chunks],
+                         group=group) is None:
+                    c.check(same(out, rs_ref), what)
+    # uneven (gloo: equal sizes only): rank q's block has 3000 + q elements
+    sizes = [3000 + q for q in range(p)]
+    inputs = [data(q, sizes[q], torch.int64, salt=9) for q in range(p)]
+    outs = [torch.empty(m, dtype=torch.int64) for m in sizes]
+    if c.run("all_gather[direct] uneven", dist.all_gather, outs, inputs[rank].clone()) is None:
+        c.check(same(outs, inputs), "all_gather[direct] uneven")
+    mine = [data(rank * p + j, sizes[j], torch.int64, salt=10) for j in range(p)]
+    want = sum(data(q * p + rank, sizes[rank], torch.int64, salt=10) for q in range(p))
+    out = torch.empty(sizes[rank], dtype=torch.int64)
+    if c.run("reduce_scatter[direct] uneven", dist.reduce_scatter, out, mine) is None:
+        c.check(same(out, want), "reduce_scatter[direct] uneven")
+    for coll in DIRECT:
+        for group, _ in groups:
+            ringcomm.set_algorithm(coll, "auto", group=group)
+
+
 def check_algorithm_context(ctx: Ctx) -> None:
     """The same through ringcomm.algorithm(...) on the subgroup, restored after."""
     c, small_seg = ctx.c, ctx.small_seg
@@ -225,7 +279,7 @@ def check_algorithm_context(ctx: Ctx) -> None:
 #: run in this order on every rank (the ranks must issue the same collectives)
 CHECKS = [check_host_layout, check_allreduce_ops, check_allreduce_sizes,
           check_allreduce_large, check_allgather_bruck, check_alltoall_pairwise,
-          check_algorithm_context]
+          check_direct, check_algorithm_context]
 
 
 def main() -> None:
