@@ -134,7 +134,7 @@ SETTINGS: tuple[Setting, ...] = (
             minimum=0),
     Setting("RINGCOMM_SHM", "bool", True,
             "ranks of a group on one host exchange messages through shared memory "
-            "(`ringcomm.transport.shm`); off: over MPI"),
+            "(`ringcomm.transport.shm`); off: over MPI", option="shared_memory"),
     Setting("RINGCOMM_SHM_DIR", "path", "/dev/shm",
             "directory (a tmpfs) where shared-memory segments are made; each is unlinked "
             "as soon as every rank mapped it"),
@@ -207,6 +207,9 @@ class Options:
             to K progress at once.
         local_size: ranks per host as consecutive blocks of world ranks (0: from the
             launcher), for hierarchical algorithms.
+        shared_memory: whether ranks of the group on one host exchange messages
+            through shared memory (False: every message over MPI); off on every rank
+            where it is off on any.
     """
 
     algorithms: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -214,6 +217,7 @@ class Options:
     tuning_file: str | None = None
     num_channels: int | None = None
     local_size: int | None = None
+    shared_memory: bool | None = None
 
     def resolve(self, environ: Mapping[str, str] | None = None) -> "Options":
         """A copy with every field decided: from this object, else from the
@@ -229,7 +233,17 @@ class Options:
                        segment_bytes=self._count("segment_bytes", environ, "bytes"),
                        tuning_file=tuning,
                        num_channels=self._count("num_channels", environ, "communicators"),
-                       local_size=self._count("local_size", environ, "ranks"))
+                       local_size=self._count("local_size", environ, "ranks"),
+                       shared_memory=self._flag("shared_memory", environ))
+
+    def _flag(self, field: str, environ: Mapping[str, str] | None) -> bool:
+        """Field ``field`` decided: this object's value (checked), else its variable's."""
+        value = getattr(self, field)
+        if value is None:
+            return get(next(s for s in SETTINGS if s.option == field).name, environ)
+        if not isinstance(value, bool):
+            raise ValueError(f"ringcomm: Options.{field} must be True or False, got {value!r}")
+        return value
 
     def _count(self, field: str, environ: Mapping[str, str] | None, unit: str) -> int:
         """Field ``field`` decided: this object's value (checked), else its variable's."""

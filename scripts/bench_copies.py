@@ -43,9 +43,8 @@ def untraced_run(program, bufs) -> None:
     bd = program._bindings.get(key)
     if bd is None:
         key, bd = program._binding(bufs)
-    tp = program.tp
+    steps, _, tp = bd
     start, wait = tp.start, tp.wait
-    steps, _ = bd
     try:
         for actions, work in steps:
             for is_wait, b in actions:

@@ -231,6 +231,18 @@ def test_quick_run_on_two_ranks(tmp_path):
            "bench_ddp_roundrobin_timeline_k1.png", "bench_ddp_roundrobin_timeline_k5.png"])
 
 
+def test_ringcomm_without_shared_memory_is_a_backend_of_its_own(tmp_path):
+    # ringcomm-mpi: ringcomm with Options(shared_memory=False), beside ringcomm in one run
+    out = tmp_path / "out.json"
+    mpirun(2, str(SCRIPT), "--quick", "--iters", "1", "--warmup", "1", "--sections",
+           "breakdown", "--impls", "ours", "--backends", "ringcomm,ringcomm-mpi", "--json",
+           str(out), timeout=150)
+    doc = json.loads(out.read_text())
+    assert {"ours/ringcomm", "ours/ringcomm-mpi"} <= \
+        set(doc["meta"]["configurations"])
+    assert all(r["ok"] for r in doc["verification"]["resnet"].values())
+
+
 def test_one_process_without_a_launcher(tmp_path):
     out = tmp_path / "one.json"
     # the sections that run on one rank as on many (the rest: the two-rank run above)
@@ -251,6 +263,7 @@ def test_one_process_without_a_launcher(tmp_path):
                                         "nosync"]),
     (["--model", "gpt"], ["unknown model (--model) 'gpt'", "resnet", "bert"]),
     (["--backends", "nccl2"], ["unknown backend (--backends) 'nccl2'", "gloo"]),
+    (["--backends", "ringcomm-mpi,gloo"], ["ringcomm-mpi cannot come first"]),
     (["--iters", "0"], ["--iters must be at least 1, got 0"]),
     (["--channels", "1,0"], ["--channels values must be at least 1, got 0"]),
     (["--rr-caps", "25,x"], ["--rr-caps takes a comma list of numbers, got 'x'"]),

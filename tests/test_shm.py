@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+import ringcomm
 from conftest import BIN, LAUNCHERS, RANKS, _env, mpirun, torchrun
 from ringcomm.transport.shm import Geometry
 
@@ -39,6 +40,14 @@ def test_geometry_places_nothing_twice():
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
         assert spans[-1][1] <= g.nbytes
         assert g.slot_bytes >= slot_bytes
+
+
+def test_shared_memory_option_overrides_the_variable_and_is_checked():
+    assert ringcomm.Options().resolve({}).shared_memory is True
+    assert ringcomm.Options().resolve({"RINGCOMM_SHM": "0"}).shared_memory is False
+    assert ringcomm.Options(shared_memory=True).resolve({"RINGCOMM_SHM": "0"}).shared_memory
+    with pytest.raises(ValueError, match="Options.shared_memory must be True or False, got 0"):
+        ringcomm.Options(shared_memory=0).resolve({})
 
 
 @pytest.mark.parametrize("n", [2, 3])

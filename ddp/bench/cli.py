@@ -16,7 +16,7 @@ from ringcomm.bench.cli import Parser, launch_alone, names
 
 import ddp.bench
 from ddp.bench.configs import World
-from ddp.bench.constants import (BACKENDS, BUCKET_CAPS, DEFAULT_TARGETS, IMPLS, MODELS,
+from ddp.bench.constants import (BACKEND_OPTIONS, BACKENDS, BUCKET_CAPS, DEFAULT_TARGETS, IMPLS, MODELS,
                                  PAPER_MODELS, PROG,
                                  QUICK_BUCKET_CAPS, RR_CAPS, RR_CHANNELS, SECTIONS)
 from ddp.bench.experiments import Bench
@@ -93,6 +93,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         a.backend_list = names(a.backends, BACKENDS, "backend (--backends)")
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
+    if a.backend_list[0] in BACKEND_OPTIONS:
+        parser.error(f"--backends: {a.backend_list[0]} cannot come first (the default "
+                     f"group's backend): list it after ringcomm or gloo")
     a.iters = a.iters if a.iters is not None else (3 if a.quick else 8)
     a.rounds = a.rounds if a.rounds is not None else a.iters
     a.caps = QUICK_BUCKET_CAPS if a.quick else BUCKET_CAPS

@@ -21,7 +21,7 @@ from ringcomm.bench import links
 
 import ddp
 from ddp.bench import roundrobin
-from ddp.bench.constants import DATA_POOL, LR, MOMENTUM, SCALING_WORLDS
+from ddp.bench.constants import BACKEND_OPTIONS, DATA_POOL, LR, MOMENTUM, SCALING_WORLDS
 from ddp.bench.models import ModelSpec
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +141,22 @@ def auto_threads(ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // ranks)
 
 
+def new_group(backend: str, timeout: datetime.timedelta, ranks=None) -> dist.ProcessGroup:
+    """``dist.new_group`` for one of the benchmark's backends (``ringcomm-mpi``:
+    ringcomm with the options of ``constants.BACKEND_OPTIONS``)."""
+    real, opts = BACKEND_OPTIONS.get(backend, (backend, None))
+    return dist.new_group(ranks, backend=real, timeout=timeout,
+                          pg_options=ringcomm.Options(**opts) if opts else None)
+
+
 def rr_group(backend: str, k: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
     """A group of every rank with ``k`` communicators used in turn: ringcomm with
     ``Options(num_channels=k)``, gloo as ``k`` gloo groups in round robin
     (:mod:`ddp.bench.roundrobin`). Collective: every rank calls it in the same order."""
-    if backend == "ringcomm":  # the description names its progress threads in traces
+    real, opts = BACKEND_OPTIONS.get(backend, (backend, {}))
+    if real == "ringcomm":  # the description names its progress threads in traces
         return dist.new_group(backend="ringcomm", timeout=timeout, group_desc=f"K={k}",
-                              pg_options=ringcomm.Options(num_channels=k))
+                              pg_options=ringcomm.Options(num_channels=k, **opts))
     if backend == "gloo":
         return roundrobin.new_group(k, timeout)
     raise ValueError(f"bench_ddp: no round-robin group for backend {backend!r}")
@@ -163,7 +172,7 @@ class World:
         timeout = datetime.timedelta(seconds=args.timeout)
         self.groups = {args.backend_list[0]: dist.group.WORLD}
         for b in args.backend_list[1:]:
-            self.groups[b] = dist.new_group(backend=b, timeout=timeout)
+            self.groups[b] = new_group(b, timeout)
         self.ctrl = dist.new_group(backend="gloo", timeout=timeout)
         #: host name of each rank, and the links between them when there are several
         self.hosts = self.gather(socket.gethostname())
@@ -181,8 +190,7 @@ class World:
                     self.sub[k] = (self.groups, self.ctrl)
                     continue
                 ranks = list(range(k))
-                gs = {b: dist.new_group(ranks, backend=b, timeout=timeout)
-                      for b in args.backend_list}
+                gs = {b: new_group(b, timeout, ranks) for b in args.backend_list}
                 ctrl = dist.new_group(ranks, backend="gloo", timeout=timeout)
                 self.sub[k] = (gs, ctrl) if self.rank < k else None
         #: (backend, K) -> a group of every rank with K communicators used in turn
@@ -197,7 +205,8 @@ class World:
         of the group: ringcomm's num_channels, the gloo-rr group's backends)."""
         out: dict[str, dict[int, int]] = {}
         for (b, k), g in self.rr.items():
-            out.setdefault(b, {})[k] = (ringcomm.get_group(g).num_channels if b == "ringcomm"
+            out.setdefault(b, {})[k] = (ringcomm.get_group(g).num_channels
+                                        if b.startswith("ringcomm")
                                         else g.num_groups)
         return out
 

@@ -14,7 +14,11 @@ MODELS = ("resnet", "bert", "mlp")
 #: the paper's two kinds of model (--model both)
 PAPER_MODELS = ("resnet", "bert")
 IMPLS = ("ours", "torch")
-BACKENDS = ("ringcomm", "gloo")
+BACKENDS = ("ringcomm", "gloo", "ringcomm-mpi")
+#: a backend name of this benchmark that is another's with options: ringcomm-mpi is
+#: ringcomm with its shared-memory transport off (every message over MPI), to show
+#: what shared memory changes in the same run; not the default group's
+BACKEND_OPTIONS = {"ringcomm-mpi": ("ringcomm", {"shared_memory": False})}
 #: bucket_cap_mb values of the sweep; "all" is a cap larger than the model (one bucket)
 BUCKET_CAPS: tuple = (0, 1, 5, 10, 25, 50, 100, "all")
 QUICK_BUCKET_CAPS: tuple = (0, 25, "all")
@@ -28,6 +32,7 @@ RR_CAPS: tuple = (25, 1)
 #: how each backend gets K communicators in the round-robin section
 RR_MECHANISM = {"ringcomm": "ringcomm.Options(num_channels=K): one ringcomm group of K MPI "
                             "communicators, each with its own progress thread, used in turn",
+                "ringcomm-mpi": "as ringcomm, with Options(shared_memory=False)",
                 "gloo": "K gloo groups in turn (ddp.bench.roundrobin: torch's removed "
                         "_round_robin_process_groups rebuilt, the paper's setting)"}
 SCALING_WORLDS = (1, 2, 4)

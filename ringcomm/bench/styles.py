@@ -34,11 +34,16 @@ ALGORITHMS: dict[str, tuple[str, str]] = {
     "linear": ("#393b79", ">"),              # navy
     "pairwise": ("#e7ba52", "p"),            # gold
     "dissemination": ("#7b4173", "d"),       # plum
+    "one_shot": ("#9edae5", "*"),            # pale cyan: the library's direct ones
+    "two_shot": ("#c5b0d5", "H"),            # lavender
+    "direct": ("#8c6d31", "8"),              # dark gold
     "rc-nccl": ("#637939", "*"),             # moss: ringcomm's auto on CUDA tensors
     "ours/ringcomm": ("#08519c", "o"),       # dark blue: this DDP on ringcomm
     "ours/gloo": ("#a63603", "s"),           # rust: this DDP on gloo
     "off/ringcomm": ("#6baed6", "^"),        # light blue: overlap off
     "off/gloo": ("#fd8d3c", "v"),            # light orange
+    "ours/ringcomm-mpi": ("#3182bd", "D"),   # mid blue: ringcomm without shared memory
+    "off/ringcomm-mpi": ("#9ecae1", "<"),    # pale blue
 }
 #: the peers: name -> (grey, marker, line style)
 PEERS: dict[str, tuple[str, str, str]] = {
@@ -49,6 +54,7 @@ PEERS: dict[str, tuple[str, str, str]] = {
     "deepspeed": ("#606060", "D", "-."),         # DeepSpeed's shared-memory allreduce
     "torch/ringcomm": ("#252525", "D", "--"),  # torch's DDP on ringcomm
     "torch/gloo": ("#969696", "P", "--"),      # torch's DDP on gloo: all torch
+    "torch/ringcomm-mpi": ("#4d4d4d", "X", "--"),  # torch's DDP, ringcomm without shm
 }
 #: colours no fixed name uses, for other names (coloured ones, then greys for peers)
 SPARE_COLOURS = ("#843c39", "#5254a3", "#8ca252", "#bd9e39", "#a55194", "#31a354",

@@ -159,10 +159,14 @@ class P2PProgram(_Program):
     def _bind(self, bufs: Sequence) -> tuple:
         """Persistent requests for every message, and per step the batches to start
         and wait for, in the order :class:`Plan` worked out."""
-        plan, tp = self.plan, self.tp
+        plan = self.plan
         views = self._views(bufs)
-        lay = self._layout = TagLayout(tp.tag_limit)
-        tp.number_bits = lay.number_bits  # a transport with two paths tells messages apart
+        lay = self._layout = TagLayout(self.tp.tag_limit)
+        self.tp.number_bits = lay.number_bits  # a transport with two paths tells messages apart
+        # the messages go through the transport that carries them all (a wrapper's
+        # inner one where the wrapper would only pass them on)
+        tp = self.tp.carrier([(peer, views[v].nbytes)
+                              for peer, v in (*plan.send_list, *plan.recv_list)])
         base, span = lay.base(self.signature[0], self.epoch), 1 << lay.number_bits
         counts: dict = collections.defaultdict(int)
 
@@ -171,7 +175,7 @@ class P2PProgram(_Program):
             counts[kind, peer] = k + 1
             return base + k % span
 
-        work_of, held_of = self._local_work(bufs)  # first: it may refuse the binding
+        work_of, held_of = self._local_work(bufs, tp)  # first: it may refuse the binding
         work = [[work_of(*w) for w in local] for *_, local in plan.p2p_steps]
         sreq = [tp.send_init(views[v], peer, tag("s", peer)) for peer, v in plan.send_list]
         # a receive whose data only one local step reads stays where the sender put it,
@@ -219,15 +223,15 @@ class P2PProgram(_Program):
         tail = [sreq[k] for k in plan.tail_sends]
         if tail:
             steps.append(([(True, batch(tail))], []))
-        return steps, sreq + rreq
+        return steps, sreq + rreq, tp
 
-    def _local_work(self, bufs: Sequence):
+    def _local_work(self, bufs: Sequence, tp):
         """``work_of(is_reduce, dst, src)``: one local step bound to the memory of
         this binding's regions (numbers of ``plan.regions``), as ``(fn, dst, src)``
         for ``fn(dst, src)``: operands over raw addresses (:func:`ringcomm.ops.memory`),
         made once, holding no reference to the caller's tensors; and
         ``held_of(is_reduce, dst, handle)``: the same step reading held receive
-        ``handle`` where it lies (``Transport.recv_held_init``)."""
+        ``handle`` where it lies (``recv_held_init`` of transport ``tp``)."""
         full = [*bufs, *self.scratch]
         reducers: dict = {}
 
@@ -266,17 +270,17 @@ class P2PProgram(_Program):
 
         def held_of(is_reduce: bool, d: int, handle: Any) -> tuple:
             dm, dtype = mem(d)
-            return self.tp.held_work(handle, dm, dtype, reducer(dtype) if is_reduce else None)
+            return tp.held_work(handle, dm, dtype, reducer(dtype) if is_reduce else None)
         return work_of, held_of
 
     def _release(self, bd: tuple) -> None:
-        _, requests = bd
-        self.tp.free(requests)
+        _, requests, tp = bd
+        tp.free(requests)
 
     def _drop(self, key: Any, bd: tuple, bufs: Sequence) -> None:
         super()._drop(key, bd, bufs)
-        _, requests = bd
-        self.tp.abandon(requests, keep=list(bufs))
+        _, requests, tp = bd
+        tp.abandon(requests, keep=list(bufs))
 
     def run(self, bufs: Sequence[torch.Tensor | None]) -> None:
         """One collective on the caller's 1-D buffers (``ringcomm.schedule.BUFFERS``'
@@ -288,13 +292,13 @@ class P2PProgram(_Program):
         # one loop with the trace's test per step: a second loop without it saved
         # 0.00-0.04 us a call of one step (scripts/bench_copies.py,
         # docs/data/hot_path_copies.json)
-        plan, tp = self.plan, self.tp
+        plan = self.plan
+        steps, _, tp = bd
         start, wait = tp.start, tp.wait
         traced = trace.active()
         if traced:
             trace.annotate(peers=plan.peers, steps=len(plan.steps))
             t0, k = trace.now(), 0
-        steps, _ = bd
         try:
             for actions, work in steps:
                 for is_wait, b in actions:

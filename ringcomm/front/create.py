@@ -64,7 +64,8 @@ def create_group(dist_opts: Any, pg_options: Any) -> ProcessGroupRingcomm:
         comms = [comm, *(comm.Dup() for _ in range(options.num_channels - 1))]
         # ranks sharing a host exchange a schedule's messages through shared memory
         from ringcomm.transport import shm
-        transports = [shm.connect(MPITransport(c), c, hosts, k) for k, c in enumerate(comms)]
+        transports = [shm.connect(MPITransport(c), c, hosts, k, options.shared_memory)
+                      for k, c in enumerate(comms)]
     pg = ProcessGroupRingcomm(dist_opts.group_rank, dist_opts.group_size, transports,
                               dist_opts.timeout, options, str(dist_opts.group_id),
                               store=store, cpu_error=cpu_error, hosts=hosts,

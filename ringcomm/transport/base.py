@@ -200,6 +200,12 @@ class Transport(Link):
     def recv_init(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
         """A persistent receive into contiguous ``buf`` from ``peer`` with ``tag``."""
 
+    def carrier(self, messages: Sequence[tuple[int, int]]) -> "Transport":
+        """The transport to bind a program's messages ``(peer, nbytes)`` to, for its
+        begin and end to stay this one's: this one, or one it wraps that carries all
+        of them (see ``ShmTransport``)."""
+        return self
+
     def batch(self, handles: Sequence[Handle]) -> Any:
         """``handles`` as one unit to :meth:`start` or :meth:`wait`, prepared once."""
         return tuple(handles)

@@ -263,6 +263,17 @@ class ShmTransport(Transport):
         :meth:`_came_here` or :meth:`_look_at_peers`)."""
         return self.pairs.get(peer) if buf.nbytes >= self.min_bytes else None
 
+    def carrier(self, messages: Sequence[tuple[int, int]]) -> Transport:
+        """The MPI transport itself where none of ``messages`` takes shared memory (all
+        below ``RINGCOMM_SHM_MIN_BYTES`` or to other hosts): a small collective's
+        starts and waits then skip this wrapper (0.8 us of a 4 KiB allreduce,
+        scripts/bench_layers.py). Its waits still look at the peers through the hooks
+        this transport set on it."""
+        pairs, least = self.pairs, self.min_bytes
+        if any(n >= least and peer in pairs for peer, n in messages):
+            return self
+        return self.inner
+
     def send_init(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
         pair = self._route(buf, peer)
         if pair is None:
@@ -705,19 +716,29 @@ def _unlink(path: str) -> None:
         pass
 
 
-def connect(inner: Transport, comm, hosts: Sequence[int], channel: int = 0) -> Transport:
+def connect(inner: Transport, comm, hosts: Sequence[int], channel: int = 0,
+            enabled: bool | None = None) -> Transport:
     """A :class:`ShmTransport` over ``inner`` for the ranks of the group that share a
     host with this one, or ``inner`` itself where none does, shared memory is turned
-    off (``RINGCOMM_SHM=0``) or could not be set up on some rank (then with a warning
-    that says why). Collective over ``comm``, the group's MPI communicator, whose
-    ranks are ``inner``'s (every rank makes the same collective calls, whatever
+    off (``enabled`` False, ``RINGCOMM_SHM=0`` where it is None; off on every rank if
+    off on any, with a warning) or could not be set up on some rank (then with a
+    warning that says why). Collective over ``comm``, the group's MPI communicator,
+    whose ranks are ``inner``'s (every rank makes the same collective calls, whatever
     happens to its own segment); ``hosts`` is the group's host layout (empty: one
     host). A rank on a host of its own maps nothing.
     """
     size, rank = inner.size, inner.rank
-    if size < 2 or not settings.get("RINGCOMM_SHM"):
+    if size < 2:
         return inner
-    machines = comm.allgather((_machine(), os.getpid()))
+    on = settings.get("RINGCOMM_SHM") if enabled is None else bool(enabled)
+    # one exchange: each rank's machine, pid and whether it wants shared memory
+    machines = comm.allgather((_machine(), os.getpid(), on))
+    if not all(m[2] for m in machines):
+        if on and channel == 0:
+            log.warning("ringcomm: shared memory is off on ranks %s of this group and on "
+                        "others: every rank of it uses MPI",
+                        [r for r, m in enumerate(machines) if not m[2]])
+        return inner
     mine = hosts[rank] if hosts else 0
     local = [r for r in range(size)
              if (hosts[r] if hosts else 0) == mine and machines[r][0] == machines[rank][0]]

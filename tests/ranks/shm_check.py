@@ -76,6 +76,15 @@ def correct(c: Checker, rank: int, size: int, expect: str) -> None:
         y = x.clone()
         c.run(f"allreduce {algo}", dist.all_reduce, y, group=g)
         c.check(torch.equal(y, want), f"allreduce {algo}: wrong sum")
+    if expect != "mpi":
+        # one group off by its options; one off on rank 0 only (off on every rank)
+        for what, opt in (("every rank", False), ("rank 0", rank != 0)):
+            g = dist.new_group(pg_options=ringcomm.Options(shared_memory=opt))
+            kinds = [type(lane.tp).__name__ for lane in ringcomm.get_group(g).lanes.cpus]
+            c.check(kinds == ["MPITransport"], f"shared_memory=False on {what}: {kinds}")
+            y = x.clone()
+            c.run(f"allreduce shared_memory=False on {what}", dist.all_reduce, y, group=g)
+            c.check(torch.equal(y, want), f"shared_memory=False on {what}: wrong sum")
     if size % 2 == 0 and settings.get("RINGCOMM_LOCAL_SIZE"):
         g = dist.new_group(pg_options=ringcomm.Options(algorithms={"allreduce": "hierarchical"}))
         y = x.clone()
