@@ -194,6 +194,19 @@ def test_floats_end_bit_identical_on_every_rank(name):
     assert torch.allclose(bufs[0][0].double(), torch.stack(xs).double().sum(0), atol=1e-5)
 
 
+def test_one_shot_min_max_of_signed_zeros_agree_on_every_rank():
+    # MIN and MAX of +0 and -0 return the second operand's sign: each rank must fold
+    # in rank order, not add the prefix into its own value
+    p = 3
+    xs = [torch.tensor([0.0, -0.0, 0.0]), torch.tensor([-0.0, 0.0, 0.0]),
+          torch.tensor([0.0, 0.0, -0.0])]
+    for op in (ops.MIN, ops.MAX):
+        bufs = [[x.clone()] for x in xs]
+        run_schedule(REGISTRY["allreduce"]["one_shot"], "allreduce", p, (3,), bufs, op=op)
+        signs = [torch.signbit(b[0]).tolist() for b in bufs]
+        assert signs[1:] == signs[:1] * (p - 1), (op, signs)
+
+
 def test_step_counts_are_the_documented_ones():
     def rounds(coll, name, p, layout, seg=1 << 30):
         return checker.check(REGISTRY[coll][name], coll, p, layout, seg=seg).rounds

@@ -25,9 +25,9 @@ shared-memory allreduce, written as schedules.
 
 Every rank combines the values of one element in rank order, ``x0 + x1 + ... +
 x(p-1)``, so floating-point results are the same bits on every rank: rank r
-holds ``x_r``; it first sums ``x_0 .. x_(r-1)`` in order (in the scratch of rank
-0's message), adds that into ``x_r`` (``x_r + s == s + x_r`` for every reduce op,
-exactly), then adds ``x_(r+1)`` onwards. The peers' messages are listed by
+holds ``x_r``; it first sums ``x_0 .. x_r`` in order in the scratch of rank 0's
+message, copies that into place, then adds ``x_(r+1)`` onwards. (Not ``x_r + s``
+for ``s + x_r``: MIN and MAX of +0 and -0 give the second operand's sign.) The peers' messages are listed by
 distance (r+1, r+2, ...), so ranks do not all send to the same peer first.
 """
 from __future__ import annotations
@@ -49,19 +49,21 @@ def _in_rank_order(r: int, dst: Region, got: dict[int, Region]) -> list[Reduce]:
     before = sorted(j for j in got if j < r)
     after = sorted(j for j in got if j > r)
     out = []
-    if before:
+    if before:  # acc = x0 op ... op x(r-1) op x_r, folded left, then into dst
         acc = got[before[0]]
         out += [Reduce(acc, got[j]) for j in before[1:]]
-        out.append(Reduce(dst, acc))
+        out += [Reduce(acc, dst), Copy(dst, acc)]
     return out + [Reduce(dst, got[j]) for j in after]
 
 
 def _windows(b: Builder, peers: list[int], longest: int, seg: int) -> dict:
-    """Per peer, ``WINDOW`` scratch slots of one segment each (receives of later
-    segments reuse them once their reduction ran)."""
+    """Per peer, up to ``WINDOW`` scratch slots of one segment each, no more than
+    there are segments (receives of later segments reuse them once their reduction
+    ran)."""
     slot = min(seg, longest)
-    tmp = b.scratch(len(peers) * WINDOW * slot)
-    return {j: [Region(tmp, (i * WINDOW + w) * slot, slot) for w in range(WINDOW)]
+    n = min(WINDOW, -(-longest // slot))
+    tmp = b.scratch(len(peers) * n * slot)
+    return {j: [Region(tmp, (i * n + w) * slot, slot) for w in range(n)]
             for i, j in enumerate(peers)}
 
 
@@ -83,7 +85,7 @@ def _reduce_direct(b: Builder, out_of: dict[int, Region], mine: Region) -> None:
         if k < len(into):
             d = into[k]
             for j in peers:
-                s = slots[j][k % WINDOW]
+                s = slots[j][k % len(slots[j])]
                 got[j] = Region(s.buf, s.off, d.n)
                 recvs.append((j, got[j]))
             b.step(sends, recvs, _in_rank_order(ctx.rank, d, got))
@@ -112,8 +114,8 @@ def one_shot(ctx: Context) -> Schedule:
         return b.build()
     slots = _windows(b, peers, data.n, ctx.seg)
     for k, d in enumerate(segments):
-        got = {j: Region(slots[j][k % WINDOW].buf, slots[j][k % WINDOW].off, d.n)
-               for j in peers}
+        got = {j: Region(slots[j][k % len(slots[j])].buf, slots[j][k % len(slots[j])].off,
+                         d.n) for j in peers}
         b.step([(j, d) for j in peers], [(j, got[j]) for j in peers],
                _in_rank_order(ctx.rank, d, got))
     return b.build()

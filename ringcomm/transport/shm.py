@@ -735,8 +735,8 @@ def connect(inner: Transport, comm, hosts: Sequence[int], channel: int = 0,
     machines = comm.allgather((_machine(), os.getpid(), on))
     if not all(m[2] for m in machines):
         if on and channel == 0:
-            log.warning("ringcomm: shared memory is off on ranks %s of this group and on "
-                        "others: every rank of it uses MPI",
+            log.warning("ringcomm: shared memory is off on ranks %s of this group (on "
+                        "elsewhere): every rank of the group uses MPI",
                         [r for r, m in enumerate(machines) if not m[2]])
         return inner
     mine = hosts[rank] if hosts else 0
