@@ -240,7 +240,7 @@ class Options:
         """Field ``field`` decided: this object's value (checked), else its variable's."""
         value = getattr(self, field)
         if value is None:
-            return get(next(s for s in SETTINGS if s.option == field).name, environ)
+            return get(_variable_of(field).name, environ)
         if not isinstance(value, bool):
             raise ValueError(f"ringcomm: Options.{field} must be True or False, got {value!r}")
         return value
@@ -248,7 +248,7 @@ class Options:
     def _count(self, field: str, environ: Mapping[str, str] | None, unit: str) -> int:
         """Field ``field`` decided: this object's value (checked), else its variable's."""
         value = getattr(self, field)
-        setting = next(s for s in SETTINGS if s.option == field)
+        setting = _variable_of(field)
         if value is None:
             return get(setting.name, environ)
         low = int(setting.minimum or 0)
@@ -257,6 +257,11 @@ class Options:
             raise ValueError(f"ringcomm: Options.{field} must be {what} whole number of "
                              f"{unit}, got {value!r}")
         return value
+
+
+def _variable_of(field: str) -> Setting:
+    """The setting whose ``option`` is :class:`Options` field ``field``."""
+    return next(s for s in SETTINGS if s.option == field)
 
 
 # -- the README's table -------------------------------------------------------------

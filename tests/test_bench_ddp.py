@@ -238,8 +238,7 @@ def test_ringcomm_without_shared_memory_is_a_backend_of_its_own(tmp_path):
            "breakdown", "--impls", "ours", "--backends", "ringcomm,ringcomm-mpi", "--json",
            str(out), timeout=150)
     doc = json.loads(out.read_text())
-    assert {"ours/ringcomm", "ours/ringcomm-mpi"} <= \
-        set(doc["meta"]["configurations"])
+    assert {"ours/ringcomm", "ours/ringcomm-mpi"} <= set(doc["meta"]["configurations"])
     assert all(r["ok"] for r in doc["verification"]["resnet"].values())
 
 

@@ -16,9 +16,9 @@ from ringcomm.bench.cli import Parser, launch_alone, names
 
 import ddp.bench
 from ddp.bench.configs import World
-from ddp.bench.constants import (BACKEND_OPTIONS, BACKENDS, BUCKET_CAPS, DEFAULT_TARGETS, IMPLS, MODELS,
-                                 PAPER_MODELS, PROG,
-                                 QUICK_BUCKET_CAPS, RR_CAPS, RR_CHANNELS, SECTIONS)
+from ddp.bench.constants import (BACKEND_OPTIONS, BACKENDS, BUCKET_CAPS, DEFAULT_TARGETS,
+                                 IMPLS, MODELS, PAPER_MODELS, PROG, QUICK_BUCKET_CAPS,
+                                 RR_CAPS, RR_CHANNELS, SECTIONS)
 from ddp.bench.experiments import Bench
 from ddp.bench.plots import plot
 from ddp.bench import tracing

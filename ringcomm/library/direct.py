@@ -67,6 +67,12 @@ def _windows(b: Builder, peers: list[int], longest: int, seg: int) -> dict:
             for i, j in enumerate(peers)}
 
 
+def _slot(slots: list[Region], k: int, n: int) -> Region:
+    """The first ``n`` elements of the slot segment ``k`` is received into."""
+    s = slots[k % len(slots)]
+    return Region(s.buf, s.off, n)
+
+
 def _reduce_direct(b: Builder, out_of: dict[int, Region], mine: Region) -> None:
     """A direct reduce-scatter: ``out_of[j]`` (a region per peer j) goes to rank j;
     every peer's region for this rank arrives and is reduced into ``mine`` (which
@@ -85,8 +91,7 @@ def _reduce_direct(b: Builder, out_of: dict[int, Region], mine: Region) -> None:
         if k < len(into):
             d = into[k]
             for j in peers:
-                s = slots[j][k % len(slots[j])]
-                got[j] = Region(s.buf, s.off, d.n)
+                got[j] = _slot(slots[j], k, d.n)
                 recvs.append((j, got[j]))
             b.step(sends, recvs, _in_rank_order(ctx.rank, d, got))
         else:
@@ -114,8 +119,7 @@ def one_shot(ctx: Context) -> Schedule:
         return b.build()
     slots = _windows(b, peers, data.n, ctx.seg)
     for k, d in enumerate(segments):
-        got = {j: Region(slots[j][k % len(slots[j])].buf, slots[j][k % len(slots[j])].off,
-                         d.n) for j in peers}
+        got = {j: _slot(slots[j], k, d.n) for j in peers}
         b.step([(j, d) for j in peers], [(j, got[j]) for j in peers],
                _in_rank_order(ctx.rank, d, got))
     return b.build()

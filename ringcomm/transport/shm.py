@@ -266,8 +266,8 @@ class ShmTransport(Transport):
     def carrier(self, messages: Sequence[tuple[int, int]]) -> Transport:
         """The MPI transport itself where none of ``messages`` takes shared memory (all
         below ``RINGCOMM_SHM_MIN_BYTES`` or to other hosts): a small collective's
-        starts and waits then skip this wrapper (0.8 us of a 4 KiB allreduce,
-        scripts/bench_layers.py). Its waits still look at the peers through the hooks
+        starts and waits then skip this wrapper (``scripts/bench_layers.py`` times
+        the transport layer). Its waits still look at the peers through the hooks
         this transport set on it."""
         pairs, least = self.pairs, self.min_bytes
         if any(n >= least and peer in pairs for peer, n in messages):
