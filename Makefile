@@ -77,8 +77,10 @@ test-parallel: install
 test-bench: install
 	$(call pytest,-m bench)
 
-# PyTorch Lightning, HF Accelerate and transformers training on ringcomm, each
-# under torchrun (about 30 s; the "frameworks" extra that make install brings)
+# PyTorch Lightning, HF Accelerate and transformers training on ringcomm under
+# torchrun, and DeepSpeed's ZeRO under torchrun, its own launcher and mpiexec against
+# gloo (about 4 minutes, two more the first time DeepSpeed builds its CPU Adam; the
+# "frameworks" extra that make install brings)
 test-frameworks: install
 	$(call pytest,-m frameworks)
 
