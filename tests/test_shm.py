@@ -213,3 +213,37 @@ def test_held_receives_are_those_only_one_local_step_reads():
         b.step(recvs=[(1, (t, 0, 8))], local=[Copy((D, 0, 8), (t, 0, 8))])
         b.step(local=[Reduce((D, 0, 4), (t, 4, 4))])
     assert _plan(copied_out_half_read_later).held_receives() == {}
+
+
+def test_a_later_calls_message_numbered_alike_is_no_mismatch_until_it_stays(monkeypatch):
+    """A rank that waits long for a message over one path, and sees on the other path a
+    message from the same peer with the same number but another call's tag, cannot tell
+    at once whether the peer sent this message the other way (sizes differ) or is
+    already in its next call, whose message overtook the awaited one on the faster path
+    (the awaited one then completes at the next test). It is a mismatch only if the
+    sight stays while the wait goes on; once seen (a full-suite run under load), the
+    second kind failed a correct burst of collectives on several channels."""
+    from ringcomm.transport import shm
+
+    clock = [100.0]
+    monkeypatch.setattr(shm, "_monotonic", lambda: clock[0])
+    t = shm.ShmTransport.__new__(shm.ShmTransport)
+    t.number_bits, t.rank, t._suspect = 14, 2, None
+    awaited, later = (5 << 14) | 3, (9 << 14) | 3  # the same number, 3, of two calls
+    # seen once, then again in the same wait: not yet a mismatch
+    t._same_number(0, awaited, later, "over shared memory", 7)
+    clock[0] += shm._PROBE_S
+    t._same_number(0, awaited, later, "over shared memory", 7)
+    # the awaited message came; a later wait sees another state
+    clock[0] += 5.0
+    t._same_number(0, awaited, later, "over shared memory", 7)  # not continuous: anew
+    # the sight stays for the whole of _SUSPECT_S, probed every _PROBE_S: a mismatch
+    with pytest.raises(RuntimeError, match="gave it different sizes"):
+        for _ in range(int(shm._SUSPECT_S / shm._PROBE_S) + 2):
+            clock[0] += shm._PROBE_S
+            t._same_number(0, awaited, later, "over shared memory", 7)
+    # the tag itself is no mismatch, nor another number
+    t._suspect = None
+    t._same_number(0, awaited, awaited, "over MPI", 7)
+    t._same_number(0, awaited, (9 << 14) | 4, "over MPI", 7)
+    assert t._suspect is None

@@ -78,6 +78,10 @@ _BUSY_S = 100e-6
 _PROBE_S = 0.05
 #: a shared-memory wait lets MPI progress this often
 _POKE_S = 20e-6
+#: a message numbered like an awaited one but of another call, on the other path, is a
+#: mismatch once seen this long in one wait (:meth:`ShmTransport._same_number`), as MPI's
+#: own sign of one must stay (``ringcomm.transport.mpi._MISMATCH_S``)
+_SUSPECT_S = 1.0
 
 
 def _round(n: int, to: int) -> int:
@@ -205,6 +209,8 @@ class ShmTransport(Transport):
         self._nslots = geometry.slots
         self._fence, self._window = _fence_window()
         self._broken: str | None = None
+        #: what :meth:`_same_number` last took for a mismatch: (what, first seen, last)
+        self._suspect: tuple | None = None
         #: MPI progress while waiting on shared memory (its transfers to other hosts and
         #: users' messages move only inside MPI calls), at most every _POKE_S
         self._poke = getattr(inner, "poke", _nothing)
@@ -528,7 +534,8 @@ class ShmTransport(Transport):
         first_tag = getattr(self.inner, "first_tag_from", None)
         for h in handles:
             if h.kind == "recv" and not h.req.done and first_tag is not None:
-                self._same_number(h.peer, h.tag, first_tag(h.peer), "over MPI")
+                self._same_number(h.peer, h.tag, first_tag(h.peer), "over MPI",
+                                  h.req.pair.got)
 
     def _came_here(self, h: Handle) -> None:
         """Called while MPI waits long for ``h``: raise if its peer, on this host, is
@@ -545,17 +552,33 @@ class ShmTransport(Transport):
         if inp[pair.head_in] > k and not pair.recvq:
             self._fence()
             self._same_number(peer, tag, inp[pair.meta_in + 2 * (k % self._nslots)],
-                              "over shared memory")
+                              "over shared memory", k)
 
-    def _same_number(self, peer: int, tag: int, found: int | None, how: str) -> None:
+    def _same_number(self, peer: int, tag: int, found: int | None, how: str,
+                     got: int) -> None:
         """Raise if ``found``, the tag of the next message from ``peer`` on the path a
-        receive tagged ``tag`` does not wait on, numbers the same message: it came the
-        other way, so the sender's size differs (a message's size decides its path)."""
+        receive tagged ``tag`` does not wait on, numbers the same message of another
+        call, and goes on doing so for :data:`_SUSPECT_S` of this wait (``got``: the
+        chunks taken from the peer's shared memory so far, which stay the same).
+
+        Either the peer sent the awaited message that way (its size differs, and a
+        message's size decides its path), or the peer is in its next call, whose
+        message with the same number came the faster way while the awaited one, sent
+        first, was still on its way. Only the first stays: the second's awaited
+        message completes at the wait's next test."""
         bits = self.number_bits
         if found is None or bits is None:
             return
         mask = (1 << bits) - 1
-        if found & mask == tag & mask and found != tag:
+        if found & mask != tag & mask or found == tag:
+            return
+        now, what, seen = _monotonic(), (peer, tag, found, how, got), self._suspect
+        if seen is None or seen[0] != what or now - seen[2] > 4 * _PROBE_S:
+            self._suspect = (what, now, now)  # first seen in this wait
+            return
+        self._suspect = (what, seen[1], now)
+        if now - seen[1] >= _SUSPECT_S:
+            self._suspect = None
             raise RuntimeError(f"the message from rank {peer} that rank {self.rank} awaits "
                                f"came {how}, so the two ranks gave it different sizes "
                                "(RINGCOMM_SHM_MIN_BYTES decides the way): ranks passed "
