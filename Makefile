@@ -23,7 +23,7 @@ PIP_ENV := $(if $(OTHER_TORCH),PIP_CONFIG_FILE=/dev/null)
 # the newest and the oldest torch ringcomm supports (make test-compat)
 COMPAT_TORCH ?= torch==2.15.0 torch==2.7.1
 
-.PHONY: install demo test test-wide test-compat test-compat-one test-cluster test-parallel test-bench test-frameworks check-nccl-api conformance bench clean
+.PHONY: install demo test test-wide test-compat test-compat-one test-cluster test-parallel test-bench test-frameworks test-ray test-gpu-check check-nccl-api conformance bench clean
 
 install: $(VENV)/.installed
 
@@ -45,7 +45,7 @@ define pytest
 endef
 
 test: install
-	$(call pytest,-m "not cluster and not frameworks and not parallel and not bench and not gpucheck and not wide")
+	$(call pytest,-m "not cluster and not frameworks and not ray and not parallel and not bench and not gpucheck and not wide")
 
 # the launches make test leaves out because another launch there covers them: the
 # other launcher, one rank, or five oversubscribed ranks (about two minutes)
@@ -78,11 +78,18 @@ test-bench: install
 	$(call pytest,-m bench)
 
 # PyTorch Lightning, HF Accelerate and transformers training on ringcomm under
-# torchrun, and DeepSpeed's ZeRO under torchrun, its own launcher and mpiexec against
-# gloo (about 4 minutes, two more the first time DeepSpeed builds its CPU Adam; the
-# "frameworks" extra that make install brings)
+# torchrun, DeepSpeed's ZeRO under torchrun, its own launcher and mpiexec against
+# gloo, and torchft's recovery from killed replicas (about 4 minutes, two more the
+# first time DeepSpeed builds its CPU Adam; the "frameworks" extra that make install
+# brings)
 test-frameworks: install
 	$(call pytest,-m frameworks)
+
+# Ray Train's TorchTrainer on ringcomm against gloo: installs the "ray" extra (about
+# 400 MB, a minute and a half) into the environment, then about a minute
+test-ray: install
+	$(PIP_ENV) $(PY) -m pip install -c $(VENV)/torch-pin.txt -e ".[ray]"
+	$(call pytest,-m ray)
 
 # scripts/gpu_check.py's driver on CPU (--fake): every stage in order, deadlines
 # that end their workers, the JSON and report kept when cut short (about a minute)

@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 from ringcomm import schedule, settings, trace
 from ringcomm.algorithms import REGISTRY, register_algorithm, unregister_algorithm
-from ringcomm.front.create import GROUPS
+from ringcomm.front.create import GROUPS, connect_group
 from ringcomm.front.create import register as register_backend
 from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.launch import bootstrap, slurm
@@ -33,8 +33,8 @@ from ringcomm.settings import Options
 
 __version__ = "0.1.0"
 __all__ = ["Options", "ProcessGroupRingcomm", "register_algorithm", "unregister_algorithm",
-           "register_backend", "register_msccl", "set_algorithm", "algorithm", "set_timeout", "get_group", "REGISTRY", "checker", "schedule",
-           "__version__"]
+           "register_backend", "register_msccl", "set_algorithm", "algorithm", "set_timeout",
+           "get_group", "connect_group", "REGISTRY", "checker", "schedule", "__version__"]
 
 log = logging.getLogger("ringcomm")
 _level = settings.get("RINGCOMM_DEBUG")

@@ -78,6 +78,8 @@ FAILURE_CASES = {
     # 40 groups after the warm-up (scripts/reliability_report.py runs 100)
     "groups created, broken and destroyed leak nothing": ("lifecycle_check.py 50", 3, None),
     "a soak of mixed async collectives on two groups": ("soak_check.py 3000", 2, None),
+    "standalone groups (connect_group) beside the world group, released": (
+        "standalone_check.py", 3, None),
     "WORLD_SIZE disagreeing with mpiexec is replaced, with a warning": (
         "world_check.py env", 2, {"WORLD_SIZE": "3"}),
     "init_process_group(world_size=3) on two processes is an error, not a hang": (

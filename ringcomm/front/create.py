@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.launch import bootstrap
 from ringcomm.settings import Options
 
-__all__ = ["create_group", "register", "GROUPS"]
+__all__ = ["create_group", "connect_group", "register", "GROUPS"]
 
 log = logging.getLogger("ringcomm")
 
@@ -35,16 +36,73 @@ def create_group(dist_opts: Any, pg_options: Any) -> ProcessGroupRingcomm:
         pg_options: :class:`ringcomm.Options`, None, or another backend's options
             (ignored with a warning).
     """
+    options = _options(pg_options)  # checked before anything is read or connected
+    pg = _connect(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+                  dist_opts.timeout, options, str(dist_opts.group_id),
+                  list(dist_opts.global_ranks_in_group), standalone=False)
+    # torch >= 2.15 binds the device on the group it made before asking for ours
+    bound = getattr(getattr(dist_opts, "process_group", None), "bound_device_id", None)
+    if bound is not None:
+        pg.eager_connect_single_device(bound)
+    return pg
+
+
+def connect_group(store: dist.Store, rank: int, size: int,
+                  timeout: timedelta = timedelta(minutes=30), options: Any = None,
+                  name: str | None = None) -> ProcessGroupRingcomm:
+    """A ringcomm group of the ``size`` processes that call this with ``store``, each
+    with its own ``rank``, outside torch's registry of groups (as torchft makes its
+    replica groups, through :mod:`ringcomm.torchft`).
+
+    The group is connected afresh every time: it neither uses nor becomes the world
+    group, so a process may make any number of them, one after another or side by
+    side, with other members each time, beside a ringcomm world group or without one.
+    Release one with ``shutdown()`` or ``abort()``.
+
+    Args:
+        store: a c10d store every member reaches (a ``PrefixStore`` of its own for
+            each group: the members meet under ``ringcomm/`` in it).
+        rank, size: this process's rank in the group, and the group's size.
+        timeout: the limit of set-up and of every collective of the group.
+        options: :class:`ringcomm.Options` or None.
+        name: the group's name in errors and traces.
+    Raises:
+        ValueError: ``rank`` or ``size`` out of range, or ``timeout`` not positive.
+        DistBackendError: members did not arrive within ``timeout``.
+    """
+    if not isinstance(size, int) or size < 1 or not isinstance(rank, int) \
+            or not 0 <= rank < size:
+        raise ValueError(f"ringcomm.connect_group: rank {rank!r} of size {size!r}: the rank "
+                         "must be an int in [0, size) and the size a positive int")
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"ringcomm.connect_group: timeout {timeout!r} must be a positive "
+                         "timedelta")
+    resolved = _options(options)
+    global _standalone
+    _standalone += 1
+    return _connect(store, rank, size, timeout, resolved,
+                    name or f"standalone-{_standalone}", [], standalone=True)
+
+
+#: how many standalone groups this process made (their default names)
+_standalone = 0
+
+
+def _options(pg_options: Any) -> Options:
+    """The group's options, resolved, their algorithm names checked."""
     options = (options_from_torch(pg_options) or Options()).resolve()
-    # names checked before any connection is made
     options.algorithms = expand_choices(options.algorithms)
+    return options
+
+
+def _connect(store: Any, rank: int, size: int, timeout: timedelta, options: Options,
+             group_id: str, members: list[int], standalone: bool) -> ProcessGroupRingcomm:
+    """Connect a group's ranks (a fresh store namespace, MPI's network path, one MPI
+    communicator per channel, shared memory on each host) and make its group."""
     transports, cpu_error, hosts = None, None, ()
-    store = bootstrap.fresh_store(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                                  dist_opts.timeout)
+    torch_store, store = store, bootstrap.fresh_store(store, rank, size, timeout)
     # before MPI starts (importing the MPI transport starts it): its network path
-    bootstrap.prepare_network(store, dist_opts.group_rank, dist_opts.group_size,
-                              dist_opts.timeout)
-    members = list(dist_opts.global_ranks_in_group)
+    bootstrap.prepare_network(store, rank, size, timeout, standalone)
     try:
         from ringcomm.transport.mpi import MPITransport
     except (ImportError, RuntimeError, OSError) as e:
@@ -56,24 +114,18 @@ def create_group(dist_opts: Any, pg_options: Any) -> ProcessGroupRingcomm:
         log.warning("ringcomm: MPI is not available (%s); only CUDA tensors can be used",
                     cpu_error)
     else:
-        comm = bootstrap.group_comm(store, dist_opts.group_rank, dist_opts.group_size,
-                                    members, dist_opts.timeout)
-        world_rank = members[dist_opts.group_rank] if members else dist_opts.group_rank
-        hosts = bootstrap.host_layout(comm, world_rank, options.local_size)
+        comm = bootstrap.group_comm(store, rank, size, members, timeout, standalone)
+        world_rank = members[rank] if members else rank
+        hosts = bootstrap.host_layout(comm, world_rank, options.local_size, standalone)
         # one communicator per channel: messages of different channels never match
         comms = [comm, *(comm.Dup() for _ in range(options.num_channels - 1))]
         # ranks sharing a host exchange a schedule's messages through shared memory
         from ringcomm.transport import shm
         transports = [shm.connect(MPITransport(c), c, hosts, k, options.shared_memory)
                       for k, c in enumerate(comms)]
-    pg = ProcessGroupRingcomm(dist_opts.group_rank, dist_opts.group_size, transports,
-                              dist_opts.timeout, options, str(dist_opts.group_id),
+    pg = ProcessGroupRingcomm(rank, size, transports, timeout, options, group_id,
                               store=store, cpu_error=cpu_error, hosts=hosts,
-                              torch_store=dist_opts.store, global_ranks=members)
-    # torch >= 2.15 binds the device on the group it made before asking for ours
-    bound = getattr(getattr(dist_opts, "process_group", None), "bound_device_id", None)
-    if bound is not None:
-        pg.eager_connect_single_device(bound)
+                              torch_store=torch_store, global_ranks=members)
     GROUPS.add(pg)
     return pg
 

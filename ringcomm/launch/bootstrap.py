@@ -22,6 +22,12 @@ keys of the processes it replaced are still there.
 Subgroups are carved from the world communicator with ``Comm.Create_group``,
 which only the group's members call (as torch only calls the backend creator
 on members).
+
+A *standalone* group (:func:`ringcomm.connect_group`: torchft's replica groups,
+re-formed at every quorum change with other members) is connected afresh over its
+own store every time, as the world is under torchrun: it neither reads nor keeps
+the world communicator, so any number of them, with any members, can be made in
+one process, beside a ringcomm world group or without one.
 """
 from __future__ import annotations
 
@@ -110,14 +116,17 @@ def setup_env_from_mpi() -> None:
         network.apply(iface, spans_hosts=True, set_netmod=False)
 
 
-def host_key(world_rank: int, local_size: int = 0) -> str:
+def host_key(world_rank: int, local_size: int = 0, standalone: bool = False) -> str:
     """A name of this process's host, the same for every rank on it.
 
     ``local_size`` > 0 (``RINGCOMM_LOCAL_SIZE``) puts consecutive blocks of that many
     world ranks on one host. Otherwise the launcher says: MPI's shared-memory split
     under mpiexec, the node (agent) rank under torchrun, ``SLURM_NODEID`` under
-    srun; else the host name.
+    srun; else the host name. A standalone group's ranks come from different
+    launches, whose launchers each number their own nodes: its key is the host name.
     """
+    if standalone:
+        return f"host-{socket.gethostname()}"
     if local_size > 0:
         return f"block-{world_rank // local_size}"
     if _mpi_node is not None:
@@ -139,9 +148,10 @@ def host_numbers(keys: list[str]) -> tuple[int, ...]:
     return tuple(first.setdefault(k, len(first)) for k in keys)
 
 
-def host_layout(comm, world_rank: int, local_size: int = 0) -> tuple[int, ...]:
+def host_layout(comm, world_rank: int, local_size: int = 0,
+                standalone: bool = False) -> tuple[int, ...]:
     """Every group rank's host number (:func:`host_numbers`), agreed over ``comm``."""
-    return host_numbers(comm.allgather(host_key(world_rank, local_size)))
+    return host_numbers(comm.allgather(host_key(world_rank, local_size, standalone)))
 
 
 def _store_wait(store, key: str, timeout: timedelta) -> bytes:
@@ -215,12 +225,13 @@ def mpi_started() -> bool:
     return mod is not None and mod.Is_initialized()
 
 
-def prepare_network(store, rank: int, size: int, timeout: timedelta) -> None:
-    """Before a group's communicator is built from singletons (torchrun): meet the
-    group's ranks through ``store`` and choose the network path MPI will use
-    (:mod:`ringcomm.launch.network`). Nothing to do under mpiexec or once the world
-    communicator exists: MPI is wired up then."""
-    if launched_by_mpi() or _world is not None:
+def prepare_network(store, rank: int, size: int, timeout: timedelta,
+                    standalone: bool = False) -> None:
+    """Before a group's communicator is built from singletons (torchrun, or a
+    standalone group): meet the group's ranks through ``store`` and choose the network
+    path MPI will use (:mod:`ringcomm.launch.network`). Nothing to do for other groups
+    under mpiexec or once the world communicator exists: MPI is wired up then."""
+    if not standalone and (launched_by_mpi() or _world is not None):
         return
     path = network.compare_hosts(store, rank, size, timeout, set_netmod=not mpi_started())
     if path.spans_hosts and mpi_started() and not os.environ.get("MPIR_CVAR_CH4_NETMOD"):
@@ -302,7 +313,8 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
     return comm
 
 
-def group_comm(store, rank: int, size: int, global_ranks: list[int], timeout: timedelta):
+def group_comm(store, rank: int, size: int, global_ranks: list[int], timeout: timedelta,
+               standalone: bool = False):
     """A new intracommunicator for a torch group (the caller owns it).
 
     Args:
@@ -311,11 +323,15 @@ def group_comm(store, rank: int, size: int, global_ranks: list[int], timeout: ti
         global_ranks: the group's members as world ranks, in group-rank order;
             empty for the default (world) group.
         timeout: bound on waiting for peers during set-up.
+        standalone: connect the ranks that meet at ``store`` afresh, whatever
+            world this process has (``global_ranks`` unused).
     Raises:
         RuntimeError: MPI's world does not match torch's.
     """
     MPI = mpi()
 
+    if standalone:
+        return _connect_world(store, rank, size, timeout)
     global _world
     with _lock:
         if launched_by_mpi() and _world is None:
