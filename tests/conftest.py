@@ -81,6 +81,19 @@ def _checked(proc: subprocess.CompletedProcess, cmd: list[str], check: bool):
 LAUNCHERS = {"mpiexec": mpirun, "torchrun": torchrun}
 
 
+def need(module: str, install: str = "pip install -e '.[frameworks]'",
+         installed_here: bool = True) -> None:
+    """Skip where ``module`` is missing; but where the make target installs it
+    (``installed_here``: the extra's markers admit this machine), a missing one in CI
+    is a broken install, not a reason to run nothing."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        if os.environ.get("CI") and installed_here:
+            pytest.fail(f"{module} is not installed ({install})")
+        pytest.skip(f"{module} is not installed ({install})")
+
+
 # -- how many checks each per-rank program ran ------------------------------------------
 # A program that stops early, or a loop that silently runs nothing, still exits 0;
 # so every launch compares each rank's "N checks passed" with the count recorded in

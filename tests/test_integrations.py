@@ -3,14 +3,12 @@ test-parallel`), PyTorch Lightning, HF Accelerate, the transformers Trainer and
 DeepSpeed's ZeRO (`make test-frameworks`)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
 
-from conftest import assert_checks, mpirun, torchrun
+from conftest import assert_checks, mpirun, need, torchrun
 
 
 @pytest.mark.parallel  # make test-parallel, with the other parallel styles
@@ -23,22 +21,12 @@ def test_dcp_and_fsdp2(launch, tmp_path):
 @pytest.mark.frameworks  # make test-frameworks
 @pytest.mark.parametrize("framework", ["lightning", "accelerate", "transformers"])
 def test_framework(framework, tmp_path):
-    _need(framework)
+    need(framework)
     out = torchrun(2, "integrations_check.py", framework, str(tmp_path), timeout=300).stdout
     assert_checks(out, f"integrations_check {framework} torchrun n=2", 2)
 
 
 # -- DeepSpeed ZeRO: each launcher's ringcomm run against a gloo run of as many ranks ----
-def _need(module: str) -> None:
-    """Skip where ``module`` is missing; but `make install` brings the frameworks (the
-    "frameworks" extra), so in CI a missing one is a broken install, not a reason to run
-    nothing."""
-    if importlib.util.find_spec(module) is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{module} is not installed (pip install -e '.[frameworks]')")
-        pytest.skip(f"{module} is not installed")
-
-
 def _deepspeed_launcher(n: int, program: str, *args: str, timeout: float):
     """DeepSpeed's own launcher (``deepspeed --num_gpus N``) on this host."""
     import socket
@@ -80,7 +68,7 @@ def test_deepspeed_zero(launcher, n, tmp_path, gloo_zero):
     every rank's losses and final parameters on ringcomm equal gloo's. At 2 ranks
     bit for bit; at 3 the two backends add the ranks' gradients in another order, so
     fp32 agrees to rounding and bf16 to a few of its (much larger) rounding steps."""
-    _need("deepspeed")
+    need("deepspeed")
     want = gloo_zero(n)
     out = _DEEPSPEED_LAUNCHERS[launcher](n, "deepspeed_check.py", "ringcomm", str(tmp_path),
                                          timeout=400).stdout

@@ -2,21 +2,15 @@
 the "ray" extra, about 400 MB, is not in make install's environment by default)."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 
-from conftest import _checked, _run, assert_checks, RANKS
+from conftest import RANKS, _checked, _run, assert_checks, need
 
 pytestmark = pytest.mark.ray
 
 
 def test_torch_trainer_on_ringcomm_equals_gloo(tmp_path):
-    if importlib.util.find_spec("ray") is None:
-        if os.environ.get("CI"):
-            pytest.fail("ray is not installed (pip install -e '.[ray]', make test-ray)")
-        pytest.skip("ray is not installed (make test-ray installs it)")
+    need("ray", "make test-ray installs the ray extra")
     import shutil
     import sys
     import tempfile

@@ -13,9 +13,9 @@ ringcomm.torchft.ProcessGroupRingcommFT as the replica group
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -26,20 +26,22 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import RANKS, ROOT, _env
+from conftest import RANKS, ROOT, _env, need
 
 pytestmark = pytest.mark.frameworks
 
 PROGRAM = RANKS / "torchft_replica.py"
 LIMIT_S = 200
+#: steps of the kill-between-steps case: the survivor keeps stepping (about 0.15 s a
+#: step) while the killed replica restarts (a few seconds), which heals by step 25 here
+STEPS = 60
 
 
 @pytest.fixture
 def lighthouse():
-    if importlib.util.find_spec("torchft") is None:
-        if os.environ.get("CI"):
-            pytest.fail("torchft is not installed (pip install -e '.[frameworks]')")
-        pytest.skip("torchft is not installed")
+    # the frameworks extra brings torchft where its wheels exist (pyproject.toml)
+    need("torchft", installed_here=platform.system() == "Linux"
+         and platform.machine() == "x86_64" and sys.version_info < (3, 14))
     from torchft._torchft import LighthouseServer
 
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000,
@@ -68,18 +70,6 @@ class Replicas:
         for _, p, _ in self.procs:
             self.wait_for(p, "started", deadline)
         (self.out / "go").touch()
-
-    def stop_at(self, step: int) -> None:
-        (self.out / "stop-at.tmp").write_text(str(step))
-        (self.out / "stop-at.tmp").rename(self.out / "stop-at")
-
-    def first_record(self, p: subprocess.Popen, deadline: float) -> dict:
-        path = self.out / f"replica-{self.replica_of(p)}-{p.pid}.jsonl"
-        while not (path.exists() and path.read_text().endswith("\n")):
-            if p.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the replica logged no step (exit {p.poll()}):\n{self.outputs()}")
-            time.sleep(0.05)
-        return json.loads(path.read_text().splitlines()[0])
 
     def wait_for(self, p: subprocess.Popen, text: str, deadline: float) -> None:
         log = next(f for _, q, f in self.procs if q is p)
@@ -177,15 +167,14 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def test_a_replica_killed_between_steps_heals_from_the_survivor(replicas):
     deadline = time.monotonic() + LIMIT_S
-    survivor = replicas.start(0, "ddp")
-    doomed = replicas.start(1, "ddp", "--hold-after", "3")
+    # both stop after the same step, long after the restarted one can have healed
+    survivor = replicas.start(0, "ddp", "--steps", str(STEPS))
+    doomed = replicas.start(1, "ddp", "--hold-after", "3", "--steps", str(STEPS))
     replicas.go(deadline)
     replicas.wait_for(doomed, "holding after step 3", deadline)
     os.killpg(doomed.pid, signal.SIGKILL)
     doomed.wait()
-    reborn = replicas.start(1, "ddp")
-    # both stop after the same step, a few after the one the restarted replica healed in
-    replicas.stop_at(replicas.first_record(reborn, deadline)["step"] + 6)
+    reborn = replicas.start(1, "ddp", "--steps", str(STEPS))
     replicas.finish(deadline)
 
     mine, its = replicas.records(survivor), replicas.records(reborn)
@@ -194,7 +183,7 @@ def test_a_replica_killed_between_steps_heals_from_the_survivor(replicas):
     assert mine[0]["participants"] == 2, "the first quorum did not have both replicas"
     # the restarted replica's first step heals it: it takes no part, then trains
     assert its[0]["step"] > 3 and not its[0]["participating"] and its[0]["committed"], its
-    assert [r["participants"] for r in its[1:]] == [2] * 5, its
+    assert len(its) >= 4 and [r["participants"] for r in its[1:]] == [2] * (len(its) - 1), its
     want, counts = replay({0: [mine], 1: [replicas.records(doomed), its]})
     assert 1 in counts and counts[-1] == 2, f"participants per step: {counts}"
     assert [torch.equal(a, b) for a, b in zip(replicas.params(survivor),

@@ -70,10 +70,11 @@ def connect_group(store: dist.Store, rank: int, size: int,
         ValueError: ``rank`` or ``size`` out of range, or ``timeout`` not positive.
         DistBackendError: members did not arrive within ``timeout``.
     """
-    if not isinstance(size, int) or size < 1 or not isinstance(rank, int) \
-            or not 0 <= rank < size:
-        raise ValueError(f"ringcomm.connect_group: rank {rank!r} of size {size!r}: the rank "
-                         "must be an int in [0, size) and the size a positive int")
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"ringcomm.connect_group: size {size!r} must be a positive int")
+    if not isinstance(rank, int) or not 0 <= rank < size:
+        raise ValueError(f"ringcomm.connect_group: rank {rank!r} must be an int in "
+                         f"[0, {size})")
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
         raise ValueError(f"ringcomm.connect_group: timeout {timeout!r} must be a positive "
                          "timedelta")

@@ -62,7 +62,7 @@ def main() -> None:
     c.check(bool((got == want).all()), f"world: allreduce gave {got[0].item()}")
 
     # bad input names what is wrong, before anything connects
-    for args, what in (((store, size, size), "rank"), ((store, 0, 0), "size"),
+    for args, what in (((store, size, size), f"rank {size} must"), ((store, 0, 0), "size 0 must"),
                        ((store, 0, size, timedelta(0)), "timeout")):
         try:
             ringcomm.connect_group(*args)

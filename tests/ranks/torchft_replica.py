@@ -2,7 +2,7 @@
 examples run: a Manager on the lighthouse at TORCHFT_LIGHTHOUSE, its replica group
 ringcomm's (ringcomm.torchft.ProcessGroupRingcommFT), torchft's optimizer wrapper.
 
-Usage: torchft_replica.py REPLICA OUT MODE [--hold-after K] [--die-in K] [--steps N]
+Usage: torchft_replica.py REPLICA OUT MODE --steps N [--hold-after K] [--die-in K]
 
   MODE ddp      torchft's DistributedDataParallel reduces the gradients (its comm hook)
   MODE manual   manager.allreduce of each gradient, then wait(): the path on which a
@@ -12,7 +12,7 @@ Usage: torchft_replica.py REPLICA OUT MODE [--hold-after K] [--die-in K] [--step
   --hold-after K  after committing step K, print "holding" and sleep (to be killed)
   --die-in K      in step K, once the quorum is made and before the gradients are
                   reduced, kill this process: its peers are inside their allreduce
-  --steps N       stop once step N is reached (else once the step OUT/stop-at names is)
+  --steps N       stop once step N is reached
 
 Training starts once OUT/go exists (the test makes it when every first replica has
 started, so that the first quorum has them all). Every replica starts from the same
@@ -56,15 +56,6 @@ def batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
 
 
-def stop_at(out: str) -> float:
-    """The step OUT/stop-at names, once the test has written it."""
-    try:
-        with open(os.path.join(out, "stop-at")) as f:
-            return int(f.read())
-    except (FileNotFoundError, ValueError):
-        return float("inf")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("replica", type=int)
@@ -72,7 +63,7 @@ def main() -> None:
     ap.add_argument("mode", choices=["ddp", "manual"])
     ap.add_argument("--hold-after", type=int)
     ap.add_argument("--die-in", type=int)
-    ap.add_argument("--steps", type=int)
+    ap.add_argument("--steps", type=int, required=True)
     a = ap.parse_args()
 
     net = model()
@@ -122,7 +113,7 @@ def main() -> None:
         if a.hold_after is not None and step == a.hold_after and record["committed"]:
             print(f"replica {a.replica}: holding after step {step}", flush=True)
             time.sleep(DEADLINE_S)
-        if manager.current_step() >= (a.steps or stop_at(a.out)):
+        if manager.current_step() >= a.steps:
             break
         time.sleep(0.1)
     else:
