@@ -151,8 +151,9 @@ SETTINGS: tuple[Setting, ...] = (
             "network interface for MPI and NCCL when ranks span hosts (default: the one "
             "that carries this host's traffic to `MASTER_ADDR`); see docs/multi-node.md"),
     Setting("RINGCOMM_CONNECT_TIMEOUT", "float", 60.0,
-            "seconds bootstrap's MPI connect between torchrun's processes may take once "
-            "every rank has started, before it fails naming hosts and interfaces",
+            "seconds each MPI step of a group's set-up (torchrun's connect and accept, "
+            "the set-up's collectives) may take once every rank has met at the store, "
+            "before it fails (a connect naming hosts and interfaces)",
             minimum=1),
     Setting("RINGCOMM_DEBUG", "level", "OFF",
             "`INFO` logs each `auto` choice; `DETAIL` also compares every collective's "

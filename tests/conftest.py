@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,15 +33,21 @@ def _env(extra: dict | None) -> dict:
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None) -> subprocess.CompletedProcess:
+    """``cmd`` in a session of its own; past ``timeout``, the whole session (the
+    launcher and every rank it started) is killed and the test fails with its output."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True,
-                              timeout=timeout, start_new_session=True)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{out[-4000:]}"
                     f"\n--- stderr\n{err[-4000:]}")
-    return proc
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _which(name: str) -> str:

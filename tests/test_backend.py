@@ -97,6 +97,14 @@ def test_failures_and_lifecycle(case):
         assert "replacing WORLD_SIZE=3 with the MPI value 2" in proc.stderr
 
 
+def test_standalone_groups_under_torchrun():
+    """The standalone-group checks where MPICH lost messages to concurrent threads
+    (singletons joined through ports, UCX): groups set up on a second thread while the
+    world group's collectives run, and a set-up with a member missing bounded."""
+    out = torchrun(2, "standalone_check.py", timeout=180).stdout
+    assert_checks(out, "standalone_check torchrun n=2", 2)
+
+
 def test_the_demo_checks_its_results():
     # the README's demo, as `make demo` runs it (mpiexec); the same scripts under
     # torchrun are the collectives checks above

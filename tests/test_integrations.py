@@ -34,12 +34,17 @@ def _deepspeed_launcher(n: int, program: str, *args: str, timeout: float):
 
     from conftest import RANKS, _checked, _run
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", f"--num_gpus={n}",
-           f"--master_port={port}", str(RANKS / program), *args]
-    return _checked(_run(cmd, timeout, None), cmd, True)
+    for _ in range(3):
+        # a port free now may be taken before rank 0 binds it: then another one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", f"--num_gpus={n}",
+               f"--master_port={port}", str(RANKS / program), *args]
+        proc = _run(cmd, timeout, None)
+        if proc.returncode == 0 or "Address already in use" not in proc.stderr + proc.stdout:
+            break
+    return _checked(proc, cmd, True)
 
 
 _DEEPSPEED_LAUNCHERS = {"torchrun": torchrun, "mpiexec": mpirun,

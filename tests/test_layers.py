@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: layer -> the module prefixes in it (a prefix covers its submodules)
 LAYERS = {
     "bottom": ("ringcomm.settings", "ringcomm.ops", "ringcomm.schedule", "ringcomm.trace",
-               "ringcomm.backoff"),
+               "ringcomm.backoff", "ringcomm.mpi_serial", "ringcomm.machine"),
     "transport": ("ringcomm.transport",),
     "builders": ("ringcomm.algorithms", "ringcomm.library"),
     "execution": ("ringcomm.execution",),

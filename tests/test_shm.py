@@ -223,27 +223,40 @@ def test_a_later_calls_message_numbered_alike_is_no_mismatch_until_it_stays(monk
     (the awaited one then completes at the next test). It is a mismatch only if the
     sight stays while the wait goes on; once seen (a full-suite run under load), the
     second kind failed a correct burst of collectives on several channels."""
-    from ringcomm.transport import shm
+    from ringcomm.transport import base, shm
 
     clock = [100.0]
     monkeypatch.setattr(shm, "_monotonic", lambda: clock[0])
     t = shm.ShmTransport.__new__(shm.ShmTransport)
-    t.number_bits, t.rank, t._suspect = 14, 2, None
+    t.number_bits, t.rank, t._signs = 14, 2, base.Signs()
     awaited, later = (5 << 14) | 3, (9 << 14) | 3  # the same number, 3, of two calls
-    # seen once, then again in the same wait: not yet a mismatch
-    t._same_number(0, awaited, later, "over shared memory", 7)
-    clock[0] += shm._PROBE_S
-    t._same_number(0, awaited, later, "over shared memory", 7)
-    # the awaited message came; a later wait sees another state
-    clock[0] += 5.0
-    t._same_number(0, awaited, later, "over shared memory", 7)  # not continuous: anew
-    # the sight stays for the whole of _SUSPECT_S, probed every _PROBE_S: a mismatch
+    a = base.Handle(None, None, 0, "recv", tag=awaited)
+    b = base.Handle(None, None, 1, "recv", tag=awaited)  # another receive of the wait
+
+    def look(h, found, dt=shm._PROBE_S, got=7):
+        clock[0] += dt
+        t._same_number(h, found, "over shared memory", got)
+
+    # seen, then again: not yet a mismatch; gone at a look: it starts again
+    look(a, later)
+    look(a, later, shm._PROBE_S * 10)
+    look(a, None)
+    look(a, later)
+    look(a, later, base.MISMATCH_S * 0.9)
+    # two receives of one wait, each with its own sign, looked at in turn: neither
+    # resets the other, and looks far apart (a loaded machine) still count
+    look(b, later)
+    look(a, later, 0.0, got=8)  # the peer's memory moved on: anew
     with pytest.raises(RuntimeError, match="gave it different sizes"):
-        for _ in range(int(shm._SUSPECT_S / shm._PROBE_S) + 2):
-            clock[0] += shm._PROBE_S
-            t._same_number(0, awaited, later, "over shared memory", 7)
+        look(b, later, 0.3)
+        look(a, later, 0.3, got=8)
+        look(b, later, 0.3)
+        look(a, later, 0.3, got=8)
+        look(b, later, 0.3)  # b's sign has lasted 1.2 s
+    # a new wait forgets what the last one saw
+    t._signs.clear()
+    look(a, later, 5.0, got=8)
     # the tag itself is no mismatch, nor another number
-    t._suspect = None
-    t._same_number(0, awaited, awaited, "over MPI", 7)
-    t._same_number(0, awaited, (9 << 14) | 4, "over MPI", 7)
-    assert t._suspect is None
+    for found in (awaited, (9 << 14) | 4):
+        for _ in range(30):
+            look(a, found)

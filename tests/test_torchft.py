@@ -8,8 +8,12 @@ ringcomm.torchft.ProcessGroupRingcommFT as the replica group
   same parameters, equal to one process replaying the committed steps with the
   participants each step had.
 * A replica killed while its peer is inside the allreduce: the survivor's collective
-  fails at once with ringcomm's error naming the dead rank, torchft does not commit
-  that step, and the survivor goes on alone to the same replay.
+  fails at once with ringcomm's error naming the dead rank (torchft's and the
+  adapter's errored() both say so), torchft does not commit that step, and the
+  survivor goes on alone to the same replay.
+
+Every replica that is not killed ends on its own: torchft's manager shut down, the
+adapter's group released.
 """
 from __future__ import annotations
 
@@ -80,7 +84,8 @@ class Replicas:
             time.sleep(0.1)
 
     def finish(self, deadline: float) -> None:
-        """Every replica still running exits 0 before ``deadline``."""
+        """Every replica still running exits 0 before ``deadline``, on its own, after
+        shutting torchft's manager and ringcomm's group down."""
         for _, p, _ in self.procs:
             try:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -89,6 +94,10 @@ class Replicas:
                             f"{self.outputs()}")
         bad = [(r, p.returncode) for r, p, _ in self.procs if p.returncode not in (0, -9)]
         assert not bad, f"replicas exited {bad}:\n{self.outputs()}"
+        for r, p, log in self.procs:
+            if p.returncode == 0:
+                assert "group released: True, errored after: None" in log.read_text(), \
+                    f"replica {r} did not release its group:\n{self.outputs()}"
 
     def outputs(self) -> str:
         return "\n".join(f"--- replica {r} (pid {p.pid})\n{f.read_text()[-3000:]}"
@@ -178,7 +187,8 @@ def test_a_replica_killed_between_steps_heals_from_the_survivor(replicas):
     replicas.finish(deadline)
 
     mine, its = replicas.records(survivor), replicas.records(reborn)
-    assert all(r["committed"] and r["error"] is None for r in mine), mine
+    assert all(r["committed"] and r["error"] is None and r["group_error"] is None
+               for r in mine), mine
     assert [r["step"] for r in mine] == list(range(len(mine))), "the survivor skipped a step"
     assert mine[0]["participants"] == 2, "the first quorum did not have both replicas"
     # the restarted replica's first step heals it: it takes no part, then trains
@@ -204,6 +214,12 @@ def test_a_replica_killed_inside_the_allreduce_leaves_the_survivor_training(repl
     failed = [r for r in mine if not r["committed"]]
     assert len(failed) == 1 and failed[0]["step"] == 3, mine
     assert "rank 1" in failed[0]["error"] and "ringcomm" in failed[0]["error"].lower(), failed
+    # the adapter says so too, and the dead peer was seen, not waited out: the step
+    # failed well within the group's 15 s timeout
+    assert "TransportPeerFailed" in failed[0]["group_error"], failed
+    assert "exited while rank 0 waited" in failed[0]["group_error"], failed
+    assert failed[0]["seconds"] < 10, failed
+    assert all(r["group_error"] is None for r in mine if r["committed"]), mine
     want, counts = replay({0: [mine], 1: [replicas.records(dying)]})
     assert counts == [2, 2, 2, 1, 1, 1, 1], f"participants per step: {counts}"
     assert same(replicas.params(survivor), want), "differs from the replay of the steps"

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringcomm import mpi_serial
 from ringcomm.algorithms import expand_choices
 from ringcomm.front.contract import options_from_torch
 from ringcomm.front.process_group import ProcessGroupRingcomm
@@ -57,7 +58,11 @@ def connect_group(store: dist.Store, rank: int, size: int,
     The group is connected afresh every time: it neither uses nor becomes the world
     group, so a process may make any number of them, one after another or side by
     side, with other members each time, beside a ringcomm world group or without one.
-    Release one with ``shutdown()`` or ``abort()``.
+    Release one with ``shutdown()`` or ``abort()``. It may be made on any thread while
+    other groups' collectives run; every MPI step of its set-up after the members meet
+    at ``store`` is bounded by ``RINGCOMM_CONNECT_TIMEOUT``. Its ranks' hosts are told
+    apart by host name and boot id (``RINGCOMM_LOCAL_SIZE``, which numbers one
+    launch's world ranks, does not apply).
 
     Args:
         store: a c10d store every member reaches (a ``PrefixStore`` of its own for
@@ -115,20 +120,43 @@ def _connect(store: Any, rank: int, size: int, timeout: timedelta, options: Opti
         log.warning("ringcomm: MPI is not available (%s); only CUDA tensors can be used",
                     cpu_error)
     else:
-        comm = bootstrap.group_comm(store, rank, size, members, timeout, standalone)
-        world_rank = members[rank] if members else rank
-        hosts = bootstrap.host_layout(comm, world_rank, options.local_size, standalone)
-        # one communicator per channel: messages of different channels never match
-        comms = [comm, *(comm.Dup() for _ in range(options.num_channels - 1))]
-        # ranks sharing a host exchange a schedule's messages through shared memory
-        from ringcomm.transport import shm
-        transports = [shm.connect(MPITransport(c), c, hosts, k, options.shared_memory)
-                      for k, c in enumerate(comms)]
+        transports, hosts = _transports(store, rank, size, timeout, options, members,
+                                        standalone, MPITransport)
     pg = ProcessGroupRingcomm(rank, size, transports, timeout, options, group_id,
                               store=store, cpu_error=cpu_error, hosts=hosts,
                               torch_store=torch_store, global_ranks=members)
     GROUPS.add(pg)
     return pg
+
+
+def _transports(store: Any, rank: int, size: int, timeout: timedelta, options: Options,
+                members: list[int], standalone: bool, MPITransport: type) -> tuple[list, tuple]:
+    """The group's transports, one per channel, and its host layout. Each MPI step may
+    take :func:`ringcomm.launch.bootstrap.setup_limit`; on failure, what was made is
+    released (a communicator still used by a blocked MPI call is left to it)."""
+    from ringcomm.transport import shm
+
+    limit = bootstrap.setup_limit(timeout)
+    comm = bootstrap.group_comm(store, rank, size, members, timeout, standalone)
+    comms, transports = [comm], []
+    try:
+        world_rank = members[rank] if members else rank
+        hosts = bootstrap.host_layout(comm, world_rank, options.local_size, standalone, limit)
+        # one communicator per channel: messages of different channels never match
+        for k in range(1, options.num_channels):
+            comms.append(mpi_serial.dup(comm, f"channel {k}'s communicator", limit))
+        # ranks sharing a host exchange a schedule's messages through shared memory
+        for k, c in enumerate(comms):
+            transports.append(MPITransport(c, limit))  # owns c from here
+            transports[k] = shm.connect(transports[k], c, hosts, k, options.shared_memory,
+                                        limit)
+        return transports, hosts
+    except BaseException:
+        for tp in transports:
+            tp.close()
+        for c in comms[len(transports):]:
+            mpi_serial.locked(c.Free)
+        raise
 
 
 def register() -> None:

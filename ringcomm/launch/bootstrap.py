@@ -40,7 +40,7 @@ import time
 import uuid
 from datetime import timedelta
 
-from ringcomm import settings
+from ringcomm import machine, mpi_serial, settings
 from ringcomm.launch import network, slurm
 from ringcomm.launch.launchers import launched_by_mpi
 
@@ -123,10 +123,11 @@ def host_key(world_rank: int, local_size: int = 0, standalone: bool = False) -> 
     world ranks on one host. Otherwise the launcher says: MPI's shared-memory split
     under mpiexec, the node (agent) rank under torchrun, ``SLURM_NODEID`` under
     srun; else the host name. A standalone group's ranks come from different
-    launches, whose launchers each number their own nodes: its key is the host name.
+    launches, whose launchers each number their own nodes (and ``local_size`` numbers
+    a launch's world ranks): its key is the machine's host name and boot id.
     """
     if standalone:
-        return f"host-{socket.gethostname()}"
+        return f"machine-{machine.identity()}"
     if local_size > 0:
         return f"block-{world_rank // local_size}"
     if _mpi_node is not None:
@@ -148,10 +149,13 @@ def host_numbers(keys: list[str]) -> tuple[int, ...]:
     return tuple(first.setdefault(k, len(first)) for k in keys)
 
 
-def host_layout(comm, world_rank: int, local_size: int = 0,
-                standalone: bool = False) -> tuple[int, ...]:
-    """Every group rank's host number (:func:`host_numbers`), agreed over ``comm``."""
-    return host_numbers(comm.allgather(host_key(world_rank, local_size, standalone)))
+def host_layout(comm, world_rank: int, local_size: int = 0, standalone: bool = False,
+                limit_s: float | None = None) -> tuple[int, ...]:
+    """Every group rank's host number (:func:`host_numbers`), agreed over ``comm``
+    within ``limit_s`` (None: ``RINGCOMM_CONNECT_TIMEOUT``)."""
+    limit = settings.get("RINGCOMM_CONNECT_TIMEOUT") if limit_s is None else limit_s
+    return host_numbers(mpi_serial.allgather(
+        comm, host_key(world_rank, local_size, standalone), "the group's host layout", limit))
 
 
 def _store_wait(store, key: str, timeout: timedelta) -> bytes:
@@ -240,12 +244,25 @@ def prepare_network(store, rank: int, size: int, timeout: timedelta,
                     "MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp before MPI starts")
 
 
-def _bounded(call, what: str, timeout: timedelta, store, peer: int):
-    """``call()``, which blocks in MPI with no timeout of its own, bounded by the
-    smaller of ``timeout`` and ``RINGCOMM_CONNECT_TIMEOUT``: past it, raise an error
-    that names the hosts, interfaces and variables to check (the call itself stays
-    blocked in its thread: MPI cannot cancel it)."""
-    limit = min(timeout.total_seconds(), settings.get("RINGCOMM_CONNECT_TIMEOUT"))
+def setup_limit(timeout: timedelta) -> float:
+    """How long each MPI step of a group's set-up may take once its ranks have met at
+    the store: the smaller of the group's ``timeout`` and ``RINGCOMM_CONNECT_TIMEOUT``."""
+    return min(timeout.total_seconds(), settings.get("RINGCOMM_CONNECT_TIMEOUT"))
+
+
+class _Stuck(Exception):
+    """Marks an error raised while an MPI call still blocks in its thread: what that
+    call uses (a port, a communicator) must not be freed under it."""
+
+
+def _bounded(call, what: str, timeout: timedelta, store=None, peer: int = -1):
+    """``call()``, which blocks in MPI with no timeout of its own, bounded by
+    :func:`setup_limit`: past it, raise ``DistBackendError`` caused by :class:`_Stuck`
+    (the call itself stays blocked in its thread: MPI cannot cancel it). With a
+    ``store``, a connection to ``peer``: the error names the hosts, interfaces and
+    variables to check. Runs outside :data:`ringcomm.mpi_serial.LOCK`, for the reason
+    given there."""
+    limit = setup_limit(timeout)
     result: list = []
 
     def run():
@@ -260,57 +277,81 @@ def _bounded(call, what: str, timeout: timedelta, store, peer: int):
     if not result:
         import torch.distributed as dist
 
+        if store is None:
+            raise dist.DistBackendError(
+                f"ringcomm bootstrap: {what} did not complete within {limit:g} s: a member "
+                "of the group stopped, died, or is setting up another group first (raise "
+                "RINGCOMM_CONNECT_TIMEOUT for slow starts)") from _Stuck(what)
         path = network.last or network.Path()
         path.hosts.setdefault(peer, network.host_of(store, peer))
         raise dist.DistBackendError(
             f"ringcomm bootstrap: {what} did not complete within {limit:g} s, so the MPI "
-            f"connection between the ranks' hosts does not work. {path.describe()}")
+            f"connection between the ranks' hosts does not work (or a rank stopped). "
+            f"{path.describe()}") from _Stuck(what)
     ok, value = result[0]
     if not ok:
         raise value
     return value
 
 
+def _joined(inter, high: bool):
+    """The intracommunicator of both sides of ``inter`` (freed): ``high`` puts this side
+    last."""
+    merged = inter.Merge(high=high)
+    mpi_serial.locked(inter.Free)
+    return merged
+
+
 def _connect_world(store, rank: int, size: int, timeout: timedelta):
     """Join ``size`` MPI singletons into one intracommunicator ranked like torch.
 
     Every rank has met the others in :func:`prepare_network`, so each MPI connect
-    and accept below is bounded by ``RINGCOMM_CONNECT_TIMEOUT``."""
+    and accept below is bounded by ``RINGCOMM_CONNECT_TIMEOUT``. On failure the port
+    is closed and the partial communicator freed, unless an MPI call still blocks on
+    them."""
     MPI = mpi()
 
     if size == 1:
-        return MPI.COMM_SELF.Dup()
-    port = None
-    if rank == 0:
-        port = MPI.Open_port()
-        store.set("ringcomm/port", port)
-        comm = MPI.COMM_SELF.Dup()
-    else:
-        # Wait for our turn: members accept one newcomer at a time, and a connection
-        # arriving early would be accepted in another rank's place.
-        _store_wait(store, f"ringcomm/turn/{rank}", timeout)
-        port = _store_wait(store, "ringcomm/port", timeout).decode()
-        inter = _bounded(lambda: MPI.COMM_SELF.Connect(port, root=0),
-                         f"rank {rank}'s MPI connect to rank 0", timeout, store, 0)
-        comm = inter.Merge(high=True)
-        inter.Free()
-    for newcomer in range(rank + 1, size):
+        return mpi_serial.locked(MPI.COMM_SELF.Dup)
+    port = comm = None
+    stuck = False
+    try:
         if rank == 0:
-            store.set(f"ringcomm/turn/{newcomer}", b"1")
-        members = comm
-        inter = _bounded(lambda: members.Accept(port if rank == 0 else None, root=0),
-                         f"rank {rank}'s MPI accept of rank {newcomer}", timeout, store,
-                         newcomer)
-        merged = inter.Merge(high=False)  # members first: ranks 0..newcomer
-        inter.Free()
-        comm.Free()
-        comm = merged
-    if rank == 0:
-        MPI.Close_port(port)
-    if comm.Get_rank() != rank or comm.Get_size() != size:
-        raise RuntimeError(f"ringcomm bootstrap: built a communicator with rank "
-                           f"{comm.Get_rank()}/{comm.Get_size()}, expected {rank}/{size}")
-    return comm
+            port = mpi_serial.locked(MPI.Open_port)
+            comm = mpi_serial.locked(MPI.COMM_SELF.Dup)
+            store.set("ringcomm/port", port)
+        else:
+            # Wait for our turn: members accept one newcomer at a time, and a connection
+            # arriving early would be accepted in another rank's place.
+            _store_wait(store, f"ringcomm/turn/{rank}", timeout)
+            port_name = _store_wait(store, "ringcomm/port", timeout).decode()
+            comm = _bounded(lambda: _joined(MPI.COMM_SELF.Connect(port_name, root=0), True),
+                            f"rank {rank}'s MPI connect to rank 0", timeout, store, 0)
+        for newcomer in range(rank + 1, size):
+            if rank == 0:
+                store.set(f"ringcomm/turn/{newcomer}", b"1")
+            members = comm
+            merged = _bounded(
+                lambda: _joined(members.Accept(port if rank == 0 else None, root=0), False),
+                f"rank {rank}'s MPI accept of rank {newcomer}", timeout, store, newcomer)
+            # members first: ranks 0..newcomer
+            comm = None
+            mpi_serial.locked(members.Free)
+            comm = merged
+        if comm.Get_rank() != rank or comm.Get_size() != size:
+            raise RuntimeError(f"ringcomm bootstrap: built a communicator with rank "
+                               f"{comm.Get_rank()}/{comm.Get_size()}, expected {rank}/{size}")
+        done, comm = comm, None
+        return done
+    except BaseException as e:
+        stuck = isinstance(e.__cause__, _Stuck)
+        raise
+    finally:
+        if not stuck:
+            if comm is not None:
+                mpi_serial.locked(comm.Free)
+            if port is not None:
+                mpi_serial.locked(MPI.Close_port, port)
 
 
 def group_comm(store, rank: int, size: int, global_ranks: list[int], timeout: timedelta,
@@ -344,15 +385,23 @@ def group_comm(store, rank: int, size: int, global_ranks: list[int], timeout: ti
                     f"ringcomm: torch says rank {rank} of {size} but MPI says rank "
                     f"{_world.Get_rank()} of {_world.Get_size()}; launch with mpiexec or "
                     "torchrun and let ringcomm fill in RANK/WORLD_SIZE")
-            return _world.Dup()
+            return mpi_serial.dup(_world, "the world group's communicator",
+                                  setup_limit(timeout))
         if _world is None:
             # The world group is not a ringcomm group: connect this group's members.
             return _connect_world(store, rank, size, timeout)
         world = _world
-    members = world.Get_group().Incl(list(global_ranks))
-    comm = world.Create_group(members)
-    members.Free()
+    with mpi_serial.LOCK:
+        whole = world.Get_group()
+        members = whole.Incl(list(global_ranks))
+        whole.Free()
+    try:
+        comm = _bounded(lambda: world.Create_group(members),
+                        f"the communicator of ranks {global_ranks}", timeout)
+    finally:
+        mpi_serial.locked(members.Free)
     if comm.Get_rank() != rank:
+        mpi_serial.locked(comm.Free)
         raise RuntimeError(f"ringcomm: group rank {comm.Get_rank()} != torch's {rank} for "
                            f"ranks {global_ranks}")
     return comm

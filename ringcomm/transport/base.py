@@ -23,6 +23,44 @@ import torch
 _monotonic = time.monotonic
 _INF = float("inf")
 
+#: how long a sign that a peer runs another call must stay, the same, while the
+#: receive it concerns stays incomplete, before it counts as a mismatch: at first
+#: sight it may be a message that arrived just after the awaited one matched, or
+#: the peer's next call overtaking on a faster path, gone at the wait's next test
+MISMATCH_S = 1.0
+
+
+class Signs:
+    """The signs of a mismatched call one wait has seen, one per receive it waits on
+    (each receive of an all-to-all may see its own), each with when it was first
+    seen. Cleared when a wait begins; a receive whose sign is gone at a look, or
+    changed, starts again."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[Any, tuple] = {}
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+    def gone(self, key: Any) -> None:
+        """No sign for ``key`` at this look."""
+        self._seen.pop(key, None)
+
+    def lasted(self, key: Any, sign: Any, now: float) -> bool:
+        """Record ``sign`` for ``key``, seen at ``now``; True once the same sign has
+        been seen at every look for :data:`MISMATCH_S` (then forgotten)."""
+        seen = self._seen.get(key)
+        if seen is None or seen[0] != sign:
+            self._seen[key] = (sign, now)
+            return False
+        if now - seen[1] < MISMATCH_S:
+            return False
+        del self._seen[key]
+        return True
+
+
 class TransportTimeout(TimeoutError):
     """A wait passed the deadline of the running collective."""
 

@@ -17,28 +17,24 @@ healthy transfer, and only then naps with exponential backoff up to
 from __future__ import annotations
 
 import collections
-import threading
 import time
 from typing import Sequence
 
 import torch
 from mpi4py import MPI
 
-from ringcomm import ops, settings
+from ringcomm import mpi_serial, ops, settings
 from ringcomm.backoff import Backoff
-from ringcomm.transport.base import (Handle, Transport, TransportAborted, TransportMismatch,
-                                     TransportPeerFailed, TransportTimeout, packed)
+from ringcomm.transport.base import (Handle, Signs, Transport, TransportAborted,
+                                     TransportMismatch, TransportPeerFailed, TransportTimeout,
+                                     packed)
 
 _monotonic = time.monotonic
 _INF = float("inf")
 _fromaddress = MPI.buffer.fromaddress
 _BYTE = MPI.BYTE
-# One thread in MPI at a time, process-wide. MPI_THREAD_MULTIPLE is requested, but
-# under torchrun (singletons joined through ports, UCX netmod) MPICH 4.3.2 lost
-# messages when one thread posted receives while another tested requests (seen:
-# a user irecv never matched while its message sat in UCX's unexpected queue).
-# Each call is short and the polling loops release the lock between calls.
-_mpi_lock = threading.Lock()
+# one thread in MPI at a time, process-wide (why: ringcomm.mpi_serial)
+_mpi_lock = mpi_serial.LOCK
 
 
 #: spin this long before yielding the core: a peer on another core answers within it
@@ -49,9 +45,6 @@ _BATCH = 32
 #: (then again at this interval): a collective that has to wait this long is no short
 #: one, and a mismatched call fails now instead of at its deadline
 _PROBE_S = 0.05
-#: how long a message of another call must stay first in line from a peer, while the
-#: receive waited on stays incomplete, before the calls count as mismatched
-_MISMATCH_S = 1.0
 
 
 def poll(test, deadline: float, spin_s: float, max_sleep_s: float, stop=None) -> bool:
@@ -309,20 +302,24 @@ class MPITransport(Transport):
     Args:
         comm: communicator owned by this transport (freed by :meth:`close`); a
             duplicate of it carries the user's point-to-point messages.
+        setup_s: how long making that duplicate, collective over ``comm``, may take
+            (None: ``RINGCOMM_CONNECT_TIMEOUT``).
     """
 
-    def __init__(self, comm: MPI.Intracomm):
+    def __init__(self, comm: MPI.Intracomm, setup_s: float | None = None):
         super().__init__(comm.Get_rank(), comm.Get_size(), torch.device("cpu"))
         self.comm = comm
-        self.p2p_comm = comm.Dup()
+        if setup_s is None:
+            setup_s = settings.get("RINGCOMM_CONNECT_TIMEOUT")
+        self.p2p_comm = mpi_serial.dup(comm, "the duplicate for users' messages", setup_s)
         self.tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
         self.tag_limit = self.tag_ub + 1
         self.spin_s = settings.get("RINGCOMM_SPIN_US") * 1e-6
         self.max_sleep_s = settings.get("RINGCOMM_MAX_SLEEP_US") * 1e-6
         self._abandoned: list[Handle] = []
         self._any_source: dict[int, collections.deque] = {}
-        #: (receive, foreign tag, since when) of a wait that may be mismatched
-        self._suspect: tuple | None = None
+        #: foreign tags first in line for the receives of the running wait
+        self._signs = Signs()
         #: the batch :meth:`wait` waits for
         self._waiting: _Batch | None = None
         #: run between polls of every wait: a transport that wraps this one moves its
@@ -375,6 +372,7 @@ class MPITransport(Transport):
             else:
                 return
         self._waiting = batch
+        self._signs.clear()
         try:
             # a completed request is never tested again: an inactive persistent request
             # tests done with an empty status, which would overwrite the real one
@@ -428,7 +426,7 @@ class MPITransport(Transport):
         """Raise :class:`TransportMismatch` if the peer that ``h``, the receive waited
         on (request ``i`` of the batch in :meth:`wait`), awaits has sent a message ``h`` does not take, and it stays the first
         unreceived message from that peer while ``h`` stays incomplete for
-        :data:`_MISMATCH_S`: a schedule's messages between two ranks are sent in the
+        :data:`ringcomm.transport.base.MISMATCH_S`: a schedule's messages between two ranks are sent in the
         order they are received, and MPI never lets a later message overtake an
         earlier one, so that peer is in another call. (A message that arrives just
         after ``h``'s was matched, while ``h``'s data is still moving, is no sign of
@@ -448,13 +446,9 @@ class MPITransport(Transport):
             with _mpi_lock:
                 found = self.comm.Iprobe(h.peer, MPI.ANY_TAG, st)
             tag = st.Get_tag() if found else h.tag
-            now = _monotonic()
             if tag == h.tag:
-                self._suspect = None
-            elif self._suspect is None or self._suspect[:2] != (h, tag):
-                self._suspect = (h, tag, now)
-            elif now - self._suspect[2] >= _MISMATCH_S:
-                self._suspect = None
+                self._signs.gone(h)
+            elif self._signs.lasted(h, tag, _monotonic()):
                 raise TransportMismatch(h.peer, h.tag, tag)
         reported = self.peer_failure() if self.peer_failure is not None else None
         if reported is not None:

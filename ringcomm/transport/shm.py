@@ -52,9 +52,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ringcomm import ops, settings
+from ringcomm import machine, mpi_serial, ops, settings
 from ringcomm.backoff import Backoff
-from ringcomm.transport.base import (Handle, Transport, TransportAborted, TransportMismatch,
+from ringcomm.transport.base import (Handle, Signs, Transport, TransportAborted,
+                                     TransportMismatch,
                                      TransportPeerFailed, TransportTimeout)
 
 log = logging.getLogger("ringcomm")
@@ -78,10 +79,6 @@ _BUSY_S = 100e-6
 _PROBE_S = 0.05
 #: a shared-memory wait lets MPI progress this often
 _POKE_S = 20e-6
-#: a message numbered like an awaited one but of another call, on the other path, is a
-#: mismatch once seen this long in one wait (:meth:`ShmTransport._same_number`), as MPI's
-#: own sign of one must stay (``ringcomm.transport.mpi._MISMATCH_S``)
-_SUSPECT_S = 1.0
 
 
 def _round(n: int, to: int) -> int:
@@ -120,10 +117,8 @@ def _fence_window():
     and the window (to free)."""
     from mpi4py import MPI
 
-    from ringcomm.transport.mpi import _mpi_lock
-
     mem = np.zeros(1, dtype=np.int64)
-    with _mpi_lock:
+    with mpi_serial.LOCK:
         win = MPI.Win.Create(mem, comm=MPI.COMM_SELF)
         win.Lock_all()  # Win_sync needs a passive-target epoch
     return win.Sync, (win, mem)
@@ -210,7 +205,9 @@ class ShmTransport(Transport):
         self._fence, self._window = _fence_window()
         self._broken: str | None = None
         #: what :meth:`_same_number` last took for a mismatch: (what, first seen, last)
-        self._suspect: tuple | None = None
+        #: messages numbered like awaited ones but of other calls, seen on the other path
+        #: in the running wait (:meth:`_same_number`)
+        self._signs = Signs()
         #: MPI progress while waiting on shared memory (its transfers to other hosts and
         #: users' messages move only inside MPI calls), at most every _POKE_S
         self._poke = getattr(inner, "poke", _nothing)
@@ -460,6 +457,7 @@ class ShmTransport(Transport):
                 self._push(pair)
 
     def wait(self, batch: _Batch) -> None:
+        self._signs.clear()
         for m in batch.msgs:
             if not m.done:
                 self._wait_shm(batch)
@@ -534,8 +532,7 @@ class ShmTransport(Transport):
         first_tag = getattr(self.inner, "first_tag_from", None)
         for h in handles:
             if h.kind == "recv" and not h.req.done and first_tag is not None:
-                self._same_number(h.peer, h.tag, first_tag(h.peer), "over MPI",
-                                  h.req.pair.got)
+                self._same_number(h, first_tag(h.peer), "over MPI", h.req.pair.got)
 
     def _came_here(self, h: Handle) -> None:
         """Called while MPI waits long for ``h``: raise if its peer, on this host, is
@@ -551,34 +548,29 @@ class ShmTransport(Transport):
         inp, k = pair.in_, pair.got
         if inp[pair.head_in] > k and not pair.recvq:
             self._fence()
-            self._same_number(peer, tag, inp[pair.meta_in + 2 * (k % self._nslots)],
+            self._same_number(h, inp[pair.meta_in + 2 * (k % self._nslots)],
                               "over shared memory", k)
+        else:
+            self._signs.gone(h)
 
-    def _same_number(self, peer: int, tag: int, found: int | None, how: str,
-                     got: int) -> None:
-        """Raise if ``found``, the tag of the next message from ``peer`` on the path a
-        receive tagged ``tag`` does not wait on, numbers the same message of another
-        call, and goes on doing so for :data:`_SUSPECT_S` of this wait (``got``: the
-        chunks taken from the peer's shared memory so far, which stay the same).
+    def _same_number(self, h: Handle, found: int | None, how: str, got: int) -> None:
+        """Raise if ``found``, the tag of the next message from ``h``'s peer on the path
+        the receive ``h`` does not wait on, numbers the same message of another call,
+        and goes on doing so, the same, at every look for
+        :data:`ringcomm.transport.base.MISMATCH_S` of this wait (``got``: the chunks
+        taken from the peer's shared memory so far, which stay the same).
 
         Either the peer sent the awaited message that way (its size differs, and a
         message's size decides its path), or the peer is in its next call, whose
         message with the same number came the faster way while the awaited one, sent
         first, was still on its way. Only the first stays: the second's awaited
         message completes at the wait's next test."""
-        bits = self.number_bits
-        if found is None or bits is None:
+        bits, peer, tag = self.number_bits, h.peer, h.tag
+        mask = (1 << bits) - 1 if bits is not None else 0
+        if found is None or bits is None or found & mask != tag & mask or found == tag:
+            self._signs.gone(h)
             return
-        mask = (1 << bits) - 1
-        if found & mask != tag & mask or found == tag:
-            return
-        now, what, seen = _monotonic(), (peer, tag, found, how, got), self._suspect
-        if seen is None or seen[0] != what or now - seen[2] > 4 * _PROBE_S:
-            self._suspect = (what, now, now)  # first seen in this wait
-            return
-        self._suspect = (what, seen[1], now)
-        if now - seen[1] >= _SUSPECT_S:
-            self._suspect = None
+        if self._signs.lasted(h, (found, how, got), _monotonic()):
             raise RuntimeError(f"the message from rank {peer} that rank {self.rank} awaits "
                                f"came {how}, so the two ranks gave it different sizes "
                                "(RINGCOMM_SHM_MIN_BYTES decides the way): ranks passed "
@@ -658,8 +650,9 @@ class ShmTransport(Transport):
         self.pairs, self._pair_list, self._maps = {}, [], []
         win, _ = self._window
         try:
-            win.Unlock_all()
-            win.Free()
+            with mpi_serial.LOCK:
+                win.Unlock_all()
+                win.Free()
         except Exception:  # noqa: BLE001  (MPI finalized: nothing left to free)
             pass
 
@@ -685,17 +678,6 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
     except OSError:
         return True
-
-
-def _machine() -> str:
-    """This machine's identity: host name and boot id (ranks that share memory share
-    both)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 def _make_segment(path: str, nbytes: int, directory: str, peers: int,
@@ -740,7 +722,7 @@ def _unlink(path: str) -> None:
 
 
 def connect(inner: Transport, comm, hosts: Sequence[int], channel: int = 0,
-            enabled: bool | None = None) -> Transport:
+            enabled: bool | None = None, setup_s: float | None = None) -> Transport:
     """A :class:`ShmTransport` over ``inner`` for the ranks of the group that share a
     host with this one, or ``inner`` itself where none does, shared memory is turned
     off (``enabled`` False, ``RINGCOMM_SHM=0`` where it is None; off on every rank if
@@ -748,14 +730,21 @@ def connect(inner: Transport, comm, hosts: Sequence[int], channel: int = 0,
     warning that says why). Collective over ``comm``, the group's MPI communicator,
     whose ranks are ``inner``'s (every rank makes the same collective calls, whatever
     happens to its own segment); ``hosts`` is the group's host layout (empty: one
-    host). A rank on a host of its own maps nothing.
+    host). A rank on a host of its own maps nothing. Each of its collectives may take
+    ``setup_s`` (None: ``RINGCOMM_CONNECT_TIMEOUT``), then it raises
+    ``DistBackendError`` and leaves nothing in the segments' directory.
     """
     size, rank = inner.size, inner.rank
     if size < 2:
         return inner
+    limit = settings.get("RINGCOMM_CONNECT_TIMEOUT") if setup_s is None else setup_s
+
+    def allgather(obj: Any) -> list:
+        return mpi_serial.allgather(comm, obj, "shared-memory set-up", limit)
+
     on = settings.get("RINGCOMM_SHM") if enabled is None else bool(enabled)
     # one exchange: each rank's machine, pid and whether it wants shared memory
-    machines = comm.allgather((_machine(), os.getpid(), on))
+    machines = allgather((machine.identity(), os.getpid(), on))
     if not all(m[2] for m in machines):
         if on and channel == 0:
             log.warning("ringcomm: shared memory is off on ranks %s of this group (on "
@@ -765,12 +754,13 @@ def connect(inner: Transport, comm, hosts: Sequence[int], channel: int = 0,
     mine = hosts[rank] if hosts else 0
     local = [r for r in range(size)
              if (hosts[r] if hosts else 0) == mine and machines[r][0] == machines[rank][0]]
-    if comm.allreduce(len(local), op=_mpi_max()) < 2:
+    if max(allgather(len(local))) < 2:
         return inner
     directory = settings.get("RINGCOMM_SHM_DIR")
     geo = Geometry(len(local) - 1, settings.get("RINGCOMM_SHM_SLOTS"),
                    settings.get("RINGCOMM_SHM_SLOT_BYTES"))
-    token = comm.bcast(uuid.uuid4().hex[:16] if rank == 0 else None, root=0)
+    token = mpi_serial.bcast(comm, uuid.uuid4().hex[:16] if rank == 0 else None, 0,
+                             "shared-memory set-up", limit)
 
     def path(r: int) -> str:
         return os.path.join(directory, f"ringcomm-{token}-c{channel}-r{r}")
@@ -779,19 +769,22 @@ def connect(inner: Transport, comm, hosts: Sequence[int], channel: int = 0,
     if len(local) > 1:
         own, why = _make_segment(path(rank), geo.nbytes, directory, len(local) - 1, rank)
     maps: list = [] if own is None else [own]
-    problems = [p for p in comm.allgather(why) if p]
-    if not problems:
-        why = None
-        try:
-            maps += [_map_segment(path(r), geo.nbytes) for r in local if r != rank]
-        except OSError as e:
-            why = f"rank {rank} cannot map a peer's segment: {e}"
-        problems = [p for p in comm.allgather(why) if p]
-    # every rank has mapped, or given up on, every segment: unlinked now, and on every
-    # rank before any returns, so a rank killed from here on leaves nothing behind
-    if own is not None:
-        _unlink(path(rank))
-    comm.Barrier()
+    try:
+        problems = [p for p in allgather(why) if p]
+        if not problems:
+            why = None
+            try:
+                maps += [_map_segment(path(r), geo.nbytes) for r in local if r != rank]
+            except OSError as e:
+                why = f"rank {rank} cannot map a peer's segment: {e}"
+            problems = [p for p in allgather(why) if p]
+    finally:
+        # every rank has mapped, or given up on, every segment (or the set-up failed):
+        # unlinked now, and on every rank before any returns, so a rank killed from
+        # here on leaves nothing behind
+        if own is not None:
+            _unlink(path(rank))
+    mpi_serial.barrier(comm, "shared-memory set-up", limit)
     if problems:
         maps.clear()  # unmapped as they are collected
         log.warning("ringcomm: shared memory is not used for this group, which runs over MPI "
@@ -804,11 +797,6 @@ def connect(inner: Transport, comm, hosts: Sequence[int], channel: int = 0,
     tp = _assemble(inner, rank, local, machines, geo, maps)
     tp.segments = [path(r) for r in local]
     return tp
-
-
-def _mpi_max():
-    from mpi4py import MPI
-    return MPI.MAX
 
 
 def _assemble(inner: Transport, rank: int, local: list[int], machines: list, geo: Geometry,

@@ -1,12 +1,19 @@
 """Per-rank program: standalone groups (ringcomm.connect_group) beside a ringcomm world
 group, as torchft makes its replica groups: connected afresh over a store of their
 own, with other rank orders, several in one process, released, and the world group
-untouched by them.
+untouched by them; made on a second thread while the world group's collectives run on
+the main one (torchft configures from its quorum thread); and a set-up whose member
+stops after meeting the others fails within RINGCOMM_CONNECT_TIMEOUT, leaving the
+world group working and nothing in the shared-memory directory.
 
 Usage: standalone_check.py   (2 or more ranks, under mpiexec or torchrun)
 """
 from __future__ import annotations
 
+import glob
+import os
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -14,6 +21,8 @@ import torch.distributed as dist
 
 import ringcomm
 from _common import Checker
+from ringcomm import settings
+from ringcomm.launch import bootstrap
 
 
 def allreduce(pg, t: torch.Tensor) -> torch.Tensor:
@@ -60,6 +69,68 @@ def main() -> None:
     got = torch.full((1000,), rank + 1.0)
     dist.all_reduce(got)
     c.check(bool((got == want).all()), f"world: allreduce gave {got[0].item()}")
+
+    # groups made and used on a second thread while the world group runs on this one
+    made: list[str] = []
+
+    def quorums() -> None:
+        try:
+            for q in range(4):
+                pg = ringcomm.connect_group(dist.PrefixStore(f"quorum-{q}", store),
+                                            (rank + q) % size, size, timedelta(seconds=30))
+                got = allreduce(pg, torch.full((5000,), rank + 1.0))
+                made.append("ok" if bool((got == want).all()) else f"quorum {q}: {got[0]}")
+                pg.shutdown()
+        except Exception as e:  # noqa: BLE001  (reported by the main thread)
+            made.append(f"{type(e).__name__}: {e}")
+
+    worker = threading.Thread(target=quorums)
+    worker.start()
+    rounds, wrong, busy = 0, [], True
+    while busy or rounds < 20:  # as many rounds on every rank: until no thread works
+        got = torch.full((3001,), float(rank + rounds))
+        got[-1] = float(worker.is_alive())
+        dist.all_reduce(got)
+        busy = got[-1].item() > 0
+        if not bool((got[:-1] == want - size + size * rounds).all()):
+            wrong.append((rounds, got[0].item()))
+        rounds += 1
+    worker.join()
+    c.check(made == ["ok"] * 4, f"groups made beside the world's collectives: {made}")
+    c.check(not wrong, f"world allreduces beside the groups' set-up: {wrong[:3]}")
+
+    # a member that met the others at the store but never reaches MPI: the set-up
+    # fails within RINGCOMM_CONNECT_TIMEOUT (3 s here), releasing what it made
+    os.environ.update(RINGCOMM_CONNECT_TIMEOUT="3")  # read at each set-up
+    real = bootstrap.host_layout
+
+    def stops(*args, **kwargs):
+        raise RuntimeError("this member stops before the host layout")
+
+    bootstrap.host_layout = stops if rank == size - 1 else real
+    begun = time.monotonic()
+    try:
+        ringcomm.connect_group(dist.PrefixStore("stuck", store), rank, size,
+                               timedelta(seconds=30))
+        c.check(False, "a set-up with a member missing succeeded")
+    except Exception as e:  # noqa: BLE001
+        took = time.monotonic() - begun
+        if rank == size - 1:
+            c.check("stops before" in str(e), f"the stopping member: {e}")
+        else:
+            c.check("host layout" in str(e) and "did not complete within 3 s" in str(e),
+                    f"a waiting member: {type(e).__name__}: {e}")
+            c.check(took < 25, f"the set-up failed only after {took:.1f} s")
+    finally:
+        bootstrap.host_layout = real
+        os.environ.pop("RINGCOMM_CONNECT_TIMEOUT")
+    got = torch.full((1000,), rank + 1.0)
+    dist.all_reduce(got)
+    c.check(bool((got == want).all()), f"world after the failed set-up: {got[0].item()}")
+    dist.barrier()
+    left = glob.glob(os.path.join(settings.get("RINGCOMM_SHM_DIR"),
+                                  f"ringcomm-*-r{rank}"))
+    c.check(not left, f"segments left behind: {left}")
 
     # bad input names what is wrong, before anything connects
     for args, what in (((store, size, size), f"rank {size} must"), ((store, 0, 0), "size 0 must"),

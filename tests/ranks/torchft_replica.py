@@ -69,8 +69,9 @@ def main() -> None:
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    group = ProcessGroupRingcommFT(timeout=timedelta(seconds=15))
     manager = Manager(
-        pg=ProcessGroupRingcommFT(timeout=timedelta(seconds=15)),
+        pg=group,
         min_replica_size=1,
         load_state_dict=lambda sd: (net.load_state_dict(sd["model"]),
                                     opt.load_state_dict(sd["optim"])),
@@ -92,6 +93,7 @@ def main() -> None:
         x, y = batch(drawn, a.replica)
         loss = nn.functional.mse_loss(forward(x), y)
         manager.wait_quorum()
+        begun = time.monotonic()
         if a.die_in is not None and manager.current_step() == a.die_in:
             print(f"replica {a.replica}: dying in step {a.die_in}", flush=True)
             time.sleep(0.5)  # the peer is in its allreduce by now
@@ -105,9 +107,13 @@ def main() -> None:
                   "participants": manager.num_participants()}
         optimizer.step()
         record["committed"] = manager.current_step() > step
+        record["seconds"] = time.monotonic() - begun
         err = manager.errored()
         record["error"] = None if err is None else f"{type(err.original_exception).__name__}: " \
                                                    f"{err.original_exception}"
+        # the adapter's own view, asked before the next quorum replaces the group
+        mine = group.errored()
+        record["group_error"] = None if mine is None else f"{type(mine).__name__}: {mine}"
         log.write(json.dumps(record) + "\n")
         log.flush()
         if a.hold_after is not None and step == a.hold_after and record["committed"]:
@@ -121,8 +127,10 @@ def main() -> None:
     with open(os.path.join(a.out, f"params-{a.replica}-{os.getpid()}.json"), "w") as f:
         json.dump([p.detach().tolist() for p in net.parameters()], f)
     print(f"replica {a.replica}: done at step {manager.current_step()}", flush=True)
-    manager.shutdown(wait=False)
-    os._exit(0)  # torchft's threads need not end for the results to stand
+    manager.shutdown(wait=True)
+    group.shutdown()  # the adapter releases its group; torchft's base only forgets it
+    print(f"replica {a.replica}: shut down, group released: {group._pg is None}, "
+          f"errored after: {group.errored()}", flush=True)
 
 
 if __name__ == "__main__":
