@@ -1,6 +1,7 @@
 """MPI from one thread at a time, and the set-up collectives that keep to it.
 
-:data:`LOCK` is held by every MPI call ringcomm makes, process-wide. MPI_THREAD_MULTIPLE
+:data:`LOCK` is held by every MPI call ringcomm makes, process-wide, but for the four
+set-up calls named below. MPI_THREAD_MULTIPLE
 is requested, but under torchrun (singletons joined through ports, UCX netmod) MPICH
 4.3.2 lost messages when one thread posted receives while another tested requests
 (seen: a user irecv never matched while its message sat in UCX's unexpected queue).
@@ -11,10 +12,13 @@ its quorum thread) while other groups' collectives run on theirs. So the set-up'
 collectives are MPI's non-blocking forms, started and polled under the lock like any
 other request, and bounded: a member that died after meeting the others at the store
 ends the set-up with an error within the limit instead of blocking the thread forever.
-What MPI has no non-blocking form of (connect, accept, merge, a group's communicator
-from a world) runs outside the lock in a thread of its own, bounded by its caller
-(:func:`ringcomm.launch.bootstrap._bounded`): held under the lock, a peer that never
-came would stop every thread's MPI for good, since MPI cannot cancel the call.
+Connect, accept and a group's communicator from a world (``Create_group``) have no
+non-blocking form: they run outside the lock, in a thread of their own bounded by the
+caller (:func:`ringcomm.launch.bootstrap._bounded`), since held under the lock a peer
+that never came would stop every thread's MPI for good (MPI cannot cancel a call).
+Merge, which has none either, runs under the lock once a bounded barrier has seen its
+peers arrive. Once such a call is stuck for good, MPICH may also hold what later
+set-ups of the process need (its context ids): those then time out as well.
 
 Bottom layer: imports nothing of ringcomm above it; mpi4py only when called.
 """
@@ -55,6 +59,8 @@ def wait(req, comm, what: str, limit_s: float, keep: Any = None) -> None:
     ``DistBackendError`` naming ``what``. ``keep``: the buffers it uses, kept alive
     while it runs (and, after a timeout, for as long as MPI may still write them)."""
     deadline = _monotonic() + limit_s
+    if _stranded:
+        _prune()
     pace = Backoff(busy_s=100e-6, spin_s=0.05, max_nap_s=2e-3)
     while True:
         with LOCK:
@@ -69,6 +75,12 @@ def wait(req, comm, what: str, limit_s: float, keep: Any = None) -> None:
 
 #: requests of set-up collectives that timed out, with their buffers
 _stranded: list = []
+
+
+def _prune() -> None:
+    """Forget the timed-out requests MPI has since completed (and their buffers)."""
+    with LOCK:
+        _stranded[:] = [(req, keep) for req, keep in _stranded if not req.Test()]
 
 
 def _bytes(obj: Any):
@@ -117,5 +129,5 @@ def barrier(comm, what: str, limit_s: float) -> None:
 def dup(comm, what: str, limit_s: float):
     """A duplicate of ``comm`` (owned by the caller): ``comm.Dup()`` bounded."""
     new, req = locked(comm.Idup)
-    wait(req, comm, what, limit_s)
+    wait(req, comm, what, limit_s, new)  # MPI writes the handle as the request completes
     return new

@@ -32,19 +32,43 @@ def _env(extra: dict | None) -> dict:
     return env
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (from /proc's parent ids)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
 def _run(cmd: list[str], timeout: float, env: dict | None) -> subprocess.CompletedProcess:
-    """``cmd`` in a session of its own; past ``timeout``, the whole session (the
-    launcher and every rank it started) is killed and the test fails with its output."""
+    """``cmd`` in a session of its own; past ``timeout``, it and every process below it
+    (torchrun starts each rank in a session of its own) are killed, and the test fails
+    with their output."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        out, err = proc.communicate()
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process escaped: its pipes stay open
+            proc.stdout.close()
+            proc.stderr.close()
+            out, err = "", "(the output could not be read: a process outlived the kill)"
         pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{out[-4000:]}"
                     f"\n--- stderr\n{err[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

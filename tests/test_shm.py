@@ -250,9 +250,11 @@ def test_a_later_calls_message_numbered_alike_is_no_mismatch_until_it_stays(monk
     with pytest.raises(RuntimeError, match="gave it different sizes"):
         look(b, later, 0.3)
         look(a, later, 0.3, got=8)
+        look(b, later, 0.3)  # b's sign has lasted 0.9 s, a's 0.6 s: no mismatch yet
+        look(a, later, 0.3, got=8)  # a's has lasted 1.2 s: the mismatch
+    # and b's, looked at next, has lasted 1.5 s
+    with pytest.raises(RuntimeError, match="gave it different sizes"):
         look(b, later, 0.3)
-        look(a, later, 0.3, got=8)
-        look(b, later, 0.3)  # b's sign has lasted 1.2 s
     # a new wait forgets what the last one saw
     t._signs.clear()
     look(a, later, 5.0, got=8)

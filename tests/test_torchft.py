@@ -96,7 +96,8 @@ class Replicas:
         assert not bad, f"replicas exited {bad}:\n{self.outputs()}"
         for r, p, log in self.procs:
             if p.returncode == 0:
-                assert "group released: True, errored after: None" in log.read_text(), \
+                assert "group released: True, forgotten: True, errored after: None" \
+                    in log.read_text(), \
                     f"replica {r} did not release its group:\n{self.outputs()}"
 
     def outputs(self) -> str:

@@ -261,19 +261,30 @@ def _bounded(call, what: str, timeout: timedelta, store=None, peer: int = -1):
     (the call itself stays blocked in its thread: MPI cannot cancel it). With a
     ``store``, a connection to ``peer``: the error names the hosts, interfaces and
     variables to check. Runs outside :data:`ringcomm.mpi_serial.LOCK`, for the reason
-    given there."""
+    given there. A communicator the call returns after its caller gave up is freed."""
     limit = setup_limit(timeout)
     result: list = []
+    guard = threading.Lock()
+    late = []  # set once the caller gave up
 
     def run():
         try:
-            result.append((True, call()))
+            outcome = (True, call())
         except BaseException as e:  # handed to the caller
-            result.append((False, e))
+            outcome = (False, e)
+        with guard:
+            if not late:
+                result.append(outcome)
+                return
+        if outcome[0] and hasattr(outcome[1], "Free"):
+            mpi_serial.locked(outcome[1].Free)
 
     t = threading.Thread(target=run, name=f"ringcomm-bootstrap-{what}", daemon=True)
     t.start()
     t.join(limit)
+    with guard:
+        if not result:
+            late.append(True)
     if not result:
         import torch.distributed as dist
 
@@ -294,12 +305,16 @@ def _bounded(call, what: str, timeout: timedelta, store=None, peer: int = -1):
     return value
 
 
-def _joined(inter, high: bool):
+def _joined(inter, high: bool, limit_s: float):
     """The intracommunicator of both sides of ``inter`` (freed): ``high`` puts this side
-    last."""
-    merged = inter.Merge(high=high)
-    mpi_serial.locked(inter.Free)
-    return merged
+    last. Merge has no non-blocking form: it runs under the MPI lock once a bounded
+    barrier has seen every rank of both sides arrive."""
+    try:
+        mpi_serial.barrier(inter, "the barrier before merging a newcomer", limit_s)
+        with mpi_serial.LOCK:
+            return inter.Merge(high=high)
+    finally:
+        mpi_serial.locked(inter.Free)
 
 
 def _connect_world(store, rank: int, size: int, timeout: timedelta):
@@ -311,28 +326,31 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
     them."""
     MPI = mpi()
 
+    limit = setup_limit(timeout)
     if size == 1:
-        return mpi_serial.locked(MPI.COMM_SELF.Dup)
+        return mpi_serial.dup(MPI.COMM_SELF, "a one-rank group's communicator", limit)
     port = comm = None
     stuck = False
     try:
         if rank == 0:
             port = mpi_serial.locked(MPI.Open_port)
-            comm = mpi_serial.locked(MPI.COMM_SELF.Dup)
+            comm = mpi_serial.dup(MPI.COMM_SELF, "rank 0's communicator", limit)
             store.set("ringcomm/port", port)
         else:
             # Wait for our turn: members accept one newcomer at a time, and a connection
             # arriving early would be accepted in another rank's place.
             _store_wait(store, f"ringcomm/turn/{rank}", timeout)
             port_name = _store_wait(store, "ringcomm/port", timeout).decode()
-            comm = _bounded(lambda: _joined(MPI.COMM_SELF.Connect(port_name, root=0), True),
+            comm = _bounded(lambda: _joined(MPI.COMM_SELF.Connect(port_name, root=0), True,
+                                                    limit),
                             f"rank {rank}'s MPI connect to rank 0", timeout, store, 0)
         for newcomer in range(rank + 1, size):
             if rank == 0:
                 store.set(f"ringcomm/turn/{newcomer}", b"1")
             members = comm
             merged = _bounded(
-                lambda: _joined(members.Accept(port if rank == 0 else None, root=0), False),
+                lambda: _joined(members.Accept(port if rank == 0 else None, root=0), False,
+                                limit),
                 f"rank {rank}'s MPI accept of rank {newcomer}", timeout, store, newcomer)
             # members first: ranks 0..newcomer
             comm = None
@@ -395,11 +413,14 @@ def group_comm(store, rank: int, size: int, global_ranks: list[int], timeout: ti
         whole = world.Get_group()
         members = whole.Incl(list(global_ranks))
         whole.Free()
-    try:
-        comm = _bounded(lambda: world.Create_group(members),
-                        f"the communicator of ranks {global_ranks}", timeout)
-    finally:
-        mpi_serial.locked(members.Free)
+
+    def make():
+        try:
+            return world.Create_group(members)
+        finally:  # here: a call stuck in it keeps the group it uses
+            mpi_serial.locked(members.Free)
+
+    comm = _bounded(make, f"the communicator of ranks {global_ranks}", timeout)
     if comm.Get_rank() != rank:
         mpi_serial.locked(comm.Free)
         raise RuntimeError(f"ringcomm: group rank {comm.Get_rank()} != torch's {rank} for "

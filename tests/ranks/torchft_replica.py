@@ -33,6 +33,7 @@ import time
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import TCPStore
 
@@ -128,9 +129,21 @@ def main() -> None:
         json.dump([p.detach().tolist() for p in net.parameters()], f)
     print(f"replica {a.replica}: done at step {manager.current_step()}", flush=True)
     manager.shutdown(wait=True)
+    inner = group._pg  # ringcomm's group of the last quorum
     group.shutdown()  # the adapter releases its group; torchft's base only forgets it
-    print(f"replica {a.replica}: shut down, group released: {group._pg is None}, "
-          f"errored after: {group.errored()}", flush=True)
+    print(f"replica {a.replica}: shut down, group released: {released(inner)}, "
+          f"forgotten: {group._pg is None}, errored after: {group.errored()}", flush=True)
+
+
+def released(pg) -> bool:
+    """Whether ringcomm's group ``pg`` refuses work as a shut-down group does."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    try:
+        pg.allreduce([torch.ones(4)], opts).wait()
+    except Exception as e:  # noqa: BLE001
+        return "shut down" in str(e)
+    return False
 
 
 if __name__ == "__main__":
