@@ -194,17 +194,26 @@ def test_floats_end_bit_identical_on_every_rank(name):
     assert torch.allclose(bufs[0][0].double(), torch.stack(xs).double().sum(0), atol=1e-5)
 
 
-def test_one_shot_min_max_of_signed_zeros_agree_on_every_rank():
-    # MIN and MAX of +0 and -0 return the second operand's sign: each rank must fold
-    # in rank order, not add the prefix into its own value
-    p = 3
-    xs = [torch.tensor([0.0, -0.0, 0.0]), torch.tensor([-0.0, 0.0, 0.0]),
-          torch.tensor([0.0, 0.0, -0.0])]
-    for op in (ops.MIN, ops.MAX):
-        bufs = [[x.clone()] for x in xs]
-        run_schedule(REGISTRY["allreduce"]["one_shot"], "allreduce", p, (3,), bufs, op=op)
-        signs = [torch.signbit(b[0]).tolist() for b in bufs]
-        assert signs[1:] == signs[:1] * (p - 1), (op, signs)
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_min_max_of_signed_zeros_agree_on_every_rank(p):
+    """MIN and MAX of +0 and -0 return one operand's sign, so an allreduce whose ranks
+    combine the same values in other operand orders ends with ranks disagreeing on the
+    sign of a zero (one_shot did, and recursive doubling's higher partner of each
+    pair). Every built-in allreduce must give every rank the same bits."""
+    g = torch.Generator().manual_seed(p)
+    n = 64
+    xs = [torch.where(torch.rand(n, generator=g) < 0.5, 0.0, -0.0) for _ in range(p)]
+    names = sorted(n for c, n in BUILTIN | set(ALGORITHMS)
+                   if c == "allreduce" and n != "native")
+    assert {"recursive_doubling", "one_shot", "ring", "hierarchical"} <= set(names), names
+    for name in names:
+        for op in (ops.MIN, ops.MAX):
+            bufs = [[x.clone()] for x in xs]
+            run_schedule(REGISTRY["allreduce"][name], "allreduce", p, (n,), bufs, op=op,
+                         seg=16, hosts=_hosts(p))
+            signs = [torch.signbit(b[0]) for b in bufs]
+            assert all(torch.equal(signs[0], s) for s in signs[1:]), (name, op)
+            assert bool((bufs[0][0] == 0).all()), (name, op)
 
 
 def test_step_counts_are_the_documented_ones():

@@ -5,13 +5,14 @@ Fewest message steps of all (one exchange for 2 ranks, against two sequential
 messages for a tree), at the price of sending the whole buffer every round:
 the choice for small messages. A non-power-of-two world first folds the extra
 ranks into partners and hands them the result at the end. Every rank combines
-the same pairs in the same tree; reduce ops are commutative, so all ranks end
-with bit-identical results.
+the same pairs in the same tree, each pair as (lower ranks' part) op (higher
+ranks' part), so all ranks end with bit-identical results even where an op's
+operand order shows (MIN and MAX of +0 and -0 return one operand's sign).
 """
 from __future__ import annotations
 
 from ringcomm.algorithms.common import whole
-from ringcomm.schedule import Builder, Context, Reduce, Schedule
+from ringcomm.schedule import Builder, Context, Copy, Reduce, Schedule
 
 
 def allreduce(ctx: Context) -> Schedule:
@@ -24,6 +25,10 @@ def allreduce(ctx: Context) -> Schedule:
     tmp = whole(b.scratch(n), n)
     pow2 = 1 << (p.bit_length() - 1)
     extra = p - pow2
+    # the partial result lives in `cur`; a step whose partner holds the lower ranks'
+    # part receives into `other` and reduces into it, so that it stays the left
+    # operand, and the two swap (one copy back at the end at most)
+    cur, other = data, tmp
     # Fold: among the first 2*extra ranks, each even rank hands its data to the next
     # odd rank and sits out until the result comes back; the others renumber 0..pow2-1.
     if r < 2 * extra:
@@ -31,7 +36,8 @@ def allreduce(ctx: Context) -> Schedule:
             b.step(sends=[(r + 1, data)])
             b.step(recvs=[(r + 1, data)])
             return b.build()
-        b.step(recvs=[(r - 1, tmp)], local=[Reduce(data, tmp)])
+        b.step(recvs=[(r - 1, other)], local=[Reduce(other, cur)])
+        cur, other = other, cur
         vr = r // 2
     else:
         vr = r - extra
@@ -39,8 +45,16 @@ def allreduce(ctx: Context) -> Schedule:
     while mask < pow2:
         vpeer = vr ^ mask
         peer = vpeer * 2 + 1 if vpeer < extra else vpeer + extra
-        b.step(sends=[(peer, data)], recvs=[(peer, tmp)], local=[Reduce(data, tmp)])
+        send, into = cur, other
+        if vpeer < vr:  # the partner holds the lower ranks' part: it goes left
+            local = [Reduce(into, send)]
+            cur, other = into, send
+        else:
+            local = [Reduce(send, into)]
         mask <<= 1
+        if mask >= pow2 and cur is not data:  # the result into the caller's buffer
+            local.append(Copy(data, cur))
+        b.step(sends=[(peer, send)], recvs=[(peer, into)], local=local)
     if r < 2 * extra:
         b.step(sends=[(r - 1, data)])
     return b.build()
