@@ -1,11 +1,11 @@
 """MPI from one thread at a time, and the set-up collectives that keep to it.
 
-:data:`LOCK` is held by every MPI call ringcomm makes, process-wide, but for the four
-set-up calls named below. MPI_THREAD_MULTIPLE
-is requested, but under torchrun (singletons joined through ports, UCX netmod) MPICH
-4.3.2 lost messages when one thread posted receives while another tested requests
-(seen: a user irecv never matched while its message sat in UCX's unexpected queue).
-Each call under it is short; waits release it between polls.
+:data:`LOCK` is held by every MPI call ringcomm makes, process-wide, but for the three
+set-up calls named below. MPI_THREAD_MULTIPLE is requested, but under torchrun
+(singletons joined through ports, UCX netmod) MPICH 4.3.2 lost messages when one
+thread posted receives while another tested requests (seen: a user irecv never
+matched while its message sat in UCX's unexpected queue). Each call under it is
+short; waits release it between polls.
 
 A group is set up on whichever thread asks for it (torch's on the caller's, torchft's on
 its quorum thread) while other groups' collectives run on theirs. So the set-up's
@@ -29,9 +29,10 @@ import threading
 import time
 from typing import Any
 
+from ringcomm import settings
 from ringcomm.backoff import Backoff
 
-__all__ = ["LOCK", "locked", "wait", "allgather", "bcast", "barrier", "dup"]
+__all__ = ["LOCK", "locked", "limit", "wait", "allgather", "bcast", "barrier", "dup"]
 
 LOCK = threading.Lock()
 
@@ -42,6 +43,12 @@ def locked(call, *args: Any) -> Any:
     """``call(*args)`` with :data:`LOCK` held (for local MPI calls: free, open a port)."""
     with LOCK:
         return call(*args)
+
+
+def limit(limit_s: float | None) -> float:
+    """``limit_s``, or ``RINGCOMM_CONNECT_TIMEOUT`` where it is None: how long one
+    set-up step may take."""
+    return settings.get("RINGCOMM_CONNECT_TIMEOUT") if limit_s is None else limit_s
 
 
 def _failed(comm, what: str, limit_s: float) -> Exception:

@@ -203,8 +203,8 @@ def test_min_max_of_signed_zeros_agree_on_every_rank(p):
     g = torch.Generator().manual_seed(p)
     n = 64
     xs = [torch.where(torch.rand(n, generator=g) < 0.5, 0.0, -0.0) for _ in range(p)]
-    names = sorted(n for c, n in BUILTIN | set(ALGORITHMS)
-                   if c == "allreduce" and n != "native")
+    names = sorted(algo for coll, algo in BUILTIN | set(ALGORITHMS)
+                   if coll == "allreduce" and algo != "native")
     assert {"recursive_doubling", "one_shot", "ring", "hierarchical"} <= set(names), names
     for name in names:
         for op in (ops.MIN, ops.MAX):

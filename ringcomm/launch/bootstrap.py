@@ -153,9 +153,9 @@ def host_layout(comm, world_rank: int, local_size: int = 0, standalone: bool = F
                 limit_s: float | None = None) -> tuple[int, ...]:
     """Every group rank's host number (:func:`host_numbers`), agreed over ``comm``
     within ``limit_s`` (None: ``RINGCOMM_CONNECT_TIMEOUT``)."""
-    limit = settings.get("RINGCOMM_CONNECT_TIMEOUT") if limit_s is None else limit_s
-    return host_numbers(mpi_serial.allgather(
-        comm, host_key(world_rank, local_size, standalone), "the group's host layout", limit))
+    return host_numbers(mpi_serial.allgather(comm, host_key(world_rank, local_size, standalone),
+                                             "the group's host layout",
+                                             mpi_serial.limit(limit_s)))
 
 
 def _store_wait(store, key: str, timeout: timedelta) -> bytes:
@@ -341,19 +341,18 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
             # arriving early would be accepted in another rank's place.
             _store_wait(store, f"ringcomm/turn/{rank}", timeout)
             port_name = _store_wait(store, "ringcomm/port", timeout).decode()
-            comm = _bounded(lambda: _joined(MPI.COMM_SELF.Connect(port_name, root=0), True,
-                                                    limit),
-                            f"rank {rank}'s MPI connect to rank 0", timeout, store, 0)
+            comm = _bounded(
+                lambda: _joined(MPI.COMM_SELF.Connect(port_name, root=0), True, limit),
+                f"rank {rank}'s MPI connect to rank 0", timeout, store, 0)
         for newcomer in range(rank + 1, size):
             if rank == 0:
                 store.set(f"ringcomm/turn/{newcomer}", b"1")
             members = comm
-            merged = _bounded(
+            merged = _bounded(  # members first: ranks 0..newcomer
                 lambda: _joined(members.Accept(port if rank == 0 else None, root=0), False,
                                 limit),
                 f"rank {rank}'s MPI accept of rank {newcomer}", timeout, store, newcomer)
-            # members first: ranks 0..newcomer
-            comm = None
+            comm = None  # freed once, even if Free raises
             mpi_serial.locked(members.Free)
             comm = merged
         if comm.Get_rank() != rank or comm.Get_size() != size:

@@ -309,9 +309,8 @@ class MPITransport(Transport):
     def __init__(self, comm: MPI.Intracomm, setup_s: float | None = None):
         super().__init__(comm.Get_rank(), comm.Get_size(), torch.device("cpu"))
         self.comm = comm
-        if setup_s is None:
-            setup_s = settings.get("RINGCOMM_CONNECT_TIMEOUT")
-        self.p2p_comm = mpi_serial.dup(comm, "the duplicate for users' messages", setup_s)
+        self.p2p_comm = mpi_serial.dup(comm, "the duplicate for users' messages",
+                                       mpi_serial.limit(setup_s))
         self.tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
         self.tag_limit = self.tag_ub + 1
         self.spin_s = settings.get("RINGCOMM_SPIN_US") * 1e-6
@@ -424,10 +423,10 @@ class MPITransport(Transport):
 
     def _probe(self, i: int) -> None:
         """Raise :class:`TransportMismatch` if the peer that ``h``, the receive waited
-        on (request ``i`` of the batch in :meth:`wait`), awaits has sent a message ``h`` does not take, and it stays the first
-        unreceived message from that peer while ``h`` stays incomplete for
-        :data:`ringcomm.transport.base.MISMATCH_S`: a schedule's messages between two ranks are sent in the
-        order they are received, and MPI never lets a later message overtake an
+        on (request ``i`` of the batch in :meth:`wait`), awaits has sent a message ``h``
+        does not take, and it stays the first unreceived message from that peer while
+        ``h`` stays incomplete for :data:`ringcomm.transport.base.MISMATCH_S`: a
+        schedule's messages between two ranks are sent in the order they are received, and MPI never lets a later message overtake an
         earlier one, so that peer is in another call. (A message that arrives just
         after ``h``'s was matched, while ``h``'s data is still moving, is no sign of
         one: it is gone from the probe, or ``h`` complete, well within that time.

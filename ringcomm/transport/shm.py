@@ -55,8 +55,7 @@ import torch
 from ringcomm import machine, mpi_serial, ops, settings
 from ringcomm.backoff import Backoff
 from ringcomm.transport.base import (Handle, Signs, Transport, TransportAborted,
-                                     TransportMismatch,
-                                     TransportPeerFailed, TransportTimeout)
+                                     TransportMismatch, TransportPeerFailed, TransportTimeout)
 
 log = logging.getLogger("ringcomm")
 
@@ -204,7 +203,6 @@ class ShmTransport(Transport):
         self._nslots = geometry.slots
         self._fence, self._window = _fence_window()
         self._broken: str | None = None
-        #: what :meth:`_same_number` last took for a mismatch: (what, first seen, last)
         #: messages numbered like awaited ones but of other calls, seen on the other path
         #: in the running wait (:meth:`_same_number`)
         self._signs = Signs()
@@ -538,7 +536,7 @@ class ShmTransport(Transport):
         """Called while MPI waits long for ``h``: raise if its peer, on this host, is
         gone, or if the message a receive awaits came over shared memory instead (the
         sender's size put it there)."""
-        peer, tag = h.peer, h.tag
+        peer = h.peer
         pair = self.pairs.get(peer)
         if pair is None:
             return
@@ -566,9 +564,8 @@ class ShmTransport(Transport):
         first, was still on its way. Only the first stays: the second's awaited
         message completes at the wait's next test."""
         bits, peer, tag = self.number_bits, h.peer, h.tag
-        mask = (1 << bits) - 1 if bits is not None else 0
-        if found is None or bits is None or found & mask != tag & mask or found == tag:
-            self._signs.gone(h)
+        if found is None or bits is None or found == tag or (found ^ tag) & ((1 << bits) - 1):
+            self._signs.gone(h)  # no message of another call with this number
             return
         if self._signs.lasted(h, (found, how, got), _monotonic()):
             raise RuntimeError(f"the message from rank {peer} that rank {self.rank} awaits "
@@ -737,7 +734,7 @@ def connect(inner: Transport, comm, hosts: Sequence[int], channel: int = 0,
     size, rank = inner.size, inner.rank
     if size < 2:
         return inner
-    limit = settings.get("RINGCOMM_CONNECT_TIMEOUT") if setup_s is None else setup_s
+    limit = mpi_serial.limit(setup_s)
 
     def allgather(obj: Any) -> list:
         return mpi_serial.allgather(comm, obj, "shared-memory set-up", limit)
