@@ -86,18 +86,33 @@ def _maximum(dst: torch.Tensor, src: torch.Tensor) -> None:
     torch.maximum(dst, src, out=dst)
 
 
-#: op value -> in-place reduction (AVG reduces as SUM; finalize_ divides)
+#: op value -> in-place reduction ``dst = dst (op) src`` (AVG reduces as SUM;
+#: finalize_ divides)
 _REDUCE = {SUM.value: torch.Tensor.add_, AVG.value: torch.Tensor.add_,
            PRODUCT.value: torch.Tensor.mul_, MIN.value: _minimum, MAX.value: _maximum,
            BAND.value: torch.Tensor.bitwise_and_, BOR.value: torch.Tensor.bitwise_or_,
            BXOR.value: torch.Tensor.bitwise_xor_}
+#: op value -> ``dst = src (op) dst`` in place, through torch's ``out=`` form
+_COMBINE = {SUM.value: torch.add, AVG.value: torch.add, PRODUCT.value: torch.mul,
+            MIN.value: torch.minimum, MAX.value: torch.maximum,
+            BAND.value: torch.bitwise_and, BOR.value: torch.bitwise_or,
+            BXOR.value: torch.bitwise_xor}
+
+
+def _src_first(combine):
+    def reduce_src_first(dst: torch.Tensor, src: torch.Tensor) -> None:
+        combine(src, dst, out=dst)
+    return reduce_src_first
+
+
+_REDUCE_SRC_FIRST = {v: _src_first(fn) for v, fn in _COMBINE.items()}
 _AVG = AVG.value
 
 
-def reducer(op: RedOpType):
-    """The in-place reduction ``fn(dst, src)`` of ``op`` (AVG reduces as SUM; see
-    finalize_)."""
-    fn = _REDUCE.get(op.value)
+def reducer(op: RedOpType, src_first: bool = False):
+    """The in-place reduction ``fn(dst, src)`` of ``op``: ``dst = dst (op) src``, or
+    ``dst = src (op) dst`` with ``src_first`` (AVG reduces as SUM; see finalize_)."""
+    fn = (_REDUCE_SRC_FIRST if src_first else _REDUCE).get(op.value)
     if fn is None:  # resolve() keeps other ops out
         raise ValueError(f"ringcomm: no local reduction for {op!r}")
     return fn
@@ -130,14 +145,26 @@ except (ImportError, AttributeError, TypeError):  # numpy 1.x: errstate
     _ERR_STATE = _QUIET = None
 
 
-def _quiet(ufunc):
-    """``ufunc(dst, src, out=dst)`` with numpy's floating-point warnings off."""
+def _quiet(ufunc, src_first: bool = False):
+    """``ufunc(dst, src, out=dst)`` (``ufunc(src, dst, out=dst)`` with ``src_first``)
+    with numpy's floating-point warnings off."""
     if _ERR_STATE is None:
         def reduce_quiet(dst: np.ndarray, src: np.ndarray) -> None:
             with np.errstate(all="ignore"):
-                ufunc(dst, src, out=dst)
+                if src_first:
+                    ufunc(src, dst, out=dst)
+                else:
+                    ufunc(dst, src, out=dst)
         return reduce_quiet
     var, quiet = _ERR_STATE, _QUIET
+    if src_first:
+        def reduce_quiet_src_first(dst: np.ndarray, src: np.ndarray) -> None:
+            token = var.set(quiet)
+            try:
+                ufunc(src, dst, out=dst)
+            finally:
+                var.reset(token)
+        return reduce_quiet_src_first
 
     def reduce_quiet(dst: np.ndarray, src: np.ndarray) -> None:
         token = var.set(quiet)
@@ -178,20 +205,23 @@ def operand(mem: np.ndarray, dtype: torch.dtype) -> np.ndarray | torch.Tensor:
     return torch.frombuffer(mem, dtype=dtype) if mem.size else torch.empty(0, dtype=dtype)
 
 
-def serial_reducer(op: RedOpType, dtype: torch.dtype):
-    """:func:`reducer`'s ``fn(dst, src)`` on :func:`operand` s of ``dtype``, kept on the
-    calling thread at every size (see the module docstring): numpy's ufunc for the
-    dtypes numpy reduces as torch does (a 4 KiB add costs half torch's; floating-point
-    warnings off), else torch's op, on slices below :data:`PARALLEL_FROM` where torch
-    would spread it over its threads. Results are torch's bit for bit, but for MIN and
-    MAX with a NaN operand: numpy writes the canonical NaN where torch writes its own
-    (a NaN either way, the same on every rank)."""
+def serial_reducer(op: RedOpType, dtype: torch.dtype, src_first: bool = False):
+    """:func:`reducer`'s ``fn(dst, src)`` (``dst = dst (op) src``, or ``src (op) dst``
+    with ``src_first``) on :func:`operand` s of ``dtype``, kept on the calling thread
+    at every size (see the module docstring): numpy's ufunc for the dtypes numpy
+    reduces as torch does (a 4 KiB add costs half torch's; floating-point warnings
+    off), else torch's op, on slices below :data:`PARALLEL_FROM` where torch would
+    spread it over its threads. Results are torch's bit for bit, but for MIN and MAX
+    with a NaN operand: numpy writes the canonical NaN where torch writes its own (a
+    NaN either way, the same on every rank)."""
     if dtype in _NUMPY_DTYPES:
         ufunc = _NUMPY_UFUNC[op.value]
         if dtype.is_floating_point:
-            return _quiet(ufunc)
-        return lambda dst, src: ufunc(dst, src, out=dst)  # integers and bools never warn
-    fn = reducer(op)
+            return _quiet(ufunc, src_first)
+        if src_first:  # integers and bools never warn
+            return lambda dst, src: ufunc(src, dst, out=dst)
+        return lambda dst, src: ufunc(dst, src, out=dst)
+    fn = reducer(op, src_first)
 
     def reduce_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
         n = dst.numel()
@@ -207,9 +237,10 @@ def serial_reducer(op: RedOpType, dtype: torch.dtype):
 serial_copy = np.copyto
 
 
-def reduce_(dst: torch.Tensor, src: torch.Tensor, op: RedOpType) -> None:
-    """dst = dst (op) src, elementwise and in place."""
-    reducer(op)(dst, src)
+def reduce_(dst: torch.Tensor, src: torch.Tensor, op: RedOpType,
+            src_first: bool = False) -> None:
+    """dst = dst (op) src (src (op) dst with ``src_first``), elementwise and in place."""
+    reducer(op, src_first)(dst, src)
 
 
 def finalize_(buf: torch.Tensor, op: RedOpType, world_size: int) -> None:

@@ -67,9 +67,14 @@ class Xfer(NamedTuple):
 
 
 class Reduce(NamedTuple):
-    """``dst = dst (op) src``, elementwise, with the collective's reduce op."""
+    """``dst = dst (op) src``, elementwise, with the collective's reduce op; with
+    ``src_first``, ``dst = src (op) dst``. The two differ only where an op's operand
+    order shows (MIN and MAX of +0 and -0 return one operand's sign; NaN payloads): a
+    schedule that combines its parts in a fixed order on every rank says which is
+    left without copying the result back (recursive doubling)."""
     dst: Region
     src: Region
+    src_first: bool = False
 
 
 class Copy(NamedTuple):
@@ -211,6 +216,14 @@ def _region(r) -> Region:
     return Region(int(buf), int(off), int(n))
 
 
+def _placed(op, region):
+    """Local op ``op`` with its regions passed through ``region`` (its other fields
+    kept); anything else rebuilt as it came, for the checker to refuse by name."""
+    if isinstance(op, (Reduce, Copy)):
+        return op._replace(dst=region(op.dst), src=region(op.src))
+    return type(op)(region(op.dst), region(op.src))
+
+
 class Builder:
     """Collects steps for one rank; :meth:`build` returns the :class:`Schedule`.
 
@@ -234,7 +247,7 @@ class Builder:
         A step with nothing in it is dropped."""
         s = tuple(Xfer(int(p), _region(r)) for p, r in sends)
         r = tuple(Xfer(int(p), _region(x)) for p, x in recvs)
-        loc = tuple(type(op)(_region(op.dst), _region(op.src)) for op in local)
+        loc = tuple(_placed(op, _region) for op in local)
         if s or r or loc:
             self._steps.append(Step(s, r, loc))
 
@@ -318,7 +331,7 @@ class Builder:
             self._steps.append(Step(
                 tuple(Xfer(ranks[x.peer], region(x.region)) for x in st.sends),
                 tuple(Xfer(ranks[x.peer], region(x.region)) for x in st.recvs),
-                tuple(type(op)(region(op.dst), region(op.src)) for op in st.local)))
+                tuple(_placed(op, region) for op in st.local)))
 
     def build(self) -> Schedule:
         return Schedule(self.ctx, self._nbuf, tuple(self._scratch), tuple(self._steps))

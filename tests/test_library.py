@@ -206,14 +206,18 @@ def test_min_max_of_signed_zeros_agree_on_every_rank(p):
     names = sorted(algo for coll, algo in BUILTIN | set(ALGORITHMS)
                    if coll == "allreduce" and algo != "native")
     assert {"recursive_doubling", "one_shot", "ring", "hierarchical"} <= set(names), names
-    for name in names:
-        for op in (ops.MIN, ops.MAX):
-            bufs = [[x.clone()] for x in xs]
-            run_schedule(REGISTRY["allreduce"][name], "allreduce", p, (n,), bufs, op=op,
-                         seg=16, hosts=_hosts(p))
-            signs = [torch.signbit(b[0]) for b in bufs]
-            assert all(torch.equal(signs[0], s) for s in signs[1:]), (name, op)
-            assert bool((bufs[0][0] == 0).all()), (name, op)
+    # numpy's reductions (float32) and torch's (bfloat16), on MPI's executor and on
+    # NCCL's (where the local work is torch's)
+    cases = [(name, op, dtype, executor) for name in names for op in (ops.MIN, ops.MAX)
+             for dtype, executor in ((torch.float32, "threads"), (torch.bfloat16, "threads"),
+                                     (torch.float32, "nccl-sim"))]
+    for name, op, dtype, executor in cases:
+        bufs = [[x.to(dtype, copy=True)] for x in xs]
+        run_schedule(REGISTRY["allreduce"][name], "allreduce", p, (n,), bufs, op=op,
+                     seg=16, hosts=_hosts(p), executor=executor)
+        signs = [torch.signbit(b[0]) for b in bufs]
+        assert all(torch.equal(signs[0], s) for s in signs[1:]), (name, op, dtype, executor)
+        assert bool((bufs[0][0] == 0).all()), (name, op, dtype, executor)
 
 
 def test_step_counts_are_the_documented_ones():

@@ -80,6 +80,9 @@ def test_local_work_kept_on_the_calling_thread_equals_torchs_ops(n, monkeypatch)
     set it so, nor changes."""
     monkeypatch.setattr(ops, "_threads", lambda: 2)
     g = torch.Generator().manual_seed(n)
+    oracle = {ops.SUM: torch.add, ops.AVG: torch.add, ops.PRODUCT: torch.mul,
+              ops.MIN: torch.minimum, ops.MAX: torch.maximum, ops.BAND: torch.bitwise_and,
+              ops.BOR: torch.bitwise_or, ops.BXOR: torch.bitwise_xor}
 
     def over(t):
         return ops.operand(ops.memory(t.data_ptr(), t.nbytes), t.dtype)
@@ -95,23 +98,40 @@ def test_local_work_kept_on_the_calling_thread_equals_torchs_ops(n, monkeypatch)
                 big = torch.finfo(dtype).max  # overflow and inf - inf: numpy would warn
                 a[3:5] = torch.tensor([big, float("inf")]).to(dtype)
                 b[3:5] = torch.tensor([big, float("-inf")]).to(dtype)
+                b[2] = 0.0  # against a's -0: MIN and MAX return one operand's zero
             elif dtype == torch.bool:
                 a, b = (torch.randint(0, 2, (n,), generator=g).bool() for _ in range(2))
             else:
                 info = torch.iinfo(dtype)
                 a, b = (torch.randint(info.min, info.max, (n,), generator=g, dtype=dtype)
                         for _ in range(2))
-            want = a.clone()
-            ops.reducer(op)(want, b)
-            got = a.clone()
-            before = np.geterr()
-            with warnings.catch_warnings(), np.errstate(all="raise"):
-                warnings.simplefilter("error")
-                ops.serial_reducer(op, dtype)(over(got), over(b))
-                assert set(np.geterr().values()) == {"raise"}
-            assert np.geterr() == before
-            assert torch.equal(got, want) or (dtype.is_floating_point and torch.allclose(
-                got, want, equal_nan=True, rtol=0, atol=0)), (op, dtype, n)
+            for src_first in (False, True):
+                # dst = dst (op) src, or src (op) dst
+                want = oracle[op](b, a) if src_first else oracle[op](a, b)
+                by_torch = a.clone()
+                ops.reducer(op, src_first)(by_torch, b)
+                got = a.clone()
+                before = np.geterr()
+                with warnings.catch_warnings(), np.errstate(all="raise"):
+                    warnings.simplefilter("error")
+                    ops.serial_reducer(op, dtype, src_first)(over(got), over(b))
+                    assert set(np.geterr().values()) == {"raise"}
+                assert np.geterr() == before
+                what = (op, dtype, n, src_first)
+                for out in (by_torch, got):
+                    assert torch.equal(out, want) or (dtype.is_floating_point and torch.allclose(
+                        out, want, equal_nan=True, rtol=0, atol=0)), what
+                if src_first and dtype.is_floating_point:
+                    # the order is the swapped one's, zeros' signs too (== takes -0 for +0;
+                    # which zero MIN and MAX keep differs between numpy's and torch's
+                    # loops, and torch's small and large ones: no oracle but the swap)
+                    swapped, serial = b.clone(), b.clone()
+                    ops.reducer(op)(swapped, a)
+                    ops.serial_reducer(op, dtype)(over(serial), over(a))
+                    for out, swapped in ((by_torch, swapped), (got, serial)):
+                        number = ~torch.isnan(swapped)
+                        assert torch.equal(torch.signbit(out[number]),
+                                           torch.signbit(swapped[number])), what
     for dtype in (torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.complex64):
         src = torch.randn(n, generator=g).to(dtype)
         dst = torch.zeros(n, dtype=dtype)

@@ -12,7 +12,7 @@ operand order shows (MIN and MAX of +0 and -0 return one operand's sign).
 from __future__ import annotations
 
 from ringcomm.algorithms.common import whole
-from ringcomm.schedule import Builder, Context, Copy, Reduce, Schedule
+from ringcomm.schedule import Builder, Context, Reduce, Schedule
 
 
 def allreduce(ctx: Context) -> Schedule:
@@ -25,10 +25,8 @@ def allreduce(ctx: Context) -> Schedule:
     tmp = whole(b.scratch(n), n)
     pow2 = 1 << (p.bit_length() - 1)
     extra = p - pow2
-    # the partial result lives in `cur`; a step whose partner holds the lower ranks'
-    # part receives into `other` and reduces into it, so that it stays the left
-    # operand, and the two swap (one copy back at the end at most)
-    cur, other = data, tmp
+    # the partial result stays in `data`, received parts come into `tmp`; a partner
+    # holding the lower ranks' part gives the left operand (src_first)
     # Fold: among the first 2*extra ranks, each even rank hands its data to the next
     # odd rank and sits out until the result comes back; the others renumber 0..pow2-1.
     if r < 2 * extra:
@@ -36,8 +34,7 @@ def allreduce(ctx: Context) -> Schedule:
             b.step(sends=[(r + 1, data)])
             b.step(recvs=[(r + 1, data)])
             return b.build()
-        b.step(recvs=[(r - 1, other)], local=[Reduce(other, cur)])
-        cur, other = other, cur
+        b.step(recvs=[(r - 1, tmp)], local=[Reduce(data, tmp, src_first=True)])
         vr = r // 2
     else:
         vr = r - extra
@@ -45,16 +42,9 @@ def allreduce(ctx: Context) -> Schedule:
     while mask < pow2:
         vpeer = vr ^ mask
         peer = vpeer * 2 + 1 if vpeer < extra else vpeer + extra
-        send, into = cur, other
-        if vpeer < vr:  # the partner holds the lower ranks' part: it goes left
-            local = [Reduce(into, send)]
-            cur, other = into, send
-        else:
-            local = [Reduce(send, into)]
+        b.step(sends=[(peer, data)], recvs=[(peer, tmp)],
+               local=[Reduce(data, tmp, src_first=vpeer < vr)])
         mask <<= 1
-        if mask >= pow2 and cur is not data:  # the result into the caller's buffer
-            local.append(Copy(data, cur))
-        b.step(sends=[(peer, send)], recvs=[(peer, into)], local=local)
     if r < 2 * extra:
         b.step(sends=[(r - 1, data)])
     return b.build()

@@ -31,7 +31,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from ringcomm import ops, trace
-from ringcomm.execution.plan import Plan
+from ringcomm.execution.plan import COPY, REDUCE_SRC_FIRST, Plan
 
 #: bindings (sets of caller buffer addresses) a program keeps; the oldest made is
 #: dropped first (a run does not refresh its binding: a loop over more buffers than
@@ -190,8 +190,8 @@ class P2PProgram(_Program):
                 h = tp.recv_init(views[v], peer, t)
             else:
                 i, li = held[j]
-                is_reduce, d, _ = plan.p2p_steps[i][4][li]
-                work[i][li] = held_of(is_reduce, d, h)
+                kind, d, _ = plan.p2p_steps[i][4][li]
+                work[i][li] = held_of(kind, d, h)
             rreq.append(h)
         batch, rw = tp.batch, plan.recv_waits
         steps, ns, nr = [], 0, 0
@@ -226,11 +226,12 @@ class P2PProgram(_Program):
         return steps, sreq + rreq, tp
 
     def _local_work(self, bufs: Sequence, tp):
-        """``work_of(is_reduce, dst, src)``: one local step bound to the memory of
+        """``work_of(kind, dst, src)``: one local step (a :data:`plan.COPY
+        <ringcomm.execution.plan.COPY>` or one of the reduces) bound to the memory of
         this binding's regions (numbers of ``plan.regions``), as ``(fn, dst, src)``
         for ``fn(dst, src)``: operands over raw addresses (:func:`ringcomm.ops.memory`),
         made once, holding no reference to the caller's tensors; and
-        ``held_of(is_reduce, dst, handle)``: the same step reading held receive
+        ``held_of(kind, dst, handle)``: the same step reading held receive
         ``handle`` where it lies (``recv_held_init`` of transport ``tp``)."""
         full = [*bufs, *self.scratch]
         reducers: dict = {}
@@ -253,24 +254,25 @@ class P2PProgram(_Program):
                                  "memory (its storage was freed or resized to 0)")
             return ops.memory(t.data_ptr() + a * size, (e - a) * size), t.dtype
 
-        def work_of(is_reduce: bool, d: int, s: int) -> tuple:
+        def work_of(kind: int, d: int, s: int) -> tuple:
             (dm, dtype), (sm, sdtype) = mem(d), mem(s)
             if dm.size != sm.size or dtype != sdtype:
                 raise ValueError(f"ringcomm: local work between regions of {dm.size} and "
                                  f"{sm.size} bytes ({dtype}, {sdtype}): a malformed schedule")
-            if not is_reduce:
+            if kind == COPY:
                 return ops.serial_copy, dm, sm
-            return reducer(dtype), ops.operand(dm, dtype), ops.operand(sm, dtype)
+            return reducer(dtype, kind), ops.operand(dm, dtype), ops.operand(sm, dtype)
 
-        def reducer(dtype: torch.dtype):
-            fn = reducers.get(dtype)
+        def reducer(dtype: torch.dtype, kind: int):
+            fn = reducers.get((dtype, kind))
             if fn is None:
-                fn = reducers[dtype] = ops.serial_reducer(self.op, dtype)
+                fn = reducers[dtype, kind] = ops.serial_reducer(
+                    self.op, dtype, src_first=kind == REDUCE_SRC_FIRST)
             return fn
 
-        def held_of(is_reduce: bool, d: int, handle: Any) -> tuple:
+        def held_of(kind: int, d: int, handle: Any) -> tuple:
             dm, dtype = mem(d)
-            return tp.held_work(handle, dm, dtype, reducer(dtype) if is_reduce else None)
+            return tp.held_work(handle, dm, dtype, None if kind == COPY else reducer(dtype, kind))
         return work_of, held_of
 
     def _release(self, bd: tuple) -> None:
@@ -367,7 +369,8 @@ class GroupComm(Protocol):
 
     def recv(self, buf: torch.Tensor, peer: int) -> None: ...
 
-    def local_reduce(self, dst: torch.Tensor, src: torch.Tensor, op) -> None: ...
+    def local_reduce(self, dst: torch.Tensor, src: torch.Tensor, op,
+                     src_first: bool = False) -> None: ...
 
     def local_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
@@ -424,11 +427,13 @@ class GroupProgram(_Program):
         self._labels = [f"step {i}" for i in range(len(plan.steps))]
         # a communicator whose local work is plain torch ops on the current stream (the
         # CUDA transport) gets them called directly; a simulator gets its own methods
+        # (copy, reduce, reduce with the source first): indexed by plan.COPY and the rest
         if getattr(comm, "local_work_inline", False):
-            reduce_ = ops.reducer(op) if op is not None else None
-            self._local = (reduce_, torch.Tensor.copy_)
+            self._local = (torch.Tensor.copy_, *((ops.reducer(op), ops.reducer(op, True))
+                                                 if op is not None else (None, None)))
         else:
-            self._local = (lambda d, s: comm.local_reduce(d, s, op), comm.local_copy)
+            self._local = (comm.local_copy, lambda d, s: comm.local_reduce(d, s, op),
+                           lambda d, s: comm.local_reduce(d, s, op, src_first=True))
 
     def _local_views(self, bufs: Sequence) -> list:
         if self._static:
@@ -471,10 +476,9 @@ class GroupProgram(_Program):
                     else:
                         msgs.append((comm.send if kind == "send" else comm.recv,
                                      (views[v], peer)))
-            reduce_, copy_ = self._local
+            local_fn = self._local
             steps.append((bool(sends or recvs), msgs,
-                          [(reduce_ if is_reduce else copy_, lpos[d], lpos[s])
-                           for is_reduce, d, s in local],
+                          [(local_fn[kind], lpos[d], lpos[s]) for kind, d, s in local],
                           self._labels[i]))
         if trace.active():
             return steps

@@ -44,6 +44,17 @@ class _Spans:
             self.starts.insert(i + 1, x)
 
 
+#: a plan's local work: ``dst = src``, ``dst = dst (op) src``, ``dst = src (op) dst``
+COPY, REDUCE, REDUCE_SRC_FIRST = 0, 1, 2
+
+
+def local_kind(op) -> int:
+    """The plan's code of local op ``op`` (a :class:`Reduce` or a ``Copy``)."""
+    if isinstance(op, Reduce):
+        return REDUCE_SRC_FIRST if op.src_first else REDUCE
+    return COPY
+
+
 class Plan:
     """A schedule compiled for execution (built once per call shape, then cached).
 
@@ -51,7 +62,8 @@ class Plan:
         schedule: the schedule.
         regions: the distinct regions, indexed by the per-step lists below.
         steps: per step ``(sends, recvs, local)``: ``[(peer, region index)]`` twice and
-            ``[(is_reduce, dst index, src index)]``.
+            ``[(kind, dst index, src index)]``, ``kind`` one of :data:`COPY`,
+            :data:`REDUCE` and :data:`REDUCE_SRC_FIRST` (true for both reduces).
     """
 
     def __init__(self, schedule: Schedule):
@@ -77,7 +89,7 @@ class Plan:
             self.steps.append((
                 [(x.peer, ridx(x.region)) for x in st.sends],
                 [(x.peer, ridx(x.region)) for x in st.recvs],
-                [(isinstance(op, Reduce), ridx(op.dst), ridx(op.src)) for op in st.local]))
+                [(local_kind(op), ridx(op.dst), ridx(op.src)) for op in st.local]))
         self._dependencies()
         self._held: dict[int, tuple[int, int]] | None = None  # see held_receives
 

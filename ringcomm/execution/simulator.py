@@ -143,8 +143,9 @@ class SimComm:
             _bytes(buf).copy_(_bytes(data))
         self._op("recv", buf, peer, put)
 
-    def local_reduce(self, dst: torch.Tensor, src: torch.Tensor, op) -> None:
-        self._local(lambda: ops.reduce_(dst, src, op))
+    def local_reduce(self, dst: torch.Tensor, src: torch.Tensor, op,
+                     src_first: bool = False) -> None:
+        self._local(lambda: ops.reduce_(dst, src, op, src_first))
 
     def local_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._local(lambda: dst.copy_(src))

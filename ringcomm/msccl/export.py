@@ -175,6 +175,8 @@ def _lower(r: int, sched: Schedule, ref: Callable, sent: dict, taken: dict) -> _
                     access = [_span(m)]
                     out.add((kind, x.peer), attrs, access if kind == "send" else [],
                             access if kind == "recv" else [])
+        # MSCCL's reduce names no operand order: a src_first Reduce exports as a reduce
+        # (the same values, but for which zero's sign MIN and MAX of +0 and -0 keep)
         for op in st.local:
             d, s_ = ref(r, op.dst), ref(r, op.src)
             for a in range(0, d[2], MAX_COUNT - 1):

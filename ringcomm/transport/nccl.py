@@ -315,8 +315,9 @@ class NcclTransport(Link):
         fn = self.comm.send if kind == "send" else self.comm.recv
         return fn, (buf.data_ptr(), n, _UINT8, peer, self.stream)
 
-    def local_reduce(self, dst: torch.Tensor, src: torch.Tensor, op: Any) -> None:
-        ops.reduce_(dst, src, op)
+    def local_reduce(self, dst: torch.Tensor, src: torch.Tensor, op: Any,
+                     src_first: bool = False) -> None:
+        ops.reduce_(dst, src, op, src_first)
 
     def local_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
