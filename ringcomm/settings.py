@@ -144,9 +144,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("RINGCOMM_SHM_MIN_BYTES", "int", 128 * 1024,
             "messages below this size go over MPI even between ranks on one host: MPI's "
             "eager path is faster there (docs/data/shm_transport_2ranks.json)", minimum=0),
-    Setting("RINGCOMM_SHM_SLOTS", "int", 4,
+    Setting("RINGCOMM_SHM_SLOTS", "int", 8,
             "slots of each shared-memory FIFO (one per peer and direction): a rank maps "
-            "peers x slots x slot bytes of its own", minimum=2),
+            "peers x slots x slot bytes of its own; the default holds a whole 2 MiB "
+            "pipeline segment, which a reduction then reads from the sender's slots",
+            minimum=2),
     Setting("RINGCOMM_IFACE", "name", None,
             "network interface for MPI and NCCL when ranks span hosts (default: the one "
             "that carries this host's traffic to `MASTER_ADDR`); see docs/multi-node.md"),
