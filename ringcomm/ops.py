@@ -157,19 +157,14 @@ def _quiet(ufunc, src_first: bool = False):
                     ufunc(dst, src, out=dst)
         return reduce_quiet
     var, quiet = _ERR_STATE, _QUIET
-    if src_first:
-        def reduce_quiet_src_first(dst: np.ndarray, src: np.ndarray) -> None:
-            token = var.set(quiet)
-            try:
-                ufunc(src, dst, out=dst)
-            finally:
-                var.reset(token)
-        return reduce_quiet_src_first
 
     def reduce_quiet(dst: np.ndarray, src: np.ndarray) -> None:
         token = var.set(quiet)
         try:
-            ufunc(dst, src, out=dst)
+            if src_first:
+                ufunc(src, dst, out=dst)
+            else:
+                ufunc(dst, src, out=dst)
         finally:
             var.reset(token)
     return reduce_quiet
