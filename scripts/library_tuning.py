@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
 
 import ringcomm  # noqa: E402,F401  (registers the library)
 from ringcomm.execution import checker  # noqa: E402
-from ringcomm.algorithms import NATIVE, REGISTRY, select  # noqa: E402
+from ringcomm.algorithms import REGISTRY, is_schedule, select  # noqa: E402
 from ringcomm.bench import model  # noqa: E402
 from ringcomm.bench.sizes import format_size  # noqa: E402
 from ringcomm.schedule import Context, Copy  # noqa: E402
@@ -61,7 +61,7 @@ def joint_fit(doc: dict, collective: str) -> dict:
     for r in doc["results"]:
         build = REGISTRY.get(r["collective"], {}).get(r["column"])
         if (r["collective"] != collective or r["status"] != "ok" or r["time_us"] is None
-                or build is None or build is NATIVE
+                or build is None or not is_schedule(build)
                 or r["column"] in CANDIDATES[collective][1]):
             continue
         p = int(doc["meta"]["world_size"])

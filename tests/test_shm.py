@@ -19,7 +19,7 @@ from ringcomm.transport.shm import Geometry
 
 #: small slots: messages of every test size take several chunks and fill the FIFO
 SMALL = {"RINGCOMM_SHM_SLOT_BYTES": "4096", "RINGCOMM_SHM_SLOTS": "2",
-         "RINGCOMM_SHM_MIN_BYTES": "0"}
+         "RINGCOMM_SHM_MIN_BYTES": "0", "RINGCOMM_SHM_DIRECT_BYTES": "4096"}
 
 
 def _segments() -> set[str]:
@@ -80,6 +80,24 @@ def test_mismatched_sizes_fail_at_once(launcher, sizes):
     assert _segments() <= before
 
 
+@pytest.mark.parametrize("launcher,sizes,algos", [
+    ("mpiexec", "100,200", "shm_direct"),  # one round each, of other calls
+    ("torchrun", "100,300000", "shm_direct"),  # one round against several
+    ("mpiexec", "40000,40000", "shm_direct,recursive_doubling"),  # against a schedule's
+    ("mpiexec", "40000,40000", "recursive_doubling,shm_direct"),  # FIFO message
+    ("mpiexec", "1000,1000", "shm_direct,recursive_doubling"),  # against one over MPI
+])
+def test_shm_direct_mismatches_fail_at_once(launcher, sizes, algos):
+    """shm_direct against itself with other sizes (the signatures on the windows'
+    lines differ), and against a schedule (a message waits where the other rank
+    looks at the windows): every rank fails naming the mismatch."""
+    before = _segments()
+    out = LAUNCHERS[launcher](2, "shm_check.py", "mismatch", "--sizes", sizes, "--algos", algos,
+                              timeout=120)
+    assert "checks passed" in out.stdout
+    assert _segments() <= before
+
+
 @pytest.mark.wide  # 12 s; the kill under mpiexec stays in make test
 def test_a_killed_rank_ends_the_others_wait_torchrun(tmp_path):
     """The last of 3 ranks SIGKILLs itself at an allreduce; torchrun is told to look
@@ -100,14 +118,15 @@ def test_a_killed_rank_ends_the_others_wait_torchrun(tmp_path):
     assert _segments() <= before
 
 
-def test_a_killed_rank_ends_the_job_mpiexec():
+@pytest.mark.parametrize("algo", ["auto", "shm_direct"])
+def test_a_killed_rank_ends_the_job_mpiexec(algo):
     """Under mpiexec, hydra ends the whole job when a rank dies (even with
     -disable-auto-cleanup): no rank hangs, none leaves a segment, and a survivor
     that reports first names the dead rank."""
     before = _segments()
     t0 = time.monotonic()
     out = mpirun(3, "shm_check.py", "kill", timeout=120, check=False,
-                 env={"SHM_CHECK_OUT": "/nonexistent"})
+                 env={"SHM_CHECK_OUT": "/nonexistent", "RINGCOMM_ALGO": f"allreduce={algo}"})
     text = out.stdout + out.stderr
     assert out.returncode != 0 and "killing myself" in text, text[-3000:]
     assert time.monotonic() - t0 < 60, "the job outlived the group's timeout"

@@ -1,7 +1,9 @@
 """Collective algorithms as schedule builders (see :mod:`ringcomm.schedule`).
 
-``REGISTRY[collective][name]`` is a builder ``build(ctx) -> Schedule``, or
-:data:`NATIVE`: the transport library's own collective (MPI's on CPU).
+``REGISTRY[collective][name]`` is a builder ``build(ctx) -> Schedule``, or a
+:class:`TransportCollective`: a collective a transport runs itself, not as a
+schedule: :data:`NATIVE` (the transport library's own, MPI's on CPU) and
+:data:`SHM_DIRECT` (the shared-memory transport's, every rank on one host).
 The caller's buffers and the layout each collective's builders get are listed
 in :data:`ringcomm.schedule.BUFFERS`.
 
@@ -16,14 +18,31 @@ from ringcomm.algorithms import barrier, linear, recursive_doubling, ring, tree
 from ringcomm.schedule import BUFFERS
 
 
-class _Native:
-    """Marker: run the transport library's own collective (MPI's, NCCL's)."""
+class TransportCollective:
+    """Marker: the algorithm named ``name`` is a collective the group's transport runs
+    itself (:meth:`ringcomm.transport.Transport.check_own`, ``own_init``), not a
+    schedule; a transport that has none of that name refuses the call."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
 
     def __repr__(self) -> str:
-        return "NATIVE"
+        return self.name.upper()
 
 
-NATIVE = _Native()
+#: the transport library's own collective (MPI's, NCCL's)
+NATIVE = TransportCollective("native")
+#: the shared-memory transport's one-round allreduce: every rank copies its buffer
+#: into its segment once and reduces every rank's copy from there, in rank order
+#: (:mod:`ringcomm.transport.shm_direct`); only where every rank shares one host
+SHM_DIRECT = TransportCollective("shm_direct")
+
+
+def is_schedule(build) -> bool:
+    """Whether a registry entry is a schedule builder (not a transport's collective)."""
+    return not isinstance(build, TransportCollective)
 
 REGISTRY: dict[str, dict[str, Callable]] = {
     "allreduce": {"ring": ring.allreduce, "tree": tree.allreduce,
@@ -39,6 +58,7 @@ REGISTRY: dict[str, dict[str, Callable]] = {
 }
 for _algos in REGISTRY.values():
     _algos["native"] = NATIVE
+REGISTRY["allreduce"]["shm_direct"] = SHM_DIRECT
 
 #: builders that ship with ringcomm's own algorithms (proved by the test suite)
 BUILTIN = {(c, n) for c, algos in REGISTRY.items() for n in algos}
@@ -65,7 +85,7 @@ def register_algorithm(collective: str, name: str, build: Callable, *,
     Args:
         collective: one of ``REGISTRY``'s keys.
         name: the name used in ``RINGCOMM_ALGO``, ``Options`` and ``set_algorithm``;
-            ``"auto"`` and ``"native"`` are reserved.
+            ``"auto"``, ``"native"`` and ``"shm_direct"`` are reserved.
         build: ``build(ctx: ringcomm.schedule.Context) -> ringcomm.schedule.Schedule``.
             It is checked (:func:`ringcomm.execution.checker.check`) on the first use of each
             call shape, and refused with the step and element at fault if wrong.
@@ -91,7 +111,7 @@ def register_algorithm(collective: str, name: str, build: Callable, *,
     if collective not in REGISTRY:
         raise ValueError(f"ringcomm.register_algorithm: unknown collective {collective!r}; "
                          f"known: {sorted(REGISTRY)}")
-    if name in ("auto", "native"):
+    if name in ("auto", "native", "shm_direct"):
         raise ValueError(f"ringcomm.register_algorithm: {name!r} is reserved")
     if name in REGISTRY[collective] and not replace:
         raise ValueError(f"ringcomm.register_algorithm: {collective} algorithm {name!r} "
@@ -164,5 +184,6 @@ def expand_choices(choices: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-__all__ = ["REGISTRY", "NATIVE", "BUFFERS", "register_algorithm", "unregister_algorithm",
+__all__ = ["REGISTRY", "NATIVE", "SHM_DIRECT", "TransportCollective", "is_schedule",
+           "BUFFERS", "register_algorithm", "unregister_algorithm",
            "names", "check_choice", "expand_choices"]

@@ -133,11 +133,11 @@ def _builder(collective: str, algorithm: str | None):
     if algorithm is None or collective not in _SIZED:
         return None
     try:
-        from ringcomm.algorithms import NATIVE, REGISTRY
+        from ringcomm.algorithms import REGISTRY, is_schedule
     except ImportError:  # pragma: no cover - ringcomm is this repository
         return None
     build = REGISTRY.get(collective, {}).get(algorithm)
-    if build is None or build is NATIVE or not callable(build):
+    if build is None or not is_schedule(build) or not callable(build):
         return None
     if getattr(build, "fixed_world_size", None) is not None:  # ringcomm.msccl
         return None

@@ -37,6 +37,7 @@ ALGORITHMS: dict[str, tuple[str, str]] = {
     "one_shot": ("#9edae5", "*"),            # pale cyan: the library's direct ones
     "two_shot": ("#c5b0d5", "H"),            # lavender
     "direct": ("#8c6d31", "8"),              # dark gold
+    "shm_direct": ("#e6550d", "d"),          # deep orange: the shared-memory transport's own
     "rc-nccl": ("#637939", "*"),             # moss: ringcomm's auto on CUDA tensors
     "ours/ringcomm": ("#08519c", "o"),       # dark blue: this DDP on ringcomm
     "ours/gloo": ("#a63603", "s"),           # rust: this DDP on gloo

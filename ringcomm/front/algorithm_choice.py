@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from ringcomm import algorithms
-from ringcomm.algorithms import NATIVE, REGISTRY, expand_choices
+from ringcomm.algorithms import NATIVE, REGISTRY, TransportCollective, expand_choices
 from ringcomm.algorithms import names as algorithm_names
 from ringcomm.algorithms import select
 from ringcomm.front.lanes import Lane
@@ -95,11 +95,13 @@ class Planner:
         chosen = name is None and self.algos[collective] == "auto"
         if name is None:
             name = self.choose(collective, nbytes, bands)
-            if REGISTRY[collective].get(name) is NATIVE and self.algos[collective] == "auto":
-                # a measured table may pick the library's own collective; where it cannot
-                # take this call (a dtype or op MPI lacks) auto takes the modelled choice
+            own = REGISTRY[collective].get(name)
+            if isinstance(own, TransportCollective) and self.algos[collective] == "auto":
+                # a measured table may pick a transport's own collective; where this one
+                # cannot take the call (a dtype or op MPI lacks, ranks on several hosts)
+                # auto takes the modelled choice
                 try:
-                    lane.tp.check_native(collective, dtype, op)
+                    lane.tp.check_own(own.name, collective, dtype, op)
                 except ValueError:
                     name = select.choose(select.MODELLED, collective, nbytes, self.size,
                                          self.hosts)
@@ -108,9 +110,13 @@ class Planner:
             raise ValueError(f"ringcomm {collective}: algorithm {name!r} is not registered "
                              f"(available: {algorithm_names(collective)})")
         tp = lane.tp
-        if build is NATIVE:
-            tp.check_native(collective, dtype, op)
-            return name, NativeProgram(tp, collective, layout, dtype, op, root)
+        if isinstance(build, TransportCollective):
+            tp.check_own(build.name, collective, dtype, op)
+            if build is NATIVE:
+                return name, NativeProgram(tp, collective, layout, dtype, op, root)
+            sig = self.signature(collective, name, layout, root, dtype, op, as_dtype)
+            return name, tp.own_init(build.name, collective, layout, dtype, op, sig,
+                                     self.epoch, self.call_named)
         try:
             plan = self.plan(collective, name, build, layout, root, dtype)
         except ShapeNotServed:

@@ -33,10 +33,12 @@ from ringcomm.schedule import Builder, Context, Schedule
 def _small_elements() -> int:
     """The float32 elements of the largest message the built-in 2-rank allreduce
     tuning (``select.py``, from the committed measurements) gives to recursive
-    doubling: the leaders' exchange is a 2-rank exchange per step."""
+    doubling: the leaders' exchange is a 2-rank exchange per step, over MPI."""
     rows = select.DEFAULT_TUNING["allreduce"].get("2", [])
+    # where it gives recursive doubling no row (on one host, shm_direct took the whole
+    # table), the last crossover measured over MPI: 1 MiB
     return max((upto for upto, algo in rows if algo == "recursive_doubling" and upto),
-               default=0) // 4
+               default=1 << 20) // 4
 
 
 #: across hosts, recursive doubling up to this many elements and the ring above

@@ -197,16 +197,16 @@ def to_xml(collective: str, algorithm: str, world_size: int, chunks: int | None 
         ValueError: an unknown collective or algorithm, ``native``, a world size below
             2 or a chunk count that does not fit.
     """
-    from ringcomm.algorithms import NATIVE, REGISTRY
+    from ringcomm.algorithms import REGISTRY, is_schedule
 
     if collective not in _export.COLL_NAMES:
         raise ValueError(f"ringcomm.msccl.to_xml: {collective!r} has no MSCCL form; "
                          f"exported: {sorted(_export.COLL_NAMES)}")
     build = REGISTRY[collective].get(algorithm)
-    if build is None or build is NATIVE:
+    if build is None or not is_schedule(build):
         raise ValueError(f"ringcomm.msccl.to_xml: no {collective} schedule named "
                          f"{algorithm!r} (available: "
-                         f"{sorted(k for k, v in REGISTRY[collective].items() if v is not NATIVE)})")
+                         f"{sorted(k for k, v in REGISTRY[collective].items() if is_schedule(v))})")
     if world_size < 2:
         raise ValueError(f"ringcomm.msccl.to_xml: world_size must be at least 2, got "
                          f"{world_size}")

@@ -55,7 +55,8 @@ def check_collectives(pg: Any, device: torch.device | str, *,
     must make the same call. Returns the number of checks.
 
     ``algorithms``: collective -> names to run (default: all registered). Where the
-    transport has no ``native`` collective, that it is refused is checked instead.
+    transport lacks a collective of its own (``native``, ``shm_direct``), that it is
+    refused is checked instead.
 
     Raises:
         AssertionError: listing every check whose result differed.
@@ -118,12 +119,18 @@ class _Checks:
         return list(chosen) if chosen is not None else sorted(REGISTRY[coll])
 
     def run(self, what: str, coll: str, name: str, call: Callable[[], Any]) -> bool:
-        """Run one call with ``name`` for ``coll``; False when native was refused."""
+        """Run one call with ``name`` for ``coll``; False when the transport refused
+        a collective of its own it lacks."""
         self.pg.set_algorithm(coll, name)
         try:
             call().wait()
         except ValueError as e:
-            if name == "native" and ("native" in str(e) or "NCCL has no" in str(e)):
+            from ringcomm.algorithms import REGISTRY, is_schedule
+
+            # a transport's own collective it does not have (native on NCCL for some
+            # ops, shm_direct off one host): refused, on every rank alike
+            if not is_schedule(REGISTRY[coll].get(name)) and (
+                    name in str(e) or "NCCL has no" in str(e)):
                 self.checks += 1  # refused before anything was enqueued, on every rank
                 return False
             self.failures.append(f"{what}: {type(e).__name__}: {e}")

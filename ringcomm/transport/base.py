@@ -142,6 +142,29 @@ class Link(abc.ABC):
         raise ValueError(f"ringcomm {collective}: algorithm 'native' needs a transport with "
                          f"collectives of its own; {type(self).__name__} has none")
 
+    def check_own(self, name: str, collective: str, dtype: torch.dtype, op: Any) -> None:
+        """Raise ValueError unless this link runs algorithm ``name`` (a
+        :class:`ringcomm.algorithms.TransportCollective`) for ``collective`` on
+        ``dtype`` with ``op``: ``native`` is :meth:`check_native`; ``shm_direct``
+        needs the shared-memory transport with every rank of the group on its host."""
+        if name == "native":
+            self.check_native(collective, dtype, op)
+            return
+        if name == "shm_direct" and collective == "allreduce" and self.size == 1:
+            return  # a group of one rank: on one host, and nothing to move
+        raise ValueError(f"ringcomm {collective}: algorithm {name!r} runs over shared memory "
+                         "with every rank of the group on one host; this group's "
+                         f"{type(self).__name__} has no such collective")
+
+    def own_init(self, name: str, collective: str, layout: tuple, dtype: torch.dtype, op: Any,
+                 signature: tuple[int, str], epoch: int, names: Any) -> Any:
+        """The program (``run(bufs)``, ``close()``) of a collective of this link's own
+        other than ``native`` (:meth:`check_own` accepted it), for one call shape;
+        ``signature``, ``epoch`` and ``names`` as a schedule's program gets them."""
+        if name == "shm_direct" and self.size == 1:
+            return _Alone()
+        raise NotImplementedError(f"{type(self).__name__} has no collective {name!r}")
+
     def native_init(self, collective: str, layout: tuple, dtype: torch.dtype, op: Any,
                     root: int) -> Any:
         """The library's own ``collective`` for one call shape: an object whose
@@ -298,3 +321,12 @@ class Transport(Link):
                         for h in pending})
         return f"waiting for {', '.join(peers) or 'peers'}"
 
+
+class _Alone:
+    """The program of an allreduce on a group of one rank: the tensor is the result."""
+
+    def run(self, bufs: Sequence[torch.Tensor]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -89,17 +89,22 @@ class Geometry:
 
     Layout: the header; ``npeers`` tail counters (one per peer, in the order of the
     owner's peer list); ``npeers`` outboxes, each a head counter, ``slots`` (tag,
-    size) pairs and ``slots`` data slots of ``slot_bytes``.
+    size) pairs and ``slots`` data slots of ``slot_bytes``; where ``direct_bytes``,
+    the window of :mod:`ringcomm.transport.shm_direct`: a page of two lines (one per
+    buffer: round, signature, epoch) and two buffers of ``direct_bytes``.
     """
 
-    __slots__ = ("npeers", "slots", "slot_bytes", "meta_bytes", "outbox_bytes", "nbytes")
+    __slots__ = ("npeers", "slots", "slot_bytes", "meta_bytes", "outbox_bytes",
+                 "direct_bytes", "nbytes")
 
-    def __init__(self, npeers: int, slots: int, slot_bytes: int):
+    def __init__(self, npeers: int, slots: int, slot_bytes: int, direct_bytes: int = 0):
         self.npeers, self.slots = npeers, slots
         self.slot_bytes = _round(slot_bytes, _PAGE)
         self.meta_bytes = _round(16 * slots, _LINE)
         self.outbox_bytes = _round(_LINE + self.meta_bytes, _PAGE) + slots * self.slot_bytes
-        self.nbytes = self.outbox_at(npeers)
+        self.direct_bytes = _round(direct_bytes, _PAGE)
+        self.nbytes = self.window_at() + (_PAGE + 2 * self.direct_bytes
+                                          if self.direct_bytes else 0)
 
     def tail_at(self, j: int) -> int:
         return _HEADER + j * _LINE
@@ -109,6 +114,37 @@ class Geometry:
 
     def slot_at(self, j: int, s: int) -> int:
         return self.outbox_at(j) + _round(_LINE + self.meta_bytes, _PAGE) + s * self.slot_bytes
+
+    def window_at(self) -> int:
+        """The window's page of lines; its buffers follow it."""
+        return self.outbox_at(self.npeers)
+
+    def line_at(self, b: int) -> int:
+        """The line of window buffer ``b``: round, signature, epoch."""
+        return self.window_at() + b * _LINE
+
+
+class Window:
+    """The windows of every rank of a group on one host (:mod:`ringcomm.transport.shm_direct`):
+    ``nbytes`` per buffer; each rank's two buffers, and its two lines as word indices
+    into its segment's words."""
+
+    __slots__ = ("nbytes", "words", "lines", "_buffers")
+
+    def __init__(self, geo: Geometry, maps_in_rank_order: list):
+        from ringcomm.transport.shm_direct import window_views
+
+        self.nbytes = geo.direct_bytes
+        #: per rank, its segment as 8-byte words
+        self.words = [words for _, words in maps_in_rank_order]
+        self.lines = (geo.line_at(0) // 8, geo.line_at(1) // 8)
+        views = [window_views(mm, geo.window_at() + _PAGE, geo.direct_bytes)
+                 for mm, _ in maps_in_rank_order]
+        self._buffers = ([v[0] for v in views], [v[1] for v in views])
+
+    def buffers(self, b: int) -> list:
+        """Buffer ``b`` of every rank, in rank order (bytes)."""
+        return self._buffers[b]
 
 
 def _fence_window():
@@ -202,6 +238,8 @@ class ShmTransport(Transport):
         self._host = host
         self._nslots = geometry.slots
         self._fence, self._window = _fence_window()
+        #: the memory barrier (a full one: MPI_Win_sync)
+        self.fence = self._fence
         self._broken: str | None = None
         #: messages numbered like awaited ones but of other calls, seen on the other path
         #: in the running wait (:meth:`_same_number`)
@@ -216,6 +254,11 @@ class ShmTransport(Transport):
         if hasattr(inner, "idle_hook"):
             inner.idle_hook = self.progress
             inner.probe_hook = self._came_here
+        #: every rank's window, where every rank of the group is on this host
+        #: (:mod:`ringcomm.transport.shm_direct`); None elsewhere
+        self.direct: Window | None = None
+        #: rounds of shm_direct done (the same on every rank between collectives)
+        self.rounds = 0
         #: messages below this size go over MPI, whose eager path is faster there
         self.min_bytes = settings.get("RINGCOMM_SHM_MIN_BYTES")
         self.spin_s = settings.get("RINGCOMM_SPIN_US") * 1e-6
@@ -531,16 +574,40 @@ class ShmTransport(Transport):
         for h in handles:
             if h.kind == "recv" and not h.req.done and first_tag is not None:
                 self._same_number(h, first_tag(h.peer), "over MPI", h.req.pair.got)
+        if self.direct is not None:
+            self._in_window(sorted({h.peer for h in handles if not h.req.done}))
+
+    def _in_window(self, peers: list[int]) -> None:
+        """Raise if a peer this schedule waits on published a shm_direct round this rank
+        has not joined, the same at every look for MISMATCH_S: it runs shm_direct where
+        this rank runs a schedule."""
+        now = _monotonic()
+        for peer in peers:
+            ahead = self.direct_round(peer)
+            key = ("window", peer)
+            if ahead <= self.rounds:
+                self._signs.gone(key)
+            elif self._signs.lasted(key, ahead, now):
+                raise RuntimeError(
+                    f"rank {peer} on host {self._host} runs allreduce[shm_direct] where rank "
+                    f"{self.rank} runs a schedule: the ranks passed different sizes or "
+                    "collectives (a mismatch)")
 
     def _came_here(self, h: Handle) -> None:
         """Called while MPI waits long for ``h``: raise if its peer, on this host, is
-        gone, or if the message a receive awaits came over shared memory instead (the
-        sender's size put it there)."""
+        gone or failed, runs shm_direct (:meth:`_in_window`), or if the message a
+        receive awaits came over shared memory instead (the sender's size put it
+        there)."""
         peer = h.peer
         pair = self.pairs.get(peer)
         if pair is None:
             return
         self._check_alive(peer, "over MPI")
+        text = self._failure_of(peer)
+        if text is not None:
+            raise TransportPeerFailed(f"rank {peer} on host {self._host} stopped: {text}")
+        if self.direct is not None:
+            self._in_window([peer])
         if h.kind != "recv":
             return
         inp, k = pair.in_, pair.got
@@ -614,6 +681,115 @@ class ShmTransport(Transport):
     def free(self, handles: Sequence[Handle]) -> None:
         self.inner.free([h for h in handles if not isinstance(h.req, _Msg)])
 
+    # -- shm_direct: the window's rounds (ringcomm.transport.shm_direct) ----------------
+    def check_own(self, name, collective, dtype, op) -> None:
+        if name == "shm_direct" and collective == "allreduce":
+            if self.direct is None:
+                raise ValueError(
+                    "ringcomm allreduce: algorithm 'shm_direct' needs every rank of the group "
+                    f"on one host; this group's ranks {sorted(self.pairs) + [self.rank]} share "
+                    f"host {self._host} with rank {self.rank}, of {self.size}"
+                    if len(self.pairs) + 1 < self.size else
+                    "ringcomm allreduce: algorithm 'shm_direct' has no window in this group's "
+                    "segments (RINGCOMM_SHM_DIRECT_BYTES=0)")
+            return
+        super().check_own(name, collective, dtype, op)
+
+    def own_init(self, name, collective, layout, dtype, op, signature, epoch, names):
+        from ringcomm.transport.shm_direct import DirectAllreduce
+
+        return DirectAllreduce(self, layout, dtype, op, signature, epoch, names)
+
+    def direct_publish(self, k: int, sig: int, epoch: int) -> None:
+        """Round ``k``'s data is in this rank's buffer ``k % 2``: say so (data, fence,
+        round)."""
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        words, line = self.direct.words[self.rank], self.direct.lines[k & 1]
+        words[line + 1] = sig
+        words[line + 2] = epoch
+        self._fence()  # the data, signature and epoch before the round that publishes them
+        words[line] = k
+
+    def direct_wait(self, k: int, sig: int, epoch: int, describe) -> None:
+        """Wait until every peer published round ``k`` of the same call (signature
+        ``sig``, ``epoch``), within the collective's deadline; then the fence that
+        orders the reads of its data after it. ``describe(sig)`` names a call."""
+        win = self.direct
+        line, words, me = win.lines[k & 1], win.words, self.rank
+        pending = [r for r in range(self.size) if r != me]
+        pace, look = None, 0.0
+        self._signs.clear()
+        while True:
+            arrived = [r for r in pending if words[r][line] == k]
+            if arrived:
+                self._fence()  # the rounds before the signatures and data they publish
+                for r in arrived:
+                    w = words[r]
+                    if w[line + 1] != sig or w[line + 2] != epoch:
+                        raise RuntimeError(
+                            f"rank {r} on host {self._host} runs {describe(w[line + 1])}"
+                            f"{'' if w[line + 2] == epoch else ' of another epoch'} where "
+                            f"rank {me} runs {describe(sig)}: the ranks passed different "
+                            "sizes or collectives (a mismatch)")
+                pending = [r for r in pending if r not in arrived]
+                if not pending:
+                    return
+            now = _monotonic()
+            if now >= self._next_poke and (self._mpi_out or self._user_pending()):
+                self._poke()
+                self._next_poke = now + _POKE_S
+            if self._stop is not None:
+                raise TransportAborted(self._stop)
+            if now >= self._deadline:
+                raise TransportTimeout(
+                    f"waiting for rank(s) {pending} on host {self._host} to publish round "
+                    f"{k} of {describe(sig)} over shared memory")
+            if pace is None:
+                pace = Backoff(_BUSY_S, self.spin_s, self.max_sleep_s, start=now)
+                look = now + _PROBE_S
+            elif now >= look:
+                self._look_from_window(pending, now)
+                look = now + _PROBE_S
+            pace.pause(now)
+
+    def _look_from_window(self, pending: list[int], now: float) -> None:
+        """A long shm_direct wait looks at the peers it waits on: failed, gone, or in
+        another collective (a message of a schedule from them waits here, the same at
+        every look for MISMATCH_S)."""
+        reported = self.peer_failure() if self.peer_failure is not None else None
+        if reported is not None:
+            raise TransportPeerFailed(reported)
+        first_tag = getattr(self.inner, "first_tag_from", None)
+        for peer in pending:
+            text = self._failure_of(peer)
+            if text is not None:
+                raise TransportPeerFailed(f"rank {peer} on host {self._host} stopped: {text}")
+            self._check_alive(peer, "over shared memory")
+            pair = self.pairs[peer]
+            came = pair.in_[pair.head_in] > pair.got
+            tag = first_tag(peer) if first_tag is not None else None
+            if not came and tag is None:
+                self._signs.gone(peer)
+            elif self._signs.lasted(peer, (came, tag, pair.in_[pair.head_in]), now):
+                raise RuntimeError(
+                    f"rank {peer} on host {self._host} sent rank {self.rank} a message of a "
+                    f"schedule where rank {self.rank} runs allreduce[shm_direct]: the ranks "
+                    "passed different sizes or collectives (a mismatch)")
+
+    def direct_failed(self, e: BaseException) -> None:
+        """A round failed part done: the windows are out of step from here on."""
+        if isinstance(e, (TransportAborted,)) or self._broken is not None:
+            self._broken = self._broken or ("ringcomm shared-memory transport: unusable after "
+                                            "an aborted collective")
+            return
+        self._fail(f"rank {self.rank} on host {self._host}: {type(e).__name__}: {e}")
+
+    def direct_round(self, peer: int) -> int:
+        """The last round of shm_direct ``peer`` published."""
+        w, lines = self.direct.words[peer], self.direct.lines
+        return max(w[lines[0]], w[lines[1]])
+
     # -- what the wrapped MPI transport serves ------------------------------------------
     def check_native(self, collective, dtype, op) -> None:
         self.inner.check_native(collective, dtype, op)
@@ -645,6 +821,7 @@ class ShmTransport(Transport):
         self._broken = self._broken or "ringcomm shared-memory transport: closed"
         # the mappings go once nothing views them (numpy views pin an mmap open)
         self.pairs, self._pair_list, self._maps = {}, [], []
+        self.direct = None
         win, _ = self._window
         try:
             with mpi_serial.LOCK:
@@ -755,7 +932,8 @@ def connect(inner: Transport, comm, hosts: Sequence[int], channel: int = 0,
         return inner
     directory = settings.get("RINGCOMM_SHM_DIR")
     geo = Geometry(len(local) - 1, settings.get("RINGCOMM_SHM_SLOTS"),
-                   settings.get("RINGCOMM_SHM_SLOT_BYTES"))
+                   settings.get("RINGCOMM_SHM_SLOT_BYTES"),
+                   settings.get("RINGCOMM_SHM_DIRECT_BYTES") if len(local) == size else 0)
     token = mpi_serial.bcast(comm, uuid.uuid4().hex[:16] if rank == 0 else None, 0,
                              "shared-memory set-up", limit)
 
@@ -834,4 +1012,7 @@ def _assemble(inner: Transport, rank: int, local: list[int], machines: list, geo
         pair.slots_in = slots(q_mm, j_in)
         pairs[q] = pair
     pids = {q: machines[q][1] for q in others if _alive(machines[q][1])}
-    return ShmTransport(inner, pairs, geo, words, index, pids, socket.gethostname())
+    tp = ShmTransport(inner, pairs, geo, words, index, pids, socket.gethostname())
+    if geo.direct_bytes and len(local) == inner.size:
+        tp.direct = Window(geo, [words[index[r]] for r in range(inner.size)])
+    return tp

@@ -10,8 +10,9 @@ left in the directory once the group exists; ``--expect mpi`` where set-up must
 have fallen back to MPI.
 
 ``mismatch``: rank 0 reduces fewer elements than the others (``--sizes``; on both
-sides of ``RINGCOMM_SHM_MIN_BYTES``, the two sizes go different ways): every rank
-fails with an error naming the sizes, well before the group's timeout.
+sides of ``RINGCOMM_SHM_MIN_BYTES``, the two sizes go different ways), or runs
+another algorithm (``--algos``: shm_direct against a schedule): every rank fails
+with an error naming the sizes or the mismatch, well before the group's timeout.
 
 ``kill``: the last rank kills itself (SIGKILL) at a collective; every other rank
 fails, naming that rank and its host, well before the group's timeout, and writes
@@ -85,11 +86,47 @@ def correct(c: Checker, rank: int, size: int, expect: str) -> None:
             y = x.clone()
             c.run(f"allreduce shared_memory=False on {what}", dist.all_reduce, y, group=g)
             c.check(torch.equal(y, want), f"shared_memory=False on {what}: wrong sum")
+    direct(c, rank, size, expect)
     if size % 2 == 0 and settings.get("RINGCOMM_LOCAL_SIZE"):
         g = dist.new_group(pg_options=ringcomm.Options(algorithms={"allreduce": "hierarchical"}))
         y = x.clone()
         c.run("allreduce hierarchical", dist.all_reduce, y, group=g)
         c.check(torch.equal(y, want), "allreduce hierarchical: wrong sum")
+
+
+def direct(c: Checker, rank: int, size: int, expect: str) -> None:
+    """shm_direct: served where every rank shares the host (several rounds of a small
+    window, every rank the same bits of a MIN or MAX of signed zeros), refused naming
+    the reason elsewhere."""
+    one_host = expect != "mpi" and not settings.get("RINGCOMM_LOCAL_SIZE")
+    g = dist.new_group(pg_options=ringcomm.Options(algorithms={"allreduce": "shm_direct"}))
+    served = [lane.tp.direct is not None for lane in ringcomm.get_group(g).lanes.cpus
+              if isinstance(lane.tp, ShmTransport)]
+    c.check(served == ([True] if one_host else [False] * len(served)),
+            f"shm_direct window: {served}, every rank on one host: {one_host}")
+    x = torch.arange(300_000, dtype=torch.float64) + rank
+    want = torch.arange(300_000, dtype=torch.float64) * size + sum(range(size))
+    if not one_host:
+        try:
+            dist.all_reduce(x.clone(), group=g)
+            c.check(False, "shm_direct ran on a group of several hosts")
+        except ValueError as e:
+            c.check("one host" in str(e), f"refusal names no reason: {e}")
+        return
+    window = settings.get("RINGCOMM_SHM_DIRECT_BYTES")
+    y = x.clone()
+    c.run("allreduce shm_direct", dist.all_reduce, y, group=g)
+    c.check(torch.equal(y, want), f"allreduce shm_direct of {x.nbytes // window + 1} rounds: "
+                                  "wrong sum")
+    gen = torch.Generator().manual_seed(rank)
+    zeros = torch.where(torch.rand(1000, generator=gen) < 0.5, 0.0, -0.0)
+    for op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX):
+        z = zeros.clone()
+        dist.all_reduce(z, op=op, group=g)
+        bits = [torch.empty(1000, dtype=torch.int32) for _ in range(size)]
+        dist.all_gather(bits, z.view(torch.int32))
+        c.check(all(torch.equal(b, bits[0]) for b in bits),
+                f"shm_direct {op}: ranks disagree on the sign of a zero")
 
 
 def must_fail(c: Checker, what: str, x: torch.Tensor) -> str:
@@ -107,7 +144,10 @@ def must_fail(c: Checker, what: str, x: torch.Tensor) -> str:
     return ""
 
 
-def mismatch(c: Checker, rank: int, size: int, sizes: tuple[int, int]) -> None:
+def mismatch(c: Checker, rank: int, size: int, sizes: tuple[int, int],
+             algos: tuple[str, ...]) -> None:
+    if algos:  # rank 0 runs the first algorithm, the others the last
+        ringcomm.set_algorithm("allreduce", algos[0] if rank == 0 else algos[-1])
     x = torch.ones(sizes[0] if rank == 0 else sizes[1])
     text = must_fail(c, f"mismatched allreduce sizes {sizes[0]} and {sizes[1]} floats", x)
     c.check("size" in text or "mismatch" in text, f"error names no size: {text}")
@@ -138,6 +178,8 @@ def main() -> None:
     p.add_argument("--expect", choices=("shm", "mpi"), default="shm")
     p.add_argument("--sizes", default="100,200",
                    help="mismatch: the elements rank 0 and the others reduce")
+    p.add_argument("--algos", default="",
+                   help="mismatch: the allreduce algorithms of rank 0 and of the others")
     args = p.parse_args()
     dist.init_process_group("ringcomm", timeout=timedelta(seconds=TIMEOUT_S))
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -145,7 +187,8 @@ def main() -> None:
     if args.mode == "kill":
         kill(c, rank, size)  # exits: a group with a dead member cannot be torn down
     elif args.mode == "mismatch":
-        mismatch(c, rank, size, tuple(int(x) for x in args.sizes.split(",")))
+        mismatch(c, rank, size, tuple(int(x) for x in args.sizes.split(",")),
+                 tuple(a for a in args.algos.split(",") if a))
     else:
         correct(c, rank, size, args.expect)
     dist.destroy_process_group()
