@@ -132,15 +132,14 @@ class Window:
     __slots__ = ("nbytes", "words", "lines", "_buffers")
 
     def __init__(self, geo: Geometry, maps_in_rank_order: list):
-        from ringcomm.transport.shm_direct import window_views
-
         self.nbytes = geo.direct_bytes
         #: per rank, its segment as 8-byte words
         self.words = [words for _, words in maps_in_rank_order]
         self.lines = (geo.line_at(0) // 8, geo.line_at(1) // 8)
-        views = [window_views(mm, geo.window_at() + _PAGE, geo.direct_bytes)
-                 for mm, _ in maps_in_rank_order]
-        self._buffers = ([v[0] for v in views], [v[1] for v in views])
+        at = geo.window_at() + _PAGE
+        self._buffers = tuple([np.frombuffer(mm, dtype=np.uint8, count=self.nbytes,
+                                             offset=at + b * self.nbytes)
+                               for mm, _ in maps_in_rank_order] for b in (0, 1))
 
     def buffers(self, b: int) -> list:
         """Buffer ``b`` of every rank, in rank order (bytes)."""
@@ -509,7 +508,9 @@ class ShmTransport(Transport):
 
     def _wait_shm(self, batch: _Batch) -> None:
         progress, msgs = self.progress, batch.msgs
-        pace, look = None, 0.0
+        idle = _Idle(self, lambda: self.timeout_message(
+            [h for h in batch.handles if not h.req.done]),
+            lambda now: self._look_at_peers(batch.handles))
         try:
             while True:
                 progress()
@@ -518,22 +519,7 @@ class ShmTransport(Transport):
                         break
                 else:
                     return
-                now = _monotonic()
-                if now >= self._next_poke and (self._mpi_out or self._user_pending()):
-                    self._poke()
-                    self._next_poke = now + _POKE_S
-                if self._stop is not None:
-                    raise TransportAborted(self._stop)
-                if now >= self._deadline:
-                    raise TransportTimeout(self.timeout_message(
-                        [h for h in batch.handles if not h.req.done]))
-                if pace is None:
-                    pace = Backoff(_BUSY_S, self.spin_s, self.max_sleep_s, start=now)
-                    look = now + _PROBE_S
-                elif now >= look:
-                    self._look_at_peers(batch.handles)
-                    look = now + _PROBE_S
-                pace.pause(now)
+                idle.turn()
         except (TransportAborted, TransportMismatch):
             # the group's store carries a mismatch to every rank, in the words of the
             # call that found it (ringcomm.front.lanes.Lanes.mark_broken); an abort is
@@ -700,17 +686,6 @@ class ShmTransport(Transport):
 
         return DirectAllreduce(self, layout, dtype, op, signature, epoch, names)
 
-    def direct_publish(self, k: int, sig: int, epoch: int) -> None:
-        """Round ``k``'s data is in this rank's buffer ``k % 2``: say so (data, fence,
-        round)."""
-        if self._broken is not None:
-            raise RuntimeError(self._broken)
-        words, line = self.direct.words[self.rank], self.direct.lines[k & 1]
-        words[line + 1] = sig
-        words[line + 2] = epoch
-        self._fence()  # the data, signature and epoch before the round that publishes them
-        words[line] = k
-
     def direct_wait(self, k: int, sig: int, epoch: int, describe) -> None:
         """Wait until every peer published round ``k`` of the same call (signature
         ``sig``, ``epoch``), within the collective's deadline; then the fence that
@@ -718,7 +693,10 @@ class ShmTransport(Transport):
         win = self.direct
         line, words, me = win.lines[k & 1], win.words, self.rank
         pending = [r for r in range(self.size) if r != me]
-        pace, look = None, 0.0
+        idle = _Idle(self, lambda: (
+            f"waiting for rank(s) {pending} on host {self._host} to publish round {k} of "
+            f"{describe(sig)} over shared memory"),
+            lambda now: self._look_from_window(pending, now))
         self._signs.clear()
         while True:
             arrived = [r for r in pending if words[r][line] == k]
@@ -732,26 +710,10 @@ class ShmTransport(Transport):
                             f"{'' if w[line + 2] == epoch else ' of another epoch'} where "
                             f"rank {me} runs {describe(sig)}: the ranks passed different "
                             "sizes or collectives (a mismatch)")
-                pending = [r for r in pending if r not in arrived]
+                pending[:] = [r for r in pending if r not in arrived]
                 if not pending:
                     return
-            now = _monotonic()
-            if now >= self._next_poke and (self._mpi_out or self._user_pending()):
-                self._poke()
-                self._next_poke = now + _POKE_S
-            if self._stop is not None:
-                raise TransportAborted(self._stop)
-            if now >= self._deadline:
-                raise TransportTimeout(
-                    f"waiting for rank(s) {pending} on host {self._host} to publish round "
-                    f"{k} of {describe(sig)} over shared memory")
-            if pace is None:
-                pace = Backoff(_BUSY_S, self.spin_s, self.max_sleep_s, start=now)
-                look = now + _PROBE_S
-            elif now >= look:
-                self._look_from_window(pending, now)
-                look = now + _PROBE_S
-            pace.pause(now)
+            idle.turn()
 
     def _look_from_window(self, pending: list[int], now: float) -> None:
         """A long shm_direct wait looks at the peers it waits on: failed, gone, or in
@@ -779,7 +741,7 @@ class ShmTransport(Transport):
 
     def direct_failed(self, e: BaseException) -> None:
         """A round failed part done: the windows are out of step from here on."""
-        if isinstance(e, (TransportAborted,)) or self._broken is not None:
+        if isinstance(e, TransportAborted) or self._broken is not None:
             self._broken = self._broken or ("ringcomm shared-memory transport: unusable after "
                                             "an aborted collective")
             return
@@ -829,6 +791,38 @@ class ShmTransport(Transport):
                 win.Free()
         except Exception:  # noqa: BLE001  (MPI finalized: nothing left to free)
             pass
+
+
+class _Idle:
+    """What a wait of ``tp`` does each time it finds nothing new: let MPI progress (at
+    most every _POKE_S, while MPI has work), honour an abort and the collective's
+    deadline (``timeout_text()`` says what was awaited), then pace itself (busy, then
+    yielding, then naps: :class:`ringcomm.backoff.Backoff`), calling ``look_at(now)``
+    every _PROBE_S once it has waited that long."""
+
+    __slots__ = ("tp", "timeout_text", "look_at", "pace", "look")
+
+    def __init__(self, tp: ShmTransport, timeout_text, look_at):
+        self.tp, self.timeout_text, self.look_at = tp, timeout_text, look_at
+        self.pace: Backoff | None = None
+        self.look = 0.0
+
+    def turn(self) -> None:
+        tp, now = self.tp, _monotonic()
+        if now >= tp._next_poke and (tp._mpi_out or tp._user_pending()):
+            tp._poke()
+            tp._next_poke = now + _POKE_S
+        if tp._stop is not None:
+            raise TransportAborted(tp._stop)
+        if now >= tp._deadline:
+            raise TransportTimeout(self.timeout_text())
+        if self.pace is None:
+            self.pace = Backoff(_BUSY_S, tp.spin_s, tp.max_sleep_s, start=now)
+            self.look = now + _PROBE_S
+        elif now >= self.look:
+            self.look_at(now)
+            self.look = now + _PROBE_S
+        self.pace.pause(now)
 
 
 def _nothing() -> None:

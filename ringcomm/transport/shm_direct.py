@@ -30,13 +30,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from ringcomm import ops
 
 _copy = ops.serial_copy
-#: looks at the peers' lines before the transport's wait takes over (about 30 us)
+#: looks at the peers' lines before the transport's wait takes over
 _SPINS = 1000
 
 
@@ -147,8 +146,3 @@ class DirectAllreduce:
     def close(self) -> None:
         self._bound = None
 
-
-def window_views(mm: Any, at: int, nbytes: int) -> list[np.ndarray]:
-    """The two buffers of the window at offset ``at`` of segment ``mm``, as bytes."""
-    return [np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=at + b * nbytes)
-            for b in (0, 1)]
