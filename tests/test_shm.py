@@ -42,6 +42,16 @@ def test_geometry_places_nothing_twice():
         assert g.slot_bytes >= slot_bytes
 
 
+def test_shm_direct_is_registered_for_what_the_transport_serves():
+    """REGISTRY names shm_direct for exactly the collectives the transport's window
+    runs (the builders' layer cannot import the transport's list)."""
+    from ringcomm.algorithms import REGISTRY, SHM_DIRECT
+    from ringcomm.transport import shm_direct
+
+    registered = {c for c, algos in REGISTRY.items() if algos.get("shm_direct") is SHM_DIRECT}
+    assert registered == set(shm_direct.COLLECTIVES)
+
+
 def test_shared_memory_option_overrides_the_variable_and_is_checked():
     assert ringcomm.Options().resolve({}).shared_memory is True
     assert ringcomm.Options().resolve({"RINGCOMM_SHM": "0"}).shared_memory is False
@@ -94,6 +104,23 @@ def test_shm_direct_mismatches_fail_at_once(launcher, sizes, algos):
     before = _segments()
     out = LAUNCHERS[launcher](2, "shm_check.py", "mismatch", "--sizes", sizes, "--algos", algos,
                               timeout=120)
+    assert "checks passed" in out.stdout
+    assert _segments() <= before
+
+
+@pytest.mark.parametrize("launcher,calls,n", [
+    ("mpiexec", "broadcast:shm_direct:0,broadcast:shm_direct:1", 1000),  # roots differ
+    ("torchrun", "allgather:shm_direct,reduce_scatter:shm_direct", 1000),  # collectives
+    ("mpiexec", "broadcast:shm_direct:0,broadcast:tree:0", 40000),  # against a schedule
+    ("mpiexec", "allgather:ring,allgather:shm_direct", 40000),
+])
+def test_shm_direct_collectives_mismatches_fail_at_once(launcher, calls, n):
+    """shm_direct's broadcast, allgather and reduce_scatter: ranks that make different
+    calls over the windows (other roots, other collectives), or one over the windows
+    and one a schedule's message: every rank fails naming the mismatch."""
+    before = _segments()
+    out = LAUNCHERS[launcher](2, "shm_check.py", "mismatch", "--calls", calls,
+                              "--sizes", str(n), timeout=120)
     assert "checks passed" in out.stdout
     assert _segments() <= before
 

@@ -34,9 +34,10 @@ class TransportCollective:
 
 #: the transport library's own collective (MPI's, NCCL's)
 NATIVE = TransportCollective("native")
-#: the shared-memory transport's one-round allreduce: every rank copies its buffer
-#: into its segment once and reduces every rank's copy from there, in rank order
-#: (:mod:`ringcomm.transport.shm_direct`); only where every rank shares one host
+#: the shared-memory transport's one-round collectives (allreduce, broadcast,
+#: allgather, reduce_scatter): every rank copies its part into its segment once and
+#: reads the peers' parts from theirs (:mod:`ringcomm.transport.shm_direct`); only
+#: where every rank shares one host
 SHM_DIRECT = TransportCollective("shm_direct")
 
 
@@ -58,7 +59,8 @@ REGISTRY: dict[str, dict[str, Callable]] = {
 }
 for _algos in REGISTRY.values():
     _algos["native"] = NATIVE
-REGISTRY["allreduce"]["shm_direct"] = SHM_DIRECT
+for _c in ("allreduce", "broadcast", "allgather", "reduce_scatter"):
+    REGISTRY[_c]["shm_direct"] = SHM_DIRECT
 
 #: builders that ship with ringcomm's own algorithms (proved by the test suite)
 BUILTIN = {(c, n) for c, algos in REGISTRY.items() for n in algos}

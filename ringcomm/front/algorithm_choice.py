@@ -116,7 +116,7 @@ class Planner:
                 return name, NativeProgram(tp, collective, layout, dtype, op, root)
             sig = self.signature(collective, name, layout, root, dtype, op, as_dtype)
             return name, tp.own_init(build.name, collective, layout, dtype, op, sig,
-                                     self.epoch, self.call_named)
+                                     self.epoch, self.call_named, root=root)
         try:
             plan = self.plan(collective, name, build, layout, root, dtype)
         except ShapeNotServed:

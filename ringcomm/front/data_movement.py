@@ -14,7 +14,8 @@ from ringcomm import algorithms
 from ringcomm.front.arguments import options
 from ringcomm.front.cross_rank_checks import dtype_code
 from ringcomm.front.lanes import Lane
-from ringcomm.front.calls import Call, Group, as_bytes, flat_view, lookup, nbytes_of
+from ringcomm.front.calls import (Call, Group, as_bytes, flat_bytes, flat_view, lookup, nbytes_of,
+                                  write_back)
 
 _uint8 = torch.uint8
 
@@ -35,8 +36,9 @@ class _Broadcast(Call):
         if self.detail:
             self.same_call("broadcast", self.fields)
         if t.numel():
-            with flat_view(t, copy_in=True) as flat:
-                self.run([as_bytes(flat)])
+            flats, back = flat_bytes((t,), copy_in=True)
+            self.run(flats)
+            write_back(back)
         return tensors
 
 
@@ -71,9 +73,10 @@ class _Allgather(Call):
         for run, (outs, t) in zip(self.runs, parts):
             if self.detail:
                 self.same_call(self.fields_op, [t.numel(), dtype_code(t.dtype)])
-            with contextlib.ExitStack() as stack:
-                flats = [as_bytes(stack.enter_context(flat_view(o, copy_in=False))) for o in outs]
-                run([*flats, as_bytes(t.reshape(-1).contiguous())])
+            flats, back = flat_bytes(outs, copy_in=False)
+            src, _ = flat_bytes((t,), copy_in=True)  # read only: nothing to write back
+            run([*flats, *src])
+            write_back(back)
         return value
 
 

@@ -225,19 +225,24 @@ def reduce(g: Group, tensors: list[torch.Tensor], opts: Any = None) -> tuple:
 
 
 class _ReduceScatter(Call):
-    """Jobs of (output, per-rank inputs), reduced and scattered in turn. The ring
-    writes partial sums into its chunks, so the inputs are first copied into a
-    work buffer of the call's own."""
+    """Jobs of (output, per-rank inputs), reduced and scattered in turn. A schedule
+    writes partial sums into its chunks (the ring does), so the inputs are first
+    copied into a work buffer of the call's own; a program that only reads them
+    (``keeps_inputs``: shm_direct) and no premultiplied AVG take them as they are."""
 
     __slots__ = ("jobs", "op", "avg", "value_index")
 
     def __init__(self, g: Group, lane: Lane, name: str, jobs: list, op):
         prepared, mine = [], []
+        self.avg = ops.Averaging(op, jobs[0][0].dtype, g.inputs.size, lane.on_stream)
         for out, ins in jobs:
             pr = g.planner.prepare(lane, "reduce_scatter", tuple(i.numel() for i in ins),
                                    out.dtype, op=op,
                                    nbytes=sum(i.numel() for i in ins) * out.element_size())
             prepared.append(pr)
+            if getattr(pr[1], "keeps_inputs", False) and self.avg.scale is None:
+                mine.append((pr[1].run, None, None, out.numel()))
+                continue
             work = torch.empty(sum(i.numel() for i in ins), dtype=out.dtype, device=out.device)
             chunks, off = [], 0
             for i in ins:
@@ -246,14 +251,16 @@ class _ReduceScatter(Call):
             mine.append((pr[1].run, work, chunks, out.numel()))
         super().__init__(g, lane, name, prepared)
         self.jobs, self.op = mine, op
-        self.avg = ops.Averaging(op, jobs[0][0].dtype, g.inputs.size, lane.on_stream)
-        self.owned = tuple(work for _, work, _, _ in mine)
+        self.owned = tuple(work for _, work, _, _ in mine if work is not None)
 
     def execute(self, jobs: list, value: Any) -> Any:
         for (out, ins), (run, work, chunks, n) in zip(jobs, self.jobs):
             if self.detail:
                 self.same_call(self.name, [n, int(self.op), dtype_code(out.dtype)])
-            if work.numel():
+            if work is None:  # read in place: 1-D contiguous views (copies where must)
+                chunks = [i if i.dim() == 1 and i.is_contiguous() else i.reshape(-1).contiguous()
+                          for i in ins]
+            elif work.numel():
                 torch.cat([i.reshape(-1) for i in ins], out=work)
                 self.avg.before(work)
             with flat_view(out, copy_in=False) as flat:
@@ -262,11 +269,13 @@ class _ReduceScatter(Call):
         return value
 
 
-def _reduce_scatter(g: Group, name: str, jobs: list, opts: Any, value: Any) -> tuple:
+def _reduce_scatter(g: Group, name: str, jobs: list, opts: Any, value: Any,
+                    checked: bool = False) -> tuple:
+    """``checked``: the tensors were checked already (the slices of one checked input)."""
     if not jobs:
         raise ValueError(f"ringcomm {name}: no tensors given")
     out0 = jobs[0][0]
-    for k, (out, ins) in enumerate(jobs):
+    for k, (out, ins) in enumerate(jobs if not checked else ()):
         g.inputs.tensor(out, name, f"output {k}", out0)
         for i, x in enumerate(ins):
             g.inputs.tensor(x, name, f"input {i} of output {k}", out0)
@@ -302,7 +311,8 @@ def reduce_scatter_tensor(g: Group, output: torch.Tensor, input: torch.Tensor,
     rank i's output is the reduction of everyone's i-th slice."""
     opts = options(opts, dist.ReduceScatterOptions)
     return _reduce_scatter(g, "reduce_scatter_tensor",
-                           [(output, g.inputs.scattered(output, input))], opts, [output])
+                           [(output, g.inputs.scattered(output, input))], opts, [output],
+                           checked=True)
 
 
 def reduce_scatter_tensor_coalesced(g: Group, outputs: list[torch.Tensor],

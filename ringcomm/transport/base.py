@@ -20,6 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ringcomm.transport import shm_direct
+
 _monotonic = time.monotonic
 _INF = float("inf")
 
@@ -150,19 +152,19 @@ class Link(abc.ABC):
         if name == "native":
             self.check_native(collective, dtype, op)
             return
-        if name == "shm_direct" and collective == "allreduce" and self.size == 1:
-            return  # a group of one rank: on one host, and nothing to move
+        if name == "shm_direct" and self.size == 1 and collective in shm_direct.COLLECTIVES:
+            return  # a group of one rank: on one host, and nothing to exchange
         raise ValueError(f"ringcomm {collective}: algorithm {name!r} runs over shared memory "
                          "with every rank of the group on one host; this group's "
                          f"{type(self).__name__} has no such collective")
 
     def own_init(self, name: str, collective: str, layout: tuple, dtype: torch.dtype, op: Any,
-                 signature: tuple[int, str], epoch: int, names: Any) -> Any:
+                 signature: tuple[int, str], epoch: int, names: Any, root: int = 0) -> Any:
         """The program (``run(bufs)``, ``close()``) of a collective of this link's own
         other than ``native`` (:meth:`check_own` accepted it), for one call shape;
         ``signature``, ``epoch`` and ``names`` as a schedule's program gets them."""
         if name == "shm_direct" and self.size == 1:
-            return _Alone()
+            return _Alone(collective)
         raise NotImplementedError(f"{type(self).__name__} has no collective {name!r}")
 
     def native_init(self, collective: str, layout: tuple, dtype: torch.dtype, op: Any,
@@ -323,10 +325,22 @@ class Transport(Link):
 
 
 class _Alone:
-    """The program of an allreduce on a group of one rank: the tensor is the result."""
+    """The program of a shm_direct collective on a group of one rank: allreduce and
+    broadcast leave the tensor as it is; allgather and reduce_scatter copy the one
+    chunk from input to output (unless they are the same memory)."""
+
+    def __init__(self, collective: str):
+        self.collective = collective
 
     def run(self, bufs: Sequence[torch.Tensor]) -> None:
-        pass
+        if self.collective == "allgather":
+            src, dst = bufs[1], bufs[0]
+        elif self.collective == "reduce_scatter":
+            src, dst = bufs[0], bufs[1]
+        else:
+            return
+        if src.data_ptr() != dst.data_ptr():
+            dst.copy_(src)
 
     def close(self) -> None:
         pass

@@ -54,6 +54,7 @@ import torch
 
 from ringcomm import machine, mpi_serial, ops, settings
 from ringcomm.backoff import Backoff
+from ringcomm.transport import shm_direct
 from ringcomm.transport.base import (Handle, Signs, Transport, TransportAborted,
                                      TransportMismatch, TransportPeerFailed, TransportTimeout)
 
@@ -575,9 +576,9 @@ class ShmTransport(Transport):
                 self._signs.gone(key)
             elif self._signs.lasted(key, ahead, now):
                 raise RuntimeError(
-                    f"rank {peer} on host {self._host} runs allreduce[shm_direct] where rank "
-                    f"{self.rank} runs a schedule: the ranks passed different sizes or "
-                    "collectives (a mismatch)")
+                    f"rank {peer} on host {self._host} runs a shm_direct collective (round "
+                    f"{ahead}) where rank {self.rank} runs a schedule: the ranks passed "
+                    "different sizes or collectives (a mismatch)")
 
     def _came_here(self, h: Handle) -> None:
         """Called while MPI waits long for ``h``: raise if its peer, on this host, is
@@ -669,22 +670,21 @@ class ShmTransport(Transport):
 
     # -- shm_direct: the window's rounds (ringcomm.transport.shm_direct) ----------------
     def check_own(self, name, collective, dtype, op) -> None:
-        if name == "shm_direct" and collective == "allreduce":
+        if name == "shm_direct" and collective in shm_direct.COLLECTIVES:
             if self.direct is None:
                 raise ValueError(
-                    "ringcomm allreduce: algorithm 'shm_direct' needs every rank of the group "
-                    f"on one host; this group's ranks {sorted(self.pairs) + [self.rank]} share "
-                    f"host {self._host} with rank {self.rank}, of {self.size}"
+                    f"ringcomm {collective}: algorithm 'shm_direct' needs every rank of the "
+                    f"group on one host; this group's ranks {sorted(self.pairs) + [self.rank]} "
+                    f"share host {self._host} with rank {self.rank}, of {self.size}"
                     if len(self.pairs) + 1 < self.size else
-                    "ringcomm allreduce: algorithm 'shm_direct' has no window in this group's "
-                    "segments (RINGCOMM_SHM_DIRECT_BYTES=0)")
+                    f"ringcomm {collective}: algorithm 'shm_direct' has no window in this "
+                    "group's segments (RINGCOMM_SHM_DIRECT_BYTES=0)")
             return
         super().check_own(name, collective, dtype, op)
 
-    def own_init(self, name, collective, layout, dtype, op, signature, epoch, names):
-        from ringcomm.transport.shm_direct import DirectAllreduce
-
-        return DirectAllreduce(self, layout, dtype, op, signature, epoch, names)
+    def own_init(self, name, collective, layout, dtype, op, signature, epoch, names, root=0):
+        return shm_direct.direct_program(self, collective, layout, dtype, op, root, signature, epoch,
+                              names)
 
     def direct_wait(self, k: int, sig: int, epoch: int, describe) -> None:
         """Wait until every peer published round ``k`` of the same call (signature
@@ -696,7 +696,7 @@ class ShmTransport(Transport):
         idle = _Idle(self, lambda: (
             f"waiting for rank(s) {pending} on host {self._host} to publish round {k} of "
             f"{describe(sig)} over shared memory"),
-            lambda now: self._look_from_window(pending, now))
+            lambda now: self._look_from_window(pending, now, describe(sig)))
         self._signs.clear()
         while True:
             arrived = [r for r in pending if words[r][line] == k]
@@ -715,7 +715,7 @@ class ShmTransport(Transport):
                     return
             idle.turn()
 
-    def _look_from_window(self, pending: list[int], now: float) -> None:
+    def _look_from_window(self, pending: list[int], now: float, mine: str) -> None:
         """A long shm_direct wait looks at the peers it waits on: failed, gone, or in
         another collective (a message of a schedule from them waits here, the same at
         every look for MISMATCH_S)."""
@@ -736,7 +736,7 @@ class ShmTransport(Transport):
             elif self._signs.lasted(peer, (came, tag, pair.in_[pair.head_in]), now):
                 raise RuntimeError(
                     f"rank {peer} on host {self._host} sent rank {self.rank} a message of a "
-                    f"schedule where rank {self.rank} runs allreduce[shm_direct]: the ranks "
+                    f"schedule where rank {self.rank} runs {mine}: the ranks "
                     "passed different sizes or collectives (a mismatch)")
 
     def direct_failed(self, e: BaseException) -> None:

@@ -1,25 +1,31 @@
-"""``shm_direct``: the shared-memory transport's own allreduce, for groups whose
-ranks all share one host (DeepSpeed's small-message algorithm, in ringcomm's terms).
+"""``shm_direct``: the shared-memory transport's own collectives (allreduce,
+broadcast, allgather, reduce_scatter), for groups whose ranks all share one host
+(DeepSpeed's small-message allreduce, in ringcomm's terms, and the same round for
+the others).
 
 Each rank's segment holds a *window* of two buffers of ``RINGCOMM_SHM_DIRECT_BYTES``
 and, beside each, a line of three words: the round it holds, and the signature and
 epoch of the call that wrote it. A round of a call:
 
-1. copy this rank's part of the data into buffer ``k % 2`` of its own window;
+1. copy this rank's part of the data into buffer ``k % 2`` of its own window (the
+   collective says which part: :meth:`_Direct._put`);
 2. write the signature and epoch, fence, write the round number ``k`` (publish);
 3. wait until every peer's line for buffer ``k % 2`` says round ``k``, checking that
    its signature and epoch are this call's (else: the ranks run different calls);
-4. fence, then reduce every rank's buffer into the caller's tensor, in rank order
-   (rank 0's first: every rank computes the same bits, as the schedules do).
+4. fence, then read what this rank needs from the peers' buffers
+   (:meth:`_Direct._take`): allreduce folds every rank's buffer into the caller's
+   tensor in rank order (rank 0's first: every rank computes the same bits, as the
+   schedules do); broadcast copies the root's; allgather copies every peer's into its
+   output chunk; reduce_scatter folds every rank's copy of this rank's chunk, in rank
+   order, into the output.
 
 A message longer than a buffer takes several rounds. There is no trailing wait: a
 rank writes buffer ``k % 2`` again only in round ``k + 2``, after it saw every peer
 publish round ``k + 1``, which each did only once it had read round ``k``. So each
-byte moves once into shared memory and is read from there by every rank: against a
-schedule's exchange, no request machinery, no FIFO and, below
-``RINGCOMM_SHM_MIN_BYTES``, no MPI message. It moves ``n`` bytes per rank and reduces
-``(p - 1) n``: for small messages and few ranks (``auto`` picks it where the
-measured table says it wins).
+byte moves once into shared memory and is read from there by the ranks that need
+it: against a schedule's exchange, no request machinery, no FIFO and, below
+``RINGCOMM_SHM_MIN_BYTES``, no MPI message. ``auto`` picks these where the measured
+table says they win.
 
 Waits are the transport's (:meth:`ringcomm.transport.shm.ShmTransport.direct_wait`):
 the collective's deadline, backing off to sleeps, dead or failed peers, and a peer
@@ -37,61 +43,80 @@ from ringcomm import ops
 _copy = ops.serial_copy
 #: looks at the peers' lines before the transport's wait takes over
 _SPINS = 1000
+#: the collectives shm_direct serves
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter")
 
 
-class DirectAllreduce:
-    """The program (``run(bufs)``, ``close()``) of one allreduce shape over ``tp``'s
-    window (:class:`ringcomm.transport.shm.Window`): ``layout`` is ``(numel,)``."""
+def direct_program(tp: Any, collective: str, layout: tuple, dtype: torch.dtype, op: Any,
+                   root: int, signature: tuple[int, str], epoch: int, names: Any = None):
+    """The program (``run(bufs)``, ``close()``) of one ``collective`` call shape over
+    ``tp``'s window; buffers and ``layout`` as :data:`ringcomm.schedule.BUFFERS` says."""
+    kind = {"allreduce": DirectAllreduce, "broadcast": DirectBroadcast,
+            "allgather": DirectAllgather, "reduce_scatter": DirectReduceScatter}[collective]
+    return kind(tp, layout, dtype, op, root, signature, epoch, names)
 
-    def __init__(self, tp: Any, layout: tuple, dtype: torch.dtype, op: Any,
-                 signature: tuple[int, str], epoch: int, names: Any = None):
-        self.tp, self.window = tp, tp.direct
-        self.dtype = dtype
-        self.nbytes = layout[0] * dtype.itemsize
+
+class _Direct:
+    """The round protocol every shm_direct collective shares: ``spans`` are the
+    element ranges ``(a, b)`` of the rounds (a part of each rank's data per round);
+    a subclass copies this rank's part in (``_put``) and reads the peers' out
+    (``_take``), on the memory :meth:`_views` made of the caller's buffers."""
+
+    def __init__(self, tp: Any, dtype: torch.dtype, longest: int, step: int,
+                 signature: tuple[int, str], epoch: int, names: Any):
+        self.tp, self.window, self.dtype = tp, tp.direct, dtype
+        self.itemsize = dtype.itemsize
         self.signature, self.epoch, self._names = signature, epoch, names
-        step = self.window.nbytes - self.window.nbytes % dtype.itemsize
+        self.me, self.p = tp.rank, tp.size
         # at least one round: a call of no elements still meets its peers (a size
         # mismatch with it shows)
-        self.spans = [(a, min(a + step, self.nbytes)) for a in range(0, max(self.nbytes, 1), step)]
-        self.reduce = ops.serial_reducer(op, dtype)
-        self.reduce_after = ops.serial_reducer(op, dtype, src_first=True)
-        # per buffer, per span: every rank's part in its window, as operands
-        self.sources = [[[ops.operand(v[:b - a], dtype) for v in self.window.buffers(buf)]
-                         for a, b in self.spans] for buf in (0, 1)]
-        self.raw = [[[v[:b - a] for v in self.window.buffers(buf)] for a, b in self.spans]
-                    for buf in (0, 1)]
-        self._bound: tuple | None = None  # (address, raw parts, operands) of the last tensor
+        self.spans = [(a, min(a + step, longest)) for a in range(0, max(longest, 1), step)]
+        self._bound: tuple | None = None  # (addresses, views) of the last buffers
         self.peer_words = [w for r, w in enumerate(self.window.words) if r != tp.rank]
         self.own_words = self.window.words[tp.rank]
-        # every rank folds in rank order, (((b0 op b1) op b2) ...): the same bits everywhere
-        self._fold = (self._fold_first, self._fold_second)[tp.rank] if tp.rank < 2 \
-            else self._fold_later
 
-    def _bind(self, t: torch.Tensor) -> tuple:
-        ptr = t.data_ptr()
+    def window_part(self, buf: int, rank: int, at: int, n: int):
+        """``n`` elements at element ``at`` of ``rank``'s window buffer ``buf``, bytes."""
+        isz = self.itemsize
+        return self.window.buffers(buf)[rank][at * isz:(at + n) * isz]
+
+    def caller_part(self, t: torch.Tensor, a: int, b: int):
+        """Elements ``[a, b)`` of a caller's contiguous tensor (clipped to it), bytes."""
+        n = t.numel()
+        a, b = min(a, n), min(b, n)
+        isz = self.itemsize
+        return ops.memory(t.data_ptr() + a * isz, (b - a) * isz)
+
+    def _bind(self, bufs: Sequence[torch.Tensor]):
+        key = tuple(t.data_ptr() for t in bufs)
         bound = self._bound
-        if bound is None or bound[0] != ptr:
-            mem = ops.memory(ptr, self.nbytes)
-            parts = [mem[a:b] for a, b in self.spans]
-            bound = self._bound = (ptr, parts, [ops.operand(p, self.dtype) for p in parts])
-        return bound
+        if bound is None or bound[0] != key:
+            bound = self._bound = (key, self._views(bufs))
+        return bound[1]
+
+    def _views(self, bufs: Sequence[torch.Tensor]):
+        raise NotImplementedError
+
+    def _put(self, views, i: int, buf: int) -> None:
+        raise NotImplementedError
+
+    def _take(self, views, i: int, buf: int) -> None:
+        raise NotImplementedError
 
     def run(self, bufs: Sequence[torch.Tensor]) -> None:
-        _, parts, targets = self._bind(bufs[0])
-        tp, me = self.tp, self.tp.rank
+        views = self._bind(bufs)
+        tp = self.tp
         sig, epoch, fence, peer_words = self.signature[0], self.epoch, tp.fence, self.peer_words
         own, lines = self.own_words, self.window.lines
+        put, take = self._put, self._take
         try:
-            for i in range(len(parts)):
+            for i in range(len(self.spans)):
                 if tp._broken is not None:
                     raise RuntimeError(tp._broken)
                 k = tp.rounds + 1
                 buf = k & 1
                 line = lines[buf]
-                raw = self.raw[buf][i]
-                part = parts[i]
-                if part.size:
-                    _copy(raw[me], part)
+                put(views, i, buf)
                 # publish: data, signature and epoch, fence, round
                 own[line + 1] = sig
                 own[line + 2] = epoch
@@ -99,7 +124,7 @@ class DirectAllreduce:
                 own[line] = k
                 # the peers are usually a few microseconds away: look at their lines in
                 # a tight loop first (the transport's wait, with its deadline, probes
-                # and sleeps, takes over after _SPINS looks)
+                # and sleeps, takes over after _SPINS looks, or raises a mismatch)
                 for _ in range(_SPINS):
                     for w in peer_words:
                         if w[line] != k:
@@ -108,15 +133,56 @@ class DirectAllreduce:
                         fence()  # the rounds before the signatures and data they publish
                         for w in peer_words:
                             if w[line + 1] != sig or w[line + 2] != epoch:
-                                tp.direct_wait(k, sig, epoch, self._describe)  # raises it
+                                tp.direct_wait(k, sig, epoch, self._describe)
                         break
                 else:
                     tp.direct_wait(k, sig, epoch, self._describe)
-                self._fold(targets[i], part, raw, self.sources[buf][i])
+                take(views, i, buf)
                 tp.rounds = k
         except BaseException as e:
             tp.direct_failed(e)
             raise
+
+    def _describe(self, sig: int) -> str:
+        """The call of signature hash ``sig``, as this rank knows it."""
+        if sig == self.signature[0]:
+            return self.signature[1]
+        named = self._names(sig, 32) if self._names is not None else None
+        return named or "a call of another shape or collective"
+
+    def close(self) -> None:
+        self._bound = None
+
+
+class DirectAllreduce(_Direct):
+    """allreduce, ``layout`` ``(numel,)``: every rank copies its part in and folds
+    every rank's, in rank order."""
+
+    def __init__(self, tp, layout, dtype, op, root, signature, epoch, names=None):
+        step = tp.direct.nbytes // dtype.itemsize
+        super().__init__(tp, dtype, layout[0], step, signature, epoch, names)
+        self.reduce = ops.serial_reducer(op, dtype)
+        self.reduce_after = ops.serial_reducer(op, dtype, src_first=True)
+        # per buffer, per span: every rank's part in its window, as bytes and operands
+        self.raw = [[[self.window_part(buf, r, 0, b - a) for r in range(self.p)]
+                     for a, b in self.spans] for buf in (0, 1)]
+        self.sources = [[[ops.operand(v, dtype) for v in per_span] for per_span in per_buf]
+                        for per_buf in self.raw]
+        # every rank folds in rank order, (((b0 op b1) op b2) ...): the same bits everywhere
+        self._fold = (self._fold_first, self._fold_second)[self.me] if self.me < 2 \
+            else self._fold_later
+
+    def _views(self, bufs):
+        parts = [self.caller_part(bufs[0], a, b) for a, b in self.spans]
+        return parts, [ops.operand(x, self.dtype) for x in parts]
+
+    def _put(self, views, i, buf):
+        part = views[0][i]
+        if part.size:
+            _copy(self.raw[buf][i][self.me], part)
+
+    def _take(self, views, i, buf):
+        self._fold(views[1][i], views[0][i], self.raw[buf][i], self.sources[buf][i])
 
     def _fold_first(self, target, part, raw, src) -> None:
         """Rank 0: its own, then every other rank's, in rank order."""
@@ -136,13 +202,120 @@ class DirectAllreduce:
         for r in range(1, len(src)):
             self.reduce(target, src[r])
 
-    def _describe(self, sig: int) -> str:
-        """The call of signature hash ``sig``, as this rank knows it."""
-        if sig == self.signature[0]:
-            return self.signature[1]
-        named = self._names(sig, 32) if self._names is not None else None
-        return named or "a call of another shape or collective"
 
-    def close(self) -> None:
-        self._bound = None
+class DirectBroadcast(_Direct):
+    """broadcast from ``root``, ``layout`` ``(numel,)``: the root copies its data in,
+    every other rank copies it out."""
 
+    def __init__(self, tp, layout, dtype, op, root, signature, epoch, names=None):
+        step = tp.direct.nbytes // dtype.itemsize
+        super().__init__(tp, dtype, layout[0], step, signature, epoch, names)
+        self.root = root
+        self.raw = [[self.window_part(buf, root, 0, b - a) for a, b in self.spans]
+                    for buf in (0, 1)]
+
+    def _views(self, bufs):
+        return [self.caller_part(bufs[0], a, b) for a, b in self.spans]
+
+    def _put(self, views, i, buf):
+        if self.me == self.root and views[i].size:
+            _copy(self.raw[buf][i], views[i])
+
+    def _take(self, views, i, buf):
+        if self.me != self.root and views[i].size:
+            _copy(views[i], self.raw[buf][i])
+
+
+class DirectAllgather(_Direct):
+    """allgather, ``layout`` the count of every rank's chunk: every rank copies its
+    input in, and every peer's out into that peer's output chunk (its own from its
+    input, unless the input is its output chunk)."""
+
+    def __init__(self, tp, layout, dtype, op, root, signature, epoch, names=None):
+        step = tp.direct.nbytes // dtype.itemsize
+        super().__init__(tp, dtype, max(layout, default=0), step, signature, epoch, names)
+        self.counts = layout
+        self.raw = [[[self.window_part(buf, r, 0, max(min(b, c) - a, 0))
+                      for r, c in enumerate(layout)] for a, b in self.spans] for buf in (0, 1)]
+
+    def _views(self, bufs):
+        me = self.me
+        inp = [self.caller_part(bufs[self.p], a, b) for a, b in self.spans]
+        outs = [[self.caller_part(bufs[r], a, b) for r in range(self.p)] for a, b in self.spans]
+        in_place = bufs[me].data_ptr() == bufs[self.p].data_ptr()
+        return inp, outs, in_place
+
+    def _put(self, views, i, buf):
+        part = views[0][i]
+        if part.size:
+            _copy(self.raw[buf][i][self.me], part)
+
+    def _take(self, views, i, buf):
+        inp, outs, in_place = views
+        me, raw, out = self.me, self.raw[buf][i], outs[i]
+        if not in_place and inp[i].size:
+            _copy(out[me], inp[i])
+        for r in range(self.p):
+            if r != me and raw[r].size:
+                _copy(out[r], raw[r])
+
+
+class DirectReduceScatter(_Direct):
+    """reduce_scatter, ``layout`` the count of every chunk: every rank copies its
+    input chunks for the other ranks into its window (each chunk at its own offset),
+    and folds every rank's copy of its own chunk, in rank order, into the output (its
+    own contribution read from its input, or from its window where the output
+    overlaps that input)."""
+
+    #: it only reads its input chunks: the front passes the caller's, uncopied
+    keeps_inputs = True
+
+    def __init__(self, tp, layout, dtype, op, root, signature, epoch, names=None):
+        p, isz = tp.size, dtype.itemsize
+        # a chunk's stride in the window: a p-th of it, in whole cache lines
+        stride = max(tp.direct.nbytes // p // 64 * 64, isz) // isz
+        super().__init__(tp, dtype, max(layout, default=0), stride, signature, epoch, names)
+        self.counts, self.stride = layout, stride
+        self.reduce = ops.serial_reducer(op, dtype)
+        me = self.me
+        # per buffer, per span: chunk j's part in this rank's window (to put); and
+        # this rank's chunk in every rank's window (to take), as bytes and operands
+        self.put_at = [[[self.window_part(buf, me, j * stride, max(min(b, c) - a, 0))
+                         for j, c in enumerate(layout)] for a, b in self.spans]
+                       for buf in (0, 1)]
+        mine = [[[self.window_part(buf, r, me * stride, max(min(b, layout[me]) - a, 0))
+                  for r in range(p)] for a, b in self.spans] for buf in (0, 1)]
+        self.take_raw = mine
+        self.take_ops = [[[ops.operand(v, dtype) for v in s] for s in per_buf]
+                         for per_buf in mine]
+
+    def _views(self, bufs):
+        me, p = self.me, self.p
+        out, chunk = bufs[p], bufs[me]
+        lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * self.itemsize
+        clo, chi = chunk.data_ptr(), chunk.data_ptr() + chunk.numel() * self.itemsize
+        # the output overlaps this rank's input chunk: folding into it would change
+        # what it still reads, so its own part goes through its window as well
+        overlap = out.numel() > 0 and chunk.numel() > 0 and lo < chi and clo < hi
+        ins = [[self.caller_part(bufs[j], a, b) for j in range(p)] for a, b in self.spans]
+        outs = [self.caller_part(out, a, b) for a, b in self.spans]
+        # this rank's own contribution, where it is read from its input
+        own = [None if overlap else ops.operand(s[me], self.dtype) for s in ins]
+        return ins, outs, [ops.operand(x, self.dtype) for x in outs], own
+
+    def _put(self, views, i, buf):
+        ins, _, _, own = views
+        me, at = self.me, self.put_at[buf][i]
+        for j, part in enumerate(ins[i]):
+            if (j != me or own[i] is None) and part.size:
+                _copy(at[j], part)
+
+    def _take(self, views, i, buf):
+        ins, outs, targets, own = views
+        part, target, mine = outs[i], targets[i], own[i]
+        if not part.size:
+            return
+        me, raw, src = self.me, self.take_raw[buf][i], self.take_ops[buf][i]
+        _copy(part, ins[i][0] if me == 0 and mine is not None else raw[0])
+        for r in range(1, self.p):
+            self.reduce(target, mine if r == me and mine is not None else src[r])

@@ -173,14 +173,18 @@ def _allreduce_exact(ctx: Ctx, group, gname: str, algo: str, opname: str, op, dt
                     f"{oracle(inputs, opname)[:6].tolist()}")
 
 
-def _refused_here(ctx: Ctx, algo: str, group) -> bool:
+def _refused_here(ctx: Ctx, algo: str, group, collective: str = "allreduce") -> bool:
     """Whether the group's transport lacks ``algo`` as a collective of its own
     (shm_direct off one host, or without shared memory): then it is refused, naming
-    itself, on every rank alike."""
+    itself, on every rank alike (``collective``: allreduce or broadcast, the one
+    ``algo`` was set for)."""
     if algo != "shm_direct":
         return False
     try:
-        dist.all_reduce(torch.ones(3), group=group)
+        if collective == "broadcast":
+            dist.broadcast(torch.ones(3), src=0, group=group)
+        else:
+            dist.all_reduce(torch.ones(3), group=group)
         return False
     except ValueError as e:
         ctx.c.check("shm_direct" in str(e) and "one host" in str(e), str(e))
@@ -256,6 +260,8 @@ def check_broadcast(ctx: Ctx) -> None:
     for group, gname in ((None, "world"), (ctx.small_seg, "seg64")):
         for algo in ("auto", *ringcomm.REGISTRY["broadcast"]):
             ringcomm.set_algorithm("broadcast", algo, group=group)
+            if _refused_here(ctx, algo, group, "broadcast"):
+                continue
             for root in range(p):
                 for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8):
                     for n in (0, 1, 7, 2000):

@@ -11,8 +11,11 @@ have fallen back to MPI.
 
 ``mismatch``: rank 0 reduces fewer elements than the others (``--sizes``; on both
 sides of ``RINGCOMM_SHM_MIN_BYTES``, the two sizes go different ways), or runs
-another algorithm (``--algos``: shm_direct against a schedule): every rank fails
-with an error naming the sizes or the mismatch, well before the group's timeout.
+another algorithm (``--algos``: shm_direct against a schedule), or rank 0 and the
+others make different calls (``--calls``: shm_direct broadcast, allgather,
+reduce_scatter of other collectives or roots, or against a schedule): every rank
+fails with an error naming the sizes or the mismatch, well before the group's
+timeout.
 
 ``kill``: the last rank kills itself (SIGKILL) at a collective; every other rank
 fails, naming that rank and its host, well before the group's timeout, and writes
@@ -118,6 +121,7 @@ def direct(c: Checker, rank: int, size: int, expect: str) -> None:
     c.run("allreduce shm_direct", dist.all_reduce, y, group=g)
     c.check(torch.equal(y, want), f"allreduce shm_direct of {x.nbytes // window + 1} rounds: "
                                   "wrong sum")
+    direct_others(c, rank, size, window)
     gen = torch.Generator().manual_seed(rank)
     zeros = torch.where(torch.rand(1000, generator=gen) < 0.5, 0.0, -0.0)
     for op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX):
@@ -129,19 +133,104 @@ def direct(c: Checker, rank: int, size: int, expect: str) -> None:
                 f"shm_direct {op}: ranks disagree on the sign of a zero")
 
 
-def must_fail(c: Checker, what: str, x: torch.Tensor) -> str:
-    """Run an allreduce of ``x`` that must fail well before the group's timeout;
-    the error's text ("" when it returned)."""
+def _rounds(call, *args, **kw) -> int:
+    """The shm_direct rounds a call took on this rank's window (the world group's
+    transport and the groups' share none: a group's own transport counts)."""
+    g = kw["group"]
+    tp = ringcomm.get_group(g).lanes.cpus[0].tp
+    before = tp.rounds
+    call(*args, **kw)
+    return tp.rounds - before
+
+
+def direct_others(c: Checker, rank: int, size: int, window: int) -> None:
+    """shm_direct's broadcast, allgather and reduce_scatter against a single-process
+    oracle, in several rounds of the window, in place and not, with uneven chunks;
+    each takes the rounds its sizes give (it ran over the window, not a schedule)."""
+    g = dist.new_group(pg_options=ringcomm.Options(algorithms={
+        c_: "shm_direct" for c_ in ("broadcast", "allgather", "reduce_scatter")}))
+    def of(r: int, n: int, dtype=torch.float32) -> torch.Tensor:
+        return ((torch.arange(n) * (r + 3)) % 251).to(dtype)
+    for n, dtype in ((70_001, torch.float32), (5, torch.bfloat16), (0, torch.float32),
+                     (20_000, torch.int64)):
+        nbytes, isz = n * dtype.itemsize, dtype.itemsize
+        whole = max(-(-nbytes // window), 1)  # rounds of a per-rank part of n elements
+        for root in range(size):
+            t = of(root, n, dtype) if rank == root else torch.zeros(n, dtype=dtype)
+            k = _rounds(dist.broadcast, t, root, group=g)
+            # (a broadcast of nothing is done before it reaches an algorithm)
+            c.check(torch.equal(t, of(root, n, dtype)) and k == (whole if n else 0),
+                    f"broadcast shm_direct root={root} {dtype} n={n}: rounds {k}/{whole}")
+        outs = [torch.full((n,), 7, dtype=dtype) for _ in range(size)]
+        k = _rounds(dist.all_gather, outs, of(rank, n, dtype), group=g)
+        c.check(all(torch.equal(o, of(r, n, dtype)) for r, o in enumerate(outs))
+                and k == whole, f"allgather shm_direct {dtype} n={n}: rounds {k}/{whole}")
+        flat = torch.zeros(n * size, dtype=dtype)  # in place: the input is its own chunk
+        mine = flat[rank * n:(rank + 1) * n]
+        mine.copy_(of(rank, n, dtype))
+        dist.all_gather_into_tensor(flat, mine, group=g)
+        c.check(torch.equal(flat, torch.cat([of(r, n, dtype) for r in range(size)])),
+                f"allgather shm_direct in place {dtype} n={n}")
+        # reduce_scatter: chunk j of rank r's input is of(r + j); rank order sums
+        stride = max(window // size // 64 * 64, isz) // isz
+        per_chunk = max(-(-n // stride), 1)
+        inp = torch.cat([of(rank + j, n, dtype) for j in range(size)])
+        want = of(0 + rank, n, dtype)
+        for r in range(1, size):
+            want = want + of(r + rank, n, dtype)
+        out = torch.empty(n, dtype=dtype)
+        k = _rounds(dist.reduce_scatter_tensor, out, inp.clone(), group=g)
+        c.check(torch.equal(out, want) and k == per_chunk,
+                f"reduce_scatter shm_direct {dtype} n={n}: rounds {k}/{per_chunk}")
+        inp2 = inp.clone()  # the output is this rank's chunk of the input
+        dist.reduce_scatter_tensor(inp2[rank * n:(rank + 1) * n], inp2, group=g)
+        c.check(torch.equal(inp2[rank * n:(rank + 1) * n], want),
+                f"reduce_scatter shm_direct in place {dtype} n={n}")
+    # uneven allgather chunks: rank i gives i + 1 elements, in several rounds
+    big = window // 4 + 3
+    outs = [torch.empty(big * (i + 1)) for i in range(size)]
+    dist.all_gather(outs, of(rank, big * (rank + 1)), group=g)
+    c.check(all(torch.equal(o, of(r, big * (r + 1))) for r, o in enumerate(outs)),
+            "allgather shm_direct of uneven chunks")
+
+
+def must_fail(c: Checker, what: str, x: torch.Tensor, call=None) -> str:
+    """Run an allreduce of ``x`` (or ``call()``) that must fail well before the group's
+    timeout; the error's text ("" when it returned)."""
     t0 = time.monotonic()
     try:
-        dist.all_reduce(x)
+        call() if call is not None else dist.all_reduce(x)
     except Exception as e:  # noqa: BLE001
         took = time.monotonic() - t0
         c.case(f"shm: {what}", e, took)
         c.check(took < TIMEOUT_S / 2, f"took {took:.1f} s, the group's timeout is {TIMEOUT_S}")
         return str(e)
-    c.check(False, f"{what}: all_reduce returned")
+    c.check(False, f"{what}: the call returned")
     return ""
+
+
+def _call(spec: str, n: int):
+    """A collective of ``n`` floats per rank, from ``COLLECTIVE:ALGORITHM[:ROOT]``."""
+    coll, algo, *root = spec.split(":")
+    ringcomm.set_algorithm(coll, algo)
+    p = dist.get_world_size()
+    if coll == "broadcast":
+        t = torch.ones(n)
+        return lambda: dist.broadcast(t, int(root[0]) if root else 0)
+    if coll == "allgather":
+        outs, x = [torch.empty(n) for _ in range(p)], torch.ones(n)
+        return lambda: dist.all_gather(outs, x)
+    out, x = torch.empty(n), torch.ones(n * p)
+    return lambda: dist.reduce_scatter_tensor(out, x)
+
+
+def mismatch_calls(c: Checker, rank: int, calls: tuple[str, ...], n: int) -> None:
+    """Rank 0 makes the first call, the others the last (``--calls``): shm_direct
+    collectives of one size that differ in collective or root, or one against a
+    schedule; every rank fails naming the mismatch."""
+    call = _call(calls[0] if rank == 0 else calls[-1], n)
+    text = must_fail(c, f"mismatched calls {calls[0]} and {calls[-1]}", None, call)
+    c.check("mismatch" in text, f"error names no mismatch: {text}")
 
 
 def mismatch(c: Checker, rank: int, size: int, sizes: tuple[int, int],
@@ -180,12 +269,17 @@ def main() -> None:
                    help="mismatch: the elements rank 0 and the others reduce")
     p.add_argument("--algos", default="",
                    help="mismatch: the allreduce algorithms of rank 0 and of the others")
+    p.add_argument("--calls", default="",
+                   help="mismatch: rank 0's call and the others', COLLECTIVE:ALGORITHM[:ROOT] "
+                        "each, of the first of --sizes floats per rank")
     args = p.parse_args()
     dist.init_process_group("ringcomm", timeout=timedelta(seconds=TIMEOUT_S))
     rank, size = dist.get_rank(), dist.get_world_size()
     c = Checker(rank)
     if args.mode == "kill":
         kill(c, rank, size)  # exits: a group with a dead member cannot be torn down
+    elif args.mode == "mismatch" and args.calls:
+        mismatch_calls(c, rank, tuple(args.calls.split(",")), int(args.sizes.split(",")[0]))
     elif args.mode == "mismatch":
         mismatch(c, rank, size, tuple(int(x) for x in args.sizes.split(",")),
                  tuple(a for a in args.algos.split(",") if a))
