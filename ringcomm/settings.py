@@ -146,7 +146,7 @@ SETTINGS: tuple[Setting, ...] = (
             "eager path is faster there (docs/data/shm_transport_2ranks.json)", minimum=0),
     Setting("RINGCOMM_SHM_DIRECT_BYTES", "int", 1024 * 1024,
             "bytes of each of the two buffers of a rank's shm_direct window, rounded up to a "
-            "page (a longer allreduce takes several rounds); mapped only where every rank "
+            "page (a longer call takes several rounds); mapped only where every rank "
             "of the group shares one host; 0: no window", minimum=0),
     Setting("RINGCOMM_SHM_SLOTS", "int", 8,
             "slots of each shared-memory FIFO (one per peer and direction): a rank maps "
