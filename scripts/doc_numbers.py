@@ -62,6 +62,10 @@ from ddp.bench.report import graph_text, hooks_text  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "compare_2ranks.json"
 LAYERS = ROOT / "docs" / "data" / "layers_2ranks.json"
+#: scripts/bench_layers.py --algo shm_direct at three sizes: where one host's allreduce
+#: time goes above the program
+LAYERS_SHM = [ROOT / "docs" / "data" / f"layers_shm_direct_{n}B_2ranks.json"
+              for n in (4096, 262144, 1048576)]
 CONCURRENT = ROOT / "docs" / "data" / "concurrent_2ranks.json"
 ONE_HOST_BARRIER = ROOT / "docs" / "data" / "allreduce_one_host_2ranks_barrier.json"
 #: scripts/bench_cuda_path.py's JSON: the CUDA lane's Python per collective
@@ -226,6 +230,26 @@ def _layers(layers: dict, source: str) -> str:
     rows = [f"| {r['layer']} | {r['time_us']:.1f} us |" for r in layers["rows"]]
     return "\n".join([head, "|---|---:|", *rows, "",
                       f"(From `{source}`, measured {layers['started']}.)"])
+
+
+def _layers_sizes(runs: list[tuple[dict, str]]) -> str:
+    """``scripts/bench_layers.py`` of one algorithm at several sizes: the program's
+    time (its messages and local work), each layer above it, and what they add
+    together (torch's dispatch and the group's per-call Python)."""
+    algo = runs[0][0]["algorithm"]
+    heads = [format_size(doc["bytes"]) for doc, _ in runs]
+    per = [{r["layer"].split(" (")[0]: r["time_us"] for r in doc["rows"]} for doc, _ in runs]
+    program = next(k for k in per[0] if k.startswith("the program"))
+    names = list(per[0])
+    above = names[names.index(program):]
+    rows = [f"| layer ({algo} allreduce, 2 ranks) | " + " | ".join(heads) + " |",
+            "|---" + "|---:" * len(heads) + "|"]
+    for name in [names[0], *above]:
+        rows.append(f"| {name} | " + " | ".join(_us(p[name]) for p in per) + " |")
+    rows.append("| above the program: dispatch and per-call Python | "
+                + " | ".join(_us(p[names[-1]] - p[program]) for p in per) + " |")
+    sources = ", ".join(f"`{src}` ({doc['started']})" for doc, src in runs)
+    return "\n".join([*rows, "", f"(From {sources}.)"])
 
 
 def _shipped_targets() -> str:
@@ -482,6 +506,8 @@ def benchmarks_blocks(doc: dict, source: str, layers: dict, layers_source: str,
             "tables": markdown_tables(doc, heading="###").rstrip(),
             "targets": _targets(doc), "model": _model(doc),
             "layers": _layers(layers, layers_source),
+            "layers-shm": _layers_sizes([(json.loads(f.read_text()), _relative(f))
+                                         for f in LAYERS_SHM]),
             "concurrent": _concurrent(conc, conc_source),
             "one-host-others": _one_host_others(doc, source),
             "one-host": _one_host([("back to back", doc, source),
