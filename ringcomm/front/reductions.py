@@ -264,9 +264,31 @@ class _ReduceScatter(Call):
                 torch.cat([i.reshape(-1) for i in ins], out=work)
                 self.avg.before(work)
             with flat_view(out, copy_in=False) as flat:
+                if work is None:
+                    chunks = _apart_from(flat, chunks, self.g.inputs.rank)
                 run([*chunks, flat])
                 self.avg.after(flat)
         return value
+
+
+def _apart_from(out: torch.Tensor, chunks: list, me: int) -> list:
+    """``chunks``, each copied where it shares memory with ``out`` other than by being
+    this rank's own chunk exactly: a program that reads the inputs round by round
+    (``keeps_inputs``) must not read what it has already written to ``out``. This
+    rank's chunk as the output is the in-place form, which the program handles."""
+    if not out.numel():
+        return chunks
+    lo = out.data_ptr()
+    hi = lo + out.numel() * out.element_size()
+    apart = None
+    for j, c in enumerate(chunks):
+        n = c.numel() * c.element_size()
+        clo = c.data_ptr()
+        if n and clo < hi and lo < clo + n and not (j == me and clo == lo and n == hi - lo):
+            if apart is None:
+                apart = list(chunks)
+            apart[j] = c.clone()
+    return chunks if apart is None else apart
 
 
 def _reduce_scatter(g: Group, name: str, jobs: list, opts: Any, value: Any,

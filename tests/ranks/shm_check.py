@@ -186,6 +186,13 @@ def direct_others(c: Checker, rank: int, size: int, window: int) -> None:
         dist.reduce_scatter_tensor(inp2[rank * n:(rank + 1) * n], inp2, group=g)
         c.check(torch.equal(inp2[rank * n:(rank + 1) * n], want),
                 f"reduce_scatter shm_direct in place {dtype} n={n}")
+        # an output that overlaps the inputs without being this rank's chunk (one
+        # element off it): as gloo, the result of the inputs as they were
+        base = torch.cat([inp, torch.zeros(1, dtype=dtype)])
+        shifted = base[rank * n + 1:(rank + 1) * n + 1]
+        dist.reduce_scatter(shifted, [base[j * n:(j + 1) * n] for j in range(size)], group=g)
+        c.check(torch.equal(shifted, want),
+                f"reduce_scatter shm_direct, output overlapping the inputs, {dtype} n={n}")
     # uneven allgather chunks: rank i gives i + 1 elements, in several rounds
     big = window // 4 + 3
     outs = [torch.empty(big * (i + 1)) for i in range(size)]
