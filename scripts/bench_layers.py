@@ -9,7 +9,9 @@ Each row adds one layer of ringcomm on top of the row before; times are the
 maximum over ranks of the best of 5 rounds (each round times every layer in
 turn) of the mean over many calls.
 ``--algo`` picks the algorithm (default recursive doubling: one exchange and
-one add at 2 ranks).
+one add at 2 ranks). ``--deepspeed`` adds a row before ringcomm's: DeepSpeed's
+shared-memory allreduce op called directly (no ProcessGroup dispatch), where
+DeepSpeed is installed and its CPU op builds.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algo", default="recursive_doubling")
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds over all layers; each layer's best round is kept")
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="also time DeepSpeed's shared-memory allreduce op (same ranks)")
     ap.add_argument("--json", help="write the results here (rank 0)")
     a = ap.parse_args(argv)
     dist.init_process_group("ringcomm")
@@ -83,8 +87,15 @@ def main(argv: list[str] | None = None) -> int:
         call.execute(*args)
         tp.end()
 
+    peers = [("MPI's own Allreduce (mpi4py)", lambda: comm.Allreduce(MPI.IN_PLACE, t.numpy()))]
+    if a.deepspeed:
+        from ringcomm.bench.columns import deepspeed_allreduce
+
+        ds, ds_t = deepspeed_allreduce(p), torch.ones(n)
+        peers.append(("DeepSpeed's shared-memory allreduce (its op, no dispatch)",
+                      lambda: ds(ds_t)))
     layers = [
-        ("MPI's own Allreduce (mpi4py)", lambda: comm.Allreduce(MPI.IN_PLACE, t.numpy())),
+        *peers,
         ("one exchange, persistent requests by hand (mpi4py)", persistent_by_hand),
         (f"one exchange through the transport ({type(carrier).__name__}: start, wait)",
          transport_exchange),
@@ -110,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {a.bytes} B allreduce, {a.algo}, 2 ranks | time per call | added |")
         print("|---|---:|---:|")
         prev = None
-        for name, us in rows:
-            added = f"{us - prev:+.1f} us" if prev is not None and name != rows[1][0] else ""
+        for i, (name, us) in enumerate(rows):
+            # the rows after the peers each add one layer to the row before
+            added = f"{us - prev:+.1f} us" if prev is not None and i > len(peers) else ""
             print(f"| {name} | {us:.1f} us | {added} |")
             prev = us
         if a.json:
@@ -119,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"schema": "ringcomm.bench_layers/1",
                            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                            "bytes": a.bytes, "algorithm": a.algo, "world_size": p,
+                           "peers": [name for name, _ in peers],
                            "rows": [{"layer": k, "time_us": v} for k, v in rows]}, f, indent=1)
     for q in by_hand:
         q.Free()

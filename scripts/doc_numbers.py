@@ -244,7 +244,7 @@ def _layers_sizes(runs: list[tuple[dict, str]]) -> str:
     above = names[names.index(program):]
     rows = [f"| layer ({algo} allreduce, 2 ranks) | " + " | ".join(heads) + " |",
             "|---" + "|---:" * len(heads) + "|"]
-    for name in [names[0], *above]:
+    for name in [*(x.split(" (")[0] for x in runs[0][0].get("peers", names[:1])), *above]:
         rows.append(f"| {name} | " + " | ".join(_us(p[name]) for p in per) + " |")
     rows.append("| above the program: dispatch and per-call Python | "
                 + " | ".join(_us(p[names[-1]] - p[program]) for p in per) + " |")

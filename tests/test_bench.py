@@ -508,3 +508,27 @@ def test_deepspeed_column_and_a_barrier_before_each_call(tmp_path):
         assert all(r["status"] == "ok" and r["wrong"] == 0 for r in rows), rows
     others = [r for r in doc["results"] if r["column"] in ("auto", "mpi")]
     assert others and all(r["status"] == "ok" and r["wrong"] == 0 for r in others), others
+
+
+def test_bench_layers_times_every_layer_of_shm_direct_beside_deepspeed(tmp_path):
+    """scripts/bench_layers.py, as the committed layers_shm_direct_* runs were made:
+    every layer a positive time, the program row names shm_direct's program, the
+    DeepSpeed row is there where DeepSpeed is installed, and the rows are those of
+    the committed files that docs/benchmarks.md renders (no timing asserted)."""
+    import importlib.util
+    out = tmp_path / "layers.json"
+    ds = importlib.util.find_spec("deepspeed") is not None
+    mpirun(2, str(ROOT / "scripts" / "bench_layers.py"), "--algo", "shm_direct", "--bytes",
+           "262144", "--calls", "20", "--rounds", "1", *(["--deepspeed"] if ds else []),
+           "--json", str(out), timeout=300)
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "ringcomm.bench_layers/1" and doc["algorithm"] == "shm_direct"
+    assert all(r["time_us"] > 0 for r in doc["rows"]), doc["rows"]
+    names = [r["layer"] for r in doc["rows"]]
+    assert any("DirectAllreduce.run" in n for n in names), names
+    assert names[-1] == "dist.all_reduce" and doc["peers"] == names[:len(doc["peers"])]
+    if ds:
+        assert any(n.startswith("DeepSpeed's shared-memory allreduce") for n in doc["peers"])
+        committed = json.loads((ROOT / "docs" / "data" /
+                                "layers_shm_direct_262144B_2ranks.json").read_text())
+        assert [r["layer"] for r in committed["rows"]] == names

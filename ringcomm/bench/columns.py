@@ -187,6 +187,31 @@ def deepspeed_missing(args: argparse.Namespace, local_size: int) -> str | None:
     return None
 
 
+def deepspeed_allreduce(p: int) -> Callable[[torch.Tensor], Any]:
+    """DeepSpeed's shared-memory allreduce op (``torch.ops.deepspeed.
+    inference_all_reduce_``, in place, a sum; called directly, without torch's
+    ProcessGroup dispatch), its CPU op built and its segments made, on every one of
+    the ``p`` ranks of this host at once.
+
+    Raises:
+        RuntimeError: the op did not build here (DeepSpeed then falls back to
+            torch's all_reduce, which is not what this measures).
+    """
+    # before DeepSpeed is imported: its CPU accelerator, and the ranks on this host
+    # (every rank: deepspeed_missing checked), which its SHM op reads
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_SIZE", str(p))
+    import deepspeed.comm as dscomm
+
+    with contextlib.redirect_stdout(sys.stderr):  # its build's words, not the table's
+        dscomm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    fn = getattr(getattr(torch.ops, "deepspeed", None), "inference_all_reduce_", None)
+    if fn is None:
+        raise RuntimeError("DeepSpeed's shared-memory op did not build here (it "
+                           "falls back to torch's all_reduce)")
+    return fn
+
+
 #: the dtypes DeepSpeed's shared-memory allreduce reduces
 _DEEPSPEED_DTYPES = ("float", "bfloat16", "half")
 
@@ -357,19 +382,7 @@ class Calls:
         if op != "sum":
             raise NotImplementedError("DeepSpeed's inference_all_reduce sums")
         if self._deepspeed is None:
-            # before DeepSpeed is imported: its CPU accelerator, and the ranks on this
-            # host (every rank: deepspeed_missing checked), which its SHM op reads
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            os.environ.setdefault("LOCAL_SIZE", str(self.p))
-            import deepspeed.comm as dscomm
-
-            with contextlib.redirect_stdout(sys.stderr):  # its build's words, not the table's
-                dscomm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-            fn = getattr(getattr(torch.ops, "deepspeed", None), "inference_all_reduce_", None)
-            if fn is None:
-                raise RuntimeError("DeepSpeed's shared-memory op did not build here (it "
-                                   "falls back to torch's all_reduce)")
-            self._deepspeed = fn
+            self._deepspeed = deepspeed_allreduce(self.p)
         fn, inp = self._deepspeed, bufs["inp"]
         return lambda: fn(inp)
 
