@@ -141,6 +141,32 @@ def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def overlap(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How the memory of contiguous tensors ``a`` and ``b`` relates: 0 apart (or
+    either is empty), 1 the same bytes exactly, 2 some bytes shared."""
+    na, nb = a.numel() * a.element_size(), b.numel() * b.element_size()
+    if not na or not nb:
+        return 0
+    pa, pb = a.data_ptr(), b.data_ptr()
+    if pa >= pb + nb or pb >= pa + na:
+        return 0
+    return 1 if pa == pb and na == nb else 2
+
+
+def apart(x: torch.Tensor, outs: Sequence[torch.Tensor], own: int | None) -> torch.Tensor:
+    """``x``, a collective's input, copied if it shares memory with one of its
+    ``outs`` other than by being ``outs[own]`` exactly (the in-place form, which
+    every program handles). A program may read its inputs after it wrote parts of
+    its outputs (shm_direct does, round by round), so an input that overlaps an
+    output otherwise would be read changed; gloo gives the result of the inputs as
+    they were, and so does ringcomm."""
+    for j, o in enumerate(outs):
+        how = overlap(x, o)
+        if how == 2 or (how == 1 and j != own):
+            return x.clone()
+    return x
+
+
 def lookup(g: Group, key: Any, make) -> Call:
     call = g.calls.get(key)
     if call is None:

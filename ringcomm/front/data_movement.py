@@ -14,8 +14,8 @@ from ringcomm import algorithms
 from ringcomm.front.arguments import options
 from ringcomm.front.cross_rank_checks import dtype_code
 from ringcomm.front.lanes import Lane
-from ringcomm.front.calls import (Call, Group, as_bytes, flat_bytes, flat_view, lookup, nbytes_of,
-                                  write_back)
+from ringcomm.front.calls import (Call, Group, apart, as_bytes, flat_bytes, flat_view, lookup,
+                                  nbytes_of, write_back)
 
 _uint8 = torch.uint8
 
@@ -75,7 +75,7 @@ class _Allgather(Call):
                 self.same_call(self.fields_op, [t.numel(), dtype_code(t.dtype)])
             flats, back = flat_bytes(outs, copy_in=False)
             src, _ = flat_bytes((t,), copy_in=True)  # read only: nothing to write back
-            run([*flats, *src])
+            run([*flats, apart(src[0], flats, self.g.inputs.rank)])
             write_back(back)
         return value
 
@@ -135,7 +135,8 @@ class _GatherInto(Call):
             with flat_view(out, copy_in=False) as flat:
                 if flat.numel():
                     src = as_bytes(inp.reshape(-1).contiguous())  # any strides, copied if must
-                    run([*as_bytes(flat).view(p, -1).unbind(0), src])
+                    chunks = as_bytes(flat).view(p, -1).unbind(0)
+                    run([*chunks, apart(src, chunks, self.g.inputs.rank)])
         return value
 
 

@@ -15,7 +15,7 @@ from ringcomm import algorithms, ops, trace
 from ringcomm.front.arguments import options
 from ringcomm.front.cross_rank_checks import dtype_code
 from ringcomm.front.lanes import Lane
-from ringcomm.front.calls import Call, Group, flat_view, lookup, nbytes_of
+from ringcomm.front.calls import Call, Group, apart, flat_view, lookup, nbytes_of
 
 _Tensor = torch.Tensor
 _strided = torch.strided
@@ -265,30 +265,11 @@ class _ReduceScatter(Call):
                 self.avg.before(work)
             with flat_view(out, copy_in=False) as flat:
                 if work is None:
-                    chunks = _apart_from(flat, chunks, self.g.inputs.rank)
+                    me, outs = self.g.inputs.rank, (flat,)
+                    chunks = [apart(c, outs, 0 if j == me else None) for j, c in enumerate(chunks)]
                 run([*chunks, flat])
                 self.avg.after(flat)
         return value
-
-
-def _apart_from(out: torch.Tensor, chunks: list, me: int) -> list:
-    """``chunks``, each copied where it shares memory with ``out`` other than by being
-    this rank's own chunk exactly: a program that reads the inputs round by round
-    (``keeps_inputs``) must not read what it has already written to ``out``. This
-    rank's chunk as the output is the in-place form, which the program handles."""
-    if not out.numel():
-        return chunks
-    lo = out.data_ptr()
-    hi = lo + out.numel() * out.element_size()
-    apart = None
-    for j, c in enumerate(chunks):
-        n = c.numel() * c.element_size()
-        clo = c.data_ptr()
-        if n and clo < hi and lo < clo + n and not (j == me and clo == lo and n == hi - lo):
-            if apart is None:
-                apart = list(chunks)
-            apart[j] = c.clone()
-    return chunks if apart is None else apart
 
 
 def _reduce_scatter(g: Group, name: str, jobs: list, opts: Any, value: Any,

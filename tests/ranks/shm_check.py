@@ -171,6 +171,14 @@ def direct_others(c: Checker, rank: int, size: int, window: int) -> None:
         dist.all_gather_into_tensor(flat, mine, group=g)
         c.check(torch.equal(flat, torch.cat([of(r, n, dtype) for r in range(size)])),
                 f"allgather shm_direct in place {dtype} n={n}")
+        # an input that overlaps the output without being this rank's chunk (one
+        # element off it): as gloo, every rank gets the inputs as they were
+        spare = torch.zeros(n * size + 1, dtype=dtype)
+        shifted = spare[rank * n + 1:(rank + 1) * n + 1]
+        shifted.copy_(of(rank, n, dtype))
+        dist.all_gather_into_tensor(spare[:n * size], shifted, group=g)
+        c.check(torch.equal(spare[:n * size], torch.cat([of(r, n, dtype) for r in range(size)])),
+                f"allgather shm_direct, input overlapping the output, {dtype} n={n}")
         # reduce_scatter: chunk j of rank r's input is of(r + j); rank order sums
         stride = max(window // size // 64 * 64, isz) // isz
         per_chunk = max(-(-n // stride), 1)
