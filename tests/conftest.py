@@ -135,6 +135,12 @@ EXPECTED_CHECKS = ROOT / "tests" / "expected_checks.json"
 RECORDED_TORCH = "2.13"
 
 
+def shm_segments() -> set[str]:
+    """ringcomm's shared-memory segments in /dev/shm now (a test compares the set
+    before and after a job: nothing may be left)."""
+    return {f for f in os.listdir("/dev/shm") if f.startswith("ringcomm-")}
+
+
 def checks_passed(out: str, n: int) -> list[int]:
     """Each rank's count of passed checks, in rank order; fails unless all ``n`` ranks
     reported."""

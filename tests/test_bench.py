@@ -526,7 +526,8 @@ def test_bench_layers_times_every_layer_of_shm_direct_beside_deepspeed(tmp_path)
     assert all(r["time_us"] > 0 for r in doc["rows"]), doc["rows"]
     names = [r["layer"] for r in doc["rows"]]
     assert any("DirectAllreduce.run" in n for n in names), names
-    assert names[-1] == "dist.all_reduce" and doc["peers"] == names[:len(doc["peers"])]
+    assert names[-1] == "dist.all_reduce" and doc["peers"][0].startswith("MPI's own Allreduce")
+    assert len(doc["peers"]) == (2 if ds else 1), doc["peers"]
     if ds:
         assert any(n.startswith("DeepSpeed's shared-memory allreduce") for n in doc["peers"])
         committed = json.loads((ROOT / "docs" / "data" /

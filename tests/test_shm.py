@@ -14,16 +14,12 @@ import time
 import pytest
 
 import ringcomm
-from conftest import BIN, LAUNCHERS, RANKS, _env, mpirun, torchrun
+from conftest import BIN, LAUNCHERS, RANKS, _env, mpirun, shm_segments, torchrun
 from ringcomm.transport.shm import Geometry
 
 #: small slots: messages of every test size take several chunks and fill the FIFO
 SMALL = {"RINGCOMM_SHM_SLOT_BYTES": "4096", "RINGCOMM_SHM_SLOTS": "2",
          "RINGCOMM_SHM_MIN_BYTES": "0", "RINGCOMM_SHM_DIRECT_BYTES": "4096"}
-
-
-def _segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("ringcomm-")}
 
 
 def test_geometry_places_nothing_twice():
@@ -62,9 +58,9 @@ def test_shared_memory_option_overrides_the_variable_and_is_checked():
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_collectives_over_shared_memory(n):
-    before = _segments()
+    before = shm_segments()
     mpirun(n, "shm_check.py", "correct", timeout=240, env=SMALL)
-    assert _segments() <= before
+    assert shm_segments() <= before
 
 
 def test_shared_memory_inside_hosts_mpi_between():
@@ -83,11 +79,11 @@ def test_shared_memory_inside_hosts_mpi_between():
 def test_mismatched_sizes_fail_at_once(launcher, sizes):
     """Ranks reduce different sizes with ringcomm's own schedule (MPI's own collective,
     which auto may pick at some sizes, has undefined results there)."""
-    before = _segments()
+    before = shm_segments()
     out = LAUNCHERS[launcher](2, "shm_check.py", "mismatch", "--sizes", sizes, timeout=120,
                               env={"RINGCOMM_ALGO": "allreduce=recursive_doubling"})
     assert "checks passed" in out.stdout
-    assert _segments() <= before
+    assert shm_segments() <= before
 
 
 @pytest.mark.parametrize("launcher,sizes,algos", [
@@ -101,11 +97,11 @@ def test_shm_direct_mismatches_fail_at_once(launcher, sizes, algos):
     """shm_direct against itself with other sizes (the signatures on the windows'
     lines differ), and against a schedule (a message waits where the other rank
     looks at the windows): every rank fails naming the mismatch."""
-    before = _segments()
+    before = shm_segments()
     out = LAUNCHERS[launcher](2, "shm_check.py", "mismatch", "--sizes", sizes, "--algos", algos,
                               timeout=120)
     assert "checks passed" in out.stdout
-    assert _segments() <= before
+    assert shm_segments() <= before
 
 
 @pytest.mark.parametrize("launcher,calls,n", [
@@ -118,11 +114,11 @@ def test_shm_direct_collectives_mismatches_fail_at_once(launcher, calls, n):
     """shm_direct's broadcast, allgather and reduce_scatter: ranks that make different
     calls over the windows (other roots, other collectives), or one over the windows
     and one a schedule's message: every rank fails naming the mismatch."""
-    before = _segments()
+    before = shm_segments()
     out = LAUNCHERS[launcher](2, "shm_check.py", "mismatch", "--calls", calls,
                               "--sizes", str(n), timeout=120)
     assert "checks passed" in out.stdout
-    assert _segments() <= before
+    assert shm_segments() <= before
 
 
 @pytest.mark.wide  # 12 s; the kill under mpiexec stays in make test
@@ -131,7 +127,7 @@ def test_a_killed_rank_ends_the_others_wait_torchrun(tmp_path):
     at its workers only every 10 s, so the others must find out themselves: each
     fails naming a rank that stopped, long before the group's 60 s timeout, leaves no
     segment behind, and writes what it found to a file."""
-    before = _segments()
+    before = shm_segments()
     t0 = time.monotonic()
     out = torchrun(3, "shm_check.py", "kill", timeout=120, check=False,
                    env={"SHM_CHECK_OUT": str(tmp_path)}, launcher_args=["--monitor-interval=10"])
@@ -142,7 +138,7 @@ def test_a_killed_rank_ends_the_others_wait_torchrun(tmp_path):
         assert result.startswith("survived") and "FAIL" not in result, (name, result)
     assert "exited while rank" in text and "rank 2" in text, text[-3000:]
     assert time.monotonic() - t0 < 55
-    assert _segments() <= before
+    assert shm_segments() <= before
 
 
 @pytest.mark.parametrize("algo", ["auto", "shm_direct"])
@@ -150,7 +146,7 @@ def test_a_killed_rank_ends_the_job_mpiexec(algo):
     """Under mpiexec, hydra ends the whole job when a rank dies (even with
     -disable-auto-cleanup): no rank hangs, none leaves a segment, and a survivor
     that reports first names the dead rank."""
-    before = _segments()
+    before = shm_segments()
     t0 = time.monotonic()
     out = mpirun(3, "shm_check.py", "kill", timeout=120, check=False,
                  env={"SHM_CHECK_OUT": "/nonexistent", "RINGCOMM_ALGO": f"allreduce={algo}"})
@@ -159,7 +155,7 @@ def test_a_killed_rank_ends_the_job_mpiexec(algo):
     assert time.monotonic() - t0 < 60, "the job outlived the group's timeout"
     if "failed (group" in text:
         assert "rank 2 (pid" in text and "exited while rank" in text, text[-3000:]
-    assert _segments() <= before
+    assert shm_segments() <= before
 
 
 def _small_tmpfs(size: str):

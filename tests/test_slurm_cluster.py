@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from conftest import BIN, RANKS, ROOT, _env, assert_checks
+from conftest import BIN, RANKS, ROOT, _env, assert_checks, shm_segments
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import localslurm  # noqa: E402
@@ -132,11 +132,6 @@ def test_a_rank_that_cannot_reach_the_others_fails_in_time_naming_the_hosts(clus
         assert fact in out, f"the error lacks {fact!r}:\n{out[-6000:]}"
 
 
-def _shm_segments() -> set[str]:
-    d = "/dev/shm"
-    return {n for n in os.listdir(d) if n.startswith("ringcomm")} if os.path.isdir(d) else set()
-
-
 @pytest.mark.parametrize("mpi", ["none", "pmi2"])
 def test_a_rank_killed_inside_a_shared_memory_allreduce_ends_the_others_wait(cluster, tmp_path,
                                                                              mpi):
@@ -144,7 +139,7 @@ def test_a_rank_killed_inside_a_shared_memory_allreduce_ends_the_others_wait(clu
     with srun told not to end the step (--no-kill): the survivors find the dead peer
     themselves, each failing with an error naming rank 2 well inside the group's 60 s
     timeout, and no segment is left in /dev/shm."""
-    before = _shm_segments()
+    before = shm_segments()
     start = time.monotonic()
     code, out = submit(cluster, ["srun", "-N", "1", "-n", "3", "--no-kill", f"--mpi={mpi}",
                                  *rank_program("shm_check.py", "kill")],
@@ -156,7 +151,7 @@ def test_a_rank_killed_inside_a_shared_memory_allreduce_ends_the_others_wait(clu
     for name, result in found.items():
         assert result.startswith("survived") and "FAIL" not in result, (name, result)
     assert elapsed < 50, f"the survivors took {elapsed:.0f} s (the group's timeout is 60 s)"
-    assert _shm_segments() <= before
+    assert shm_segments() <= before
 
 
 def test_one_host_cluster_from_the_command_line(tmp_path):

@@ -144,7 +144,7 @@ def nbytes_of(t: torch.Tensor) -> int:
 def overlap(a: torch.Tensor, b: torch.Tensor) -> int:
     """How the memory of contiguous tensors ``a`` and ``b`` relates: 0 apart (or
     either is empty), 1 the same bytes exactly, 2 some bytes shared."""
-    na, nb = a.numel() * a.element_size(), b.numel() * b.element_size()
+    na, nb = nbytes_of(a), nbytes_of(b)
     if not na or not nb:
         return 0
     pa, pb = a.data_ptr(), b.data_ptr()
