@@ -20,6 +20,7 @@ on every version instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 import weakref
 from datetime import timedelta
@@ -30,7 +31,8 @@ import torch.distributed as dist
 
 from ringcomm.settings import Options
 
-__all__ = ["TorchContract", "BackendView", "options_from_torch", "forward_collectives"]
+__all__ = ["TorchContract", "BackendView", "options_from_torch", "forward_collectives",
+           "never_a_split_source"]
 
 _ErrorType = torch._C._distributed_c10d.ErrorType
 
@@ -126,7 +128,8 @@ class BackendView(_backend_base()):
 
     def perform_nocolor_split(self, device: Any) -> None:
         """A rank outside a new group does nothing: MPI makes a group's communicator
-        among its members only, and NCCL's are made on their first collective."""
+        among its members only, and NCCL's are made on their first collective. (torch
+        no longer calls it: :func:`never_a_split_source`.)"""
 
     def _set_sequence_number_for_group(self) -> None:
         """Nothing to agree on: every rank numbers its calls from the group's start."""
@@ -296,6 +299,38 @@ class TorchContract:
         if self.bound_device_id is not None:
             child.eager_connect_single_device(self.bound_device_id)
         return child
+
+
+def never_a_split_source() -> None:
+    """Keep torch from offering a ringcomm group as the split source of a new group.
+
+    With the default group bound to a device (``init_process_group(device_id=...)``),
+    torch's ``new_group`` asks ``_get_split_source`` for the default group's backend
+    of that device, so that a new NCCL group can be split from it
+    (``ncclCommSplit``), and calls its ``perform_nocolor_split`` on ranks outside the
+    new group. A ringcomm group says ``supports_splitting`` (torch reads the same flag
+    before ``eager_connect_single_device`` and in ``split_group``), but no other
+    backend can split from it: ``ProcessGroupNCCL.Options.split_from`` takes only a
+    ``ProcessGroupNCCL``, so ``new_group(backend="nccl")`` raised a TypeError from
+    inside torch, and a backend created by its plugin creator never reads the source.
+    Wrapping ``_get_split_source`` so it answers None for a ringcomm group makes
+    every new group start on its own, as with an unbound default group. Idempotent;
+    a torch without the function needs nothing.
+    """
+    c10d = dist.distributed_c10d
+    original = getattr(c10d, "_get_split_source", None)
+    if original is None or getattr(original, "_ringcomm_wrapped", False):
+        return
+
+    @functools.wraps(original)  # __wrapped__: torch's own, for tests
+    def _get_split_source(pg: Any, *args: Any, **kwargs: Any) -> Any:
+        # (torch 2.15 adds the requested backend, and offers a source only for the
+        # parent's own backend; older torch offers it to any backend)
+        source = original(pg, *args, **kwargs)
+        return None if isinstance(source, BackendView) else source
+
+    _get_split_source._ringcomm_wrapped = True  # type: ignore[attr-defined]
+    c10d._get_split_source = _get_split_source
 
 
 def forward_collectives(names: Any) -> None:

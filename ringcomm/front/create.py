@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ringcomm import mpi_serial
 from ringcomm.algorithms import expand_choices
-from ringcomm.front.contract import options_from_torch
+from ringcomm.front.contract import never_a_split_source, options_from_torch
 from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.launch import bootstrap
 from ringcomm.settings import Options
@@ -165,8 +165,11 @@ def register() -> None:
     torch >= 2.15 attaches its flight recorder to a new group unless the group's
     backend records itself; its hooks fire only for collectives torch dispatches in
     C++, which a Python group's are not, so ringcomm counts as recording itself (its
-    own timeline: ``RINGCOMM_TRACE``).
+    own timeline: ``RINGCOMM_TRACE``). A bound ringcomm group is never offered as
+    the split source of another backend's group
+    (:func:`ringcomm.front.contract.never_a_split_source`).
     """
+    never_a_split_source()
     if "RINGCOMM" not in dist.Backend._plugins:
         dist.Backend.register_backend("ringcomm", create_group, extended_api=True,
                                       devices=["cpu", "cuda"])

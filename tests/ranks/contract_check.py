@@ -3,7 +3,8 @@ torch (what gloo does is the oracle; where this torch's gloo lacks a feature,
 ringcomm's answer is checked against one process's computation).
 
 Cases: ``_get_backend`` and its flags, ``batch_isend_irecv`` rings, ``split_group``,
-``new_group`` from a bound device, ``set_timeout`` (and a collective that then
+``new_group`` from a bound device (a ringcomm group and torch's NCCL, a stand-in on
+CPU), ``set_timeout`` (and a collective that then
 times out at the new limit), ``get_error``, another backend's ``pg_options``, and
 ``init_process_group(device_id=...)`` where this torch allows it on CPU.
 
@@ -198,9 +199,47 @@ def check_set_timeout(ctx: Ctx) -> None:
     dist.barrier(group=ctx.gloo)
 
 
+def check_nccl_group_from_a_bound_default(ctx: Ctx) -> None:
+    """With the default ringcomm group bound to a device, torch's new_group of another
+    backend: torch's NCCL (a stand-in on CPU torch: ProcessGroupNCCL.Options.split_from
+    takes only a ProcessGroupNCCL) is made on its own, not split from ringcomm's group;
+    a rank outside a new group gets no NOCOLOR split on ringcomm's group."""
+    from ringcomm.testing.torch_nccl import torch_nccl
+
+    c, world, rank, p = ctx.c, ctx.world, ctx.rank, ctx.p
+    # bound as init_process_group(device_id=...) binds it (cpu:0 on torch >= 2.15; by
+    # hand elsewhere: torch's set-up reads only the attribute)
+    by_hand = world.bound_device_id is None
+    if by_hand:
+        world.bound_device_id = torch.device("cuda", 0)
+    try:
+        c.check(dist.distributed_c10d._get_split_source(world, *(
+            ("nccl",) if VERSION >= (2, 15) else ())) is None,
+            "ringcomm's bound group was offered as a split source")
+        with torch_nccl() as nccl_cls:
+            before = len(nccl_cls.made)
+            ref = c.run("new_group(backend='nccl') from a bound ringcomm group",
+                        dist.new_group, backend="nccl")
+            # rank 0 alone: rank 1 is outside it (torch's NOCOLOR split path)
+            c.run("new_group([0], backend='nccl') from a bound ringcomm group",
+                  dist.new_group, [0], backend="nccl")
+        if ref is not None:
+            offered = [o for made in nccl_cls.made[before:] for o in made.offered]
+            c.check(offered == [], f"torch offered split sources {offered}")
+    finally:
+        if by_hand:
+            world.bound_device_id = None
+    if ref is not None:
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t, group=ref)
+        c.check(torch.equal(t, torch.full((3,), p * (p + 1) / 2)), f"nccl group's sum {t}")
+    feature("new_group(backend='nccl') with ringcomm bound", "works: made on its own, "
+            "not split from ringcomm")
+
+
 #: run in this order on every rank (the ranks must issue the same collectives)
 CHECKS = [check_bound_device, check_get_backend, check_batch_isend_irecv, check_pg_options,
-          check_split_group, check_set_timeout]
+          check_split_group, check_nccl_group_from_a_bound_default, check_set_timeout]
 
 
 def main() -> None:
