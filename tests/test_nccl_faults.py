@@ -265,8 +265,54 @@ def test_a_failed_collective_says_what_nccl_said():
     assert "a remote rank exited" in msg
 
 
+@pytest.mark.parametrize("status,name,meaning", [
+    (8, "NCCL_ERROR_TIMEOUT", "its own time limit"),
+    (7, "NCCL_ERROR_IN_PROGRESS", "still in progress"),
+])
+def test_statuses_cupy_cannot_name_are_explained_like_the_others(status, name, meaning):
+    # CuPy's NcclError has no name for 7 and 8: making one raises KeyError(status),
+    # which is what the failing call then raises (the stand-in does as CuPy does)
+    lib = FakeNccl()
+
+    def body(pg):
+        pg.set_algorithm("allreduce", "ring")
+        pg.allreduce([torch.ones(2)]).wait()
+        if pg.rank() == 0:
+            lib.fail_next("send", rank=0, status=status, detail="peer 1 did not answer")
+        with pytest.raises(dist.DistBackendError) as e:
+            pg.allreduce([torch.ones(2)]).wait()
+        return e.value
+
+    err = nccl_groups(2, body, lib=lib, timeout_s=20)[0]
+    assert isinstance(err.__cause__, KeyError)
+    msg = str(err)
+    assert f"{name}: " in msg and "NCCL said: peer 1 did not answer" in msg, msg
+    assert meaning in msg, msg
+
+
+def test_an_operation_in_progress_is_not_an_asynchronous_error():
+    # ncclCommGetAsyncError answers ncclInProgress while a call has not finished: the
+    # watchdog goes on; a real asynchronous error (6) fails the group
+    lib = FakeNccl()
+
+    def body(pg):
+        pg.allreduce([torch.ones(2)]).wait()
+        lib.fail_next("check_async_error", rank=pg.rank(), status=7)
+        deadline = time.monotonic() + 10
+        while ("check_async_error", pg.rank()) in lib.faults and time.monotonic() < deadline:
+            time.sleep(0.01)  # the watchdog looks every 50 ms
+        assert ("check_async_error", pg.rank()) not in lib.faults, "the watchdog never looked"
+        t = torch.ones(3)
+        pg.allreduce([t]).wait()
+        return t, pg.lanes.error()
+
+    for t, error in nccl_groups(2, body, lib=lib, timeout_s=20):
+        assert torch.equal(t, torch.full((3,), 2.0)) and error is None
+
+
 def test_errors_that_are_not_nccls_are_left_as_they_are():
     assert nccl.explain(FakeNccl(), ValueError("x")) == ""  # the caller's own text stays
+    assert nccl.explain(FakeNccl(), KeyError(8)) == ""  # a KeyError not raised by NcclError
     assert nccl.last_error(object()) == ""  # no NCCL library in this process
 
 

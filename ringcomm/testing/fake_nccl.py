@@ -30,7 +30,7 @@ import torch
 
 from ringcomm.runtime.streams import HostStreams
 from ringcomm.execution.simulator import SimFabric
-from ringcomm.transport.nccl import DTYPE_CODES, ERROR_NAMES
+from ringcomm.transport.nccl import CUPY_UNNAMED, DTYPE_CODES, ERROR_NAMES
 
 #: ncclGetErrorString's text per status (nccl.h ncclResult_t)
 _ERROR_TEXT = {1: "unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
@@ -38,14 +38,18 @@ _ERROR_TEXT = {1: "unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
                3: "internal error - please report this issue to the NCCL developers",
                4: "invalid argument (run with NCCL_DEBUG=WARN for details)",
                5: "invalid usage (run with NCCL_DEBUG=WARN for details)",
-               6: "remote process exited or there was a network error",
-               7: "NCCL operation in progress"}
+               6: "remote process exited or there was a network error"}
 
 
 class FakeNcclError(RuntimeError):
-    """CuPy's ``NcclError``: the status code in ``status``, ``"NAME: text"`` as message."""
+    """CuPy's ``NcclError``: the status code in ``status``, ``"NAME: text"`` as message.
+    As CuPy's, it cannot be made for a status its name table lacks (7
+    ``ncclInProgress``, 8 ``ncclTimeout``): the constructor raises ``KeyError(status)``,
+    which is then what the failing call raises."""
 
     def __init__(self, status: int):
+        if status in CUPY_UNNAMED:
+            raise KeyError(status)
         self.status = status
         super().__init__(f"{ERROR_NAMES.get(status, status)}: {_ERROR_TEXT.get(status, '')}")
 
@@ -388,7 +392,10 @@ class _FakeComm:
         self.lib._enqueue(self, [(r, blocks[r]) for r in theirs], list(theirs.items()), post)
 
     def check_async_error(self) -> None:
-        pass
+        # ncclCommGetAsyncError: an injected status (fail_next("check_async_error"))
+        status = self.lib.faults.pop(("check_async_error", self.rank), None)
+        if status is not None:
+            raise self.lib._error(status, self.lib._detail)
 
     def abort(self) -> None:
         self.lib.calls["abort"] += 1

@@ -25,6 +25,7 @@ import contextlib
 import os
 import threading
 import time
+import traceback
 from typing import Any, Callable, Iterator
 
 import torch
@@ -53,7 +54,15 @@ NCCL_COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_sca
 ERROR_NAMES = {1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR", 2: "NCCL_ERROR_SYSTEM_ERROR",
                3: "NCCL_ERROR_INTERNAL_ERROR", 4: "NCCL_ERROR_INVALID_ARGUMENT",
                5: "NCCL_ERROR_INVALID_USAGE", 6: "NCCL_ERROR_REMOTE_ERROR",
-               7: "NCCL_ERROR_IN_PROGRESS"}
+               7: "NCCL_ERROR_IN_PROGRESS", 8: "NCCL_ERROR_TIMEOUT"}
+#: the statuses CuPy's ``NcclError`` has no name for (its table stops at 6): its
+#: constructor raises ``KeyError(status)`` instead, from ``nccl.pyx``
+#: (:func:`nccl_status` recovers them)
+CUPY_UNNAMED = (7, 8)
+#: ncclGetErrorString's text of those (CuPy cannot give it)
+_UNNAMED_TEXT = {7: "NCCL operation in progress", 8: "timeout"}
+#: ncclInProgress: a non-blocking call has not finished yet; not an error
+IN_PROGRESS = 7
 #: what each error usually means for a ringcomm user
 _ERROR_CAUSES = {
     1: "a CUDA call inside NCCL failed: is a GPU visible to this process "
@@ -67,7 +76,11 @@ _ERROR_CAUSES = {
     5: "NCCL refused how it was used: two ranks on one GPU (\"Duplicate GPU\") need NCCL "
        ">= 2.30.3 and NCCL_MULTI_RANK_GPU_ENABLE=1; or mismatched calls across ranks",
     6: "a remote rank exited or the network between the ranks failed",
-    7: "NCCL's operation is still in progress",
+    7: "NCCL's operation is still in progress (a non-blocking communicator's call that "
+       "has not finished; ringcomm's communicators are blocking, so NCCL returned it where "
+       "ringcomm expected a finished call)",
+    8: "NCCL gave up waiting within its own time limit (NCCL >= 2.30): a peer stopped "
+       "making the same calls, or the network between the ranks stalled",
 }
 
 
@@ -174,13 +187,29 @@ def _find_get_last_error() -> Any:
     return False
 
 
+def nccl_status(err: BaseException) -> int | None:
+    """The NCCL status (``ncclResult_t``) an exception from a CuPy NCCL call carries,
+    or None for one that is not NCCL's. CuPy's ``NcclError`` has it as ``status``;
+    for a status its name table lacks (:data:`CUPY_UNNAMED`) the error's constructor
+    raises ``KeyError(status)`` inside ``nccl.pyx``, which is read back here."""
+    status = getattr(err, "status", None)
+    if isinstance(status, int):
+        return status
+    if isinstance(err, KeyError) and len(err.args) == 1 and err.args[0] in CUPY_UNNAMED:
+        frames = traceback.extract_tb(err.__traceback__)
+        if frames and frames[-1].name.endswith("__init__") and "nccl" in frames[-1].filename:
+            return err.args[0]
+    return None
+
+
 def explain(lib: Any, err: BaseException) -> str:
     """``err`` from an NCCL call, with what NCCL said of it (``ncclGetLastError``)
     and what it usually means; "" for an error that is not NCCL's."""
-    status = getattr(err, "status", None)
+    status = nccl_status(err)
     if status not in ERROR_NAMES:
         return ""
-    parts = [str(err)]
+    parts = [str(err) if getattr(err, "status", None) == status
+             else f"{ERROR_NAMES[status]}: {_UNNAMED_TEXT[status]}"]
     detail = last_error(lib)
     if detail:
         parts.append(f"NCCL said: {detail}")
@@ -390,10 +419,15 @@ class NcclTransport(Link):
         return explain(self.lib, err)
 
     def check_async_error(self) -> None:
-        """Raise the communicator's asynchronous error, if it has one."""
+        """Raise the communicator's asynchronous error, if it has one (an operation
+        still in progress is none)."""
         with self._life:
             if not self._aborted:
-                self.comm.check_async_error()
+                try:
+                    self.comm.check_async_error()
+                except Exception as e:  # noqa: BLE001 - NCCL's, or CuPy's KeyError for it
+                    if nccl_status(e) != IN_PROGRESS:
+                        raise
 
     def abort(self) -> None:
         """Abort the communicator: its pending and running work ends (the data is
