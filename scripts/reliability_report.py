@@ -187,7 +187,7 @@ def cuda_path_cases() -> list[dict]:
         o = dist.AllreduceOptions()
         o.timeout = timedelta(seconds=1)
         note("a peer misses a collective (timeout 1 s; the watchdog aborts)",
-             lambda: pg.allreduce([torch.ones(2)], o))
+             lambda: pg.allreduce([torch.ones(2)], o).wait())
         note("the next call on that group", lambda: pg.allreduce([torch.ones(2)]))
 
     nccl_groups(2, late_peer, lib=FakeNccl(), timeout_s=20)

@@ -48,16 +48,17 @@ def test_a_call_failing_inside_a_group_leaves_no_group_open(algorithm, method, c
         second = _group(me, 2, second_store, lib, "second")
         second.set_algorithm("allreduce", "ring")
         second.allreduce([torch.ones(2)]).wait()
-        if me == 0:
+        failed = None
+        if me == 0:  # fails as it is issued, before anything is sent: rank 1 is not needed
             lib.fail_next(method, rank=0)
-        with pytest.raises(dist.DistBackendError) as failed:
-            call(pg, torch.ones(8)).wait()
+            with pytest.raises(dist.DistBackendError) as failed:
+                call(pg, torch.ones(8)).wait()
         depth = lib.group_depth()
         # the same thread, another group: its calls must run, not queue in an open group
         u = torch.full((6,), float(me + 1))
         second.allreduce([u]).wait()
         second.shutdown()
-        return str(failed.value), depth, u
+        return failed and str(failed.value), depth, u
 
     results = nccl_groups(2, body, lib=lib, timeout_s=30)
     assert "NCCL_ERROR_SYSTEM_ERROR" in results[0][0]
@@ -144,23 +145,65 @@ def test_closing_a_group_waits_for_the_thread_inside_nccl():
     assert lib.calls["destroy"] >= 1
 
 
-def test_the_stand_in_records_a_destroy_under_a_thread_inside_nccl():
+def _pair_of_comms(lib: FakeNccl) -> list:
+    """Both ranks' communicators of one two-rank FakeNccl communicator (made on two
+    threads: each creation blocks until the other rank's)."""
+    uid, comms = lib.get_unique_id(), [None, None]
+
+    def make(r: int) -> None:
+        comms[r] = lib.NcclCommunicator(2, uid, r)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert all(comms), "the communicator was not made"
+    return comms
+
+
+def test_the_stand_in_records_an_abort_under_a_thread_inside_nccl():
+    # a destroy blocks while the communicator's work has not run (rank 1 never
+    # receives); an abort from another thread then frees it under that thread
     lib = FakeNccl(timeout_s=5)
-    comms = []
+    handle, _ = lib.new_stream("test")
+    c0, _ = _pair_of_comms(lib)
+    data = torch.ones(4)
+    c0.send(data.data_ptr(), 16, 1, 1, handle)
+    closer = threading.Thread(target=c0.destroy, daemon=True)
+    closer.start()
+    time.sleep(0.3)
+    assert closer.is_alive(), "destroy() returned with the communicator's send not run"
+    c0.abort()
+    closer.join(5)
+    assert not closer.is_alive()
+    assert any("aborted while 1 other thread" in u for u in lib.unsafe), lib.unsafe
 
-    def body(pg):
-        pg.set_algorithm("allreduce", "ring")
-        pg.allreduce([torch.ones(4)]).wait()
-        comms.append(pg.lanes.for_device(torch.device("cpu"), "test").tp.comm)
-        if pg.rank() == 0:
-            threading.Timer(0.3, lambda: [c.destroy() for c in comms if c.rank == 0]).start()
-            with pytest.raises(dist.DistBackendError):
-                pg.allreduce([torch.ones(4)]).wait()  # rank 1 never comes
-        else:
-            time.sleep(1.5)  # alive, but not in the collective
 
-    nccl_groups(2, body, lib=lib, timeout_s=20)
-    assert any("destroyed while 1 other thread" in u for u in lib.unsafe), lib.unsafe
+def test_the_stand_in_blocks_as_nccl_does():
+    lib = FakeNccl(timeout_s=0.5)
+    # creating a communicator waits for every rank of it
+    with pytest.raises(RuntimeError, match="only 1 of 2 ranks joined"):
+        lib.NcclCommunicator(2, lib.get_unique_id(), 0)
+    lib.timeout_s = 5
+    handle, stream = lib.new_stream("test")
+    c0, c1 = _pair_of_comms(lib)
+    src, dst = torch.full((4,), 3.0), torch.zeros(4)
+    c0.send(src.data_ptr(), 16, 1, 1, handle)  # enqueued: returns before rank 1 receives
+    closer = threading.Thread(target=c0.destroy, daemon=True)
+    closer.start()
+    time.sleep(0.3)
+    assert closer.is_alive(), "destroy() returned before the communicator's work ran"
+    other, _ = lib.new_stream("test-1")
+    c1.recv(dst.data_ptr(), 16, 1, 0, other)
+    closer.join(5)
+    assert not closer.is_alive() and lib.unsafe == []
+    stream.synchronize("the test")
+    assert torch.equal(dst, src)
+    # a stream handle CUDA never gave out is refused, as CUDA refuses it
+    with pytest.raises(FakeNcclError, match="UNHANDLED_CUDA_ERROR"):
+        c1.send(src.data_ptr(), 16, 1, 0, 0xBAD)
+    assert "not a stream of this process" in lib.last_error()
 
 
 # -- 4. AVG as NCCL computes it ----------------------------------------------------------
@@ -226,6 +269,35 @@ def test_synchronize_orders_the_current_stream_without_blocking_the_cpu():
     assert waited == [NotYet]
 
 
+def _late_allreduce(lib: FakeNccl) -> list:
+    """Each rank's allreduce of a 1-element ones tensor on a stand-in whose groups
+    take 0.2 s, read as soon as ``wait()`` returned; and whether the Work was
+    pending right after it was issued."""
+    def body(pg):
+        pg.set_algorithm("allreduce", "ring")
+        pg.allreduce([torch.ones(1)]).wait()  # communicators made
+        t = torch.ones(1)
+        work = pg.allreduce([t])
+        pending = not work.is_completed()
+        work.wait()
+        return t.item(), pending
+
+    return nccl_groups(2, body, lib=lib, timeout_s=20)
+
+
+def test_work_completes_later_on_its_stream_and_wait_orders_the_reader_after_it():
+    assert _late_allreduce(FakeNccl(delay_s=0.2)) == [(2.0, True), (2.0, True)]
+
+
+def test_the_stand_in_catches_a_wait_that_does_not_order_the_reader(monkeypatch):
+    # a deliberately wrong engine: Work.wait() that does not make the caller's
+    # stream wait for the collective; on a GPU the reader then reads stale memory
+    from ringcomm.testing.fake_nccl import FakeStreams
+
+    monkeypatch.setattr(FakeStreams, "wait_on_current", lambda self, event: None)
+    assert _late_allreduce(FakeNccl(delay_s=0.2)) == [(1.0, True), (1.0, True)]
+
+
 # -- 8. NCCL's errors say why ------------------------------------------------------------------
 
 def test_a_failed_communicator_says_what_nccl_said_and_what_it_means():
@@ -256,6 +328,8 @@ def test_a_failed_collective_says_what_nccl_said():
         pg.allreduce([torch.ones(2)]).wait()
         if pg.rank() == 0:
             lib.fail_next("send", rank=0, status=6, detail="socket closed by peer 1")
+        else:  # its peer is gone: it hangs, as on a GPU, until its watchdog gives up
+            pg.set_timeout(timedelta(seconds=2))
         with pytest.raises(dist.DistBackendError) as e:
             pg.allreduce([torch.ones(2)]).wait()
         return str(e.value)
@@ -279,6 +353,8 @@ def test_statuses_cupy_cannot_name_are_explained_like_the_others(status, name, m
         pg.allreduce([torch.ones(2)]).wait()
         if pg.rank() == 0:
             lib.fail_next("send", rank=0, status=status, detail="peer 1 did not answer")
+        else:
+            pg.set_timeout(timedelta(seconds=2))
         with pytest.raises(dist.DistBackendError) as e:
             pg.allreduce([torch.ones(2)]).wait()
         return e.value
@@ -314,6 +390,66 @@ def test_errors_that_are_not_nccls_are_left_as_they_are():
     assert nccl.explain(FakeNccl(), ValueError("x")) == ""  # the caller's own text stays
     assert nccl.explain(FakeNccl(), KeyError(8)) == ""  # a KeyError not raised by NcclError
     assert nccl.last_error(object()) == ""  # no NCCL library in this process
+
+
+# -- 9. point-to-point as pipelines call it ----------------------------------------------
+
+@pytest.mark.parametrize("n", [4, 1 << 16])
+def test_a_symmetric_exchange_posted_op_by_op_completes(n):
+    # batch_isend_irecv on a Python group: torch posts each operation on its own (it
+    # coalesces only C++ groups), so both ranks issue [send][recv] before waiting, as
+    # every pipeline step does; on one communicator per pair NCCL matches the two
+    # sends against each other and each waits for a receive queued behind it
+    def body(pg):
+        me = pg.rank()
+        peer = 1 - me
+        got = torch.zeros(n)
+        works = [pg.send([torch.full((n,), float(me + 1))], peer), pg.recv([got], peer)]
+        for w in works:
+            w.wait()
+        # and again the other way round, receives first
+        again = torch.zeros(n)
+        works = [pg.recv([again], peer), pg.send([torch.full((n,), float(me + 5))], peer)]
+        for w in works:
+            w.wait()
+        return got[0].item(), again[0].item()
+
+    assert nccl_groups(2, body, timeout_s=20) == [(2.0, 6.0), (1.0, 5.0)]
+
+
+def test_the_first_message_needs_only_the_two_ranks():
+    # torch's NCCL backend makes the pair's communicator alone; a rank that takes no
+    # part (rank 2 here) must not be waited for
+    lib = FakeNccl(timeout_s=5)
+    made = threading.Event()
+
+    def body(pg):
+        me = pg.rank()
+        got = torch.zeros(3)
+        if me == 0:
+            pg.send([torch.full((3,), 7.0)], 1).wait()
+        elif me == 1:
+            pg.recv([got], 0).wait()
+            made.set()
+        else:
+            assert made.wait(10), "ranks 0 and 1 waited for rank 2"
+        return got[0].item(), lib.calls["NcclCommunicator"]
+
+    out = nccl_groups(3, body, lib=lib, timeout_s=20)
+    assert out[1][0] == 7.0
+    # the pair's two communicators (one per direction), each at both its ranks
+    assert lib.calls["NcclCommunicator"] == 4
+
+
+def test_a_send_outside_the_group_is_refused_naming_op_and_device():
+    def body(pg):
+        with pytest.raises(ValueError, match=r"ringcomm send of a tensor on cpu: peer rank 5 "
+                                             r"is out of range for a group of 2"):
+            pg.send([torch.ones(2)], 5)
+        with pytest.raises(ValueError, match=r"ringcomm recv of a tensor on cpu: rank"):
+            pg.recv([torch.ones(2)], pg.rank())
+
+    nccl_groups(2, body)
 
 
 # -- bad input ---------------------------------------------------------------------------

@@ -93,7 +93,11 @@ def test_point_to_point_uses_a_pair_communicator():
 
     out = nccl_groups(4, body)
     assert [v for v, _ in out] == [3.0, 0.0, 1.0, 2.0]
-    assert [peers for _, peers in out] == [[1, 3], [0, 2], [1, 3], [0, 2]]
+    # one communicator per direction: each rank sends to one neighbour, hears the other
+    # with each neighbour, a communicator for each direction
+    assert [peers for _, peers in out] == [
+        [(q, way) for q in sorted({(r - 1) % 4, (r + 1) % 4}) for way in ("recv", "send")]
+        for r in range(4)]
 
 
 def test_bad_inputs_raise_before_anything_is_enqueued():
@@ -160,16 +164,19 @@ def test_a_collective_past_the_timeout_aborts_and_later_calls_fail_at_once():
         start = time.monotonic()
         o = dist.AllreduceOptions()
         o.timeout = timedelta(seconds=1)
+        # enqueued, as on a GPU: pending until the watchdog gives up on it
+        work = pg.allreduce([torch.ones(2)], o)
+        pending = not work.is_completed()
         with pytest.raises(dist.DistBackendError, match=r"allreduce\[\w+\] timed out after 1s"):
-            pg.allreduce([torch.ones(2)], o)
+            work.wait()
         took = time.monotonic() - start
         start = time.monotonic()
         with pytest.raises(dist.DistBackendError, match="unusable after an earlier failure"):
             pg.broadcast([torch.ones(2)], dist.BroadcastOptions())
-        return took, time.monotonic() - start
+        return took, time.monotonic() - start, pending
 
-    took, then = nccl_groups(2, body, lib=lib, timeout_s=20)[0]
-    assert took < 3 and then < 0.5
+    took, then, pending = nccl_groups(2, body, lib=lib, timeout_s=20)[0]
+    assert pending and took < 3 and then < 0.5
     assert lib.calls["abort"] >= 1
 
 
@@ -225,6 +232,27 @@ def test_import_works_without_cupy_and_never_loads_it(tmp_path):
     """, str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert "available" in out.stdout
+
+
+@pytest.mark.parametrize("given,want", [(None, "1"), ("0", "0")])
+def test_nccl_is_told_to_launch_in_issue_order_unless_the_user_says(tmp_path, given, want):
+    # kernels of several communicators run at once on one GPU (channels, pair
+    # communicators): NCCL >= 2.26 then needs NCCL_LAUNCH_ORDER_IMPLICIT=1, set
+    # before NCCL reads its settings
+    env = {} if given is None else {"NCCL_LAUNCH_ORDER_IMPLICIT": given}
+    out = _python(f"""
+        import os
+        os.environ.pop("NCCL_LAUNCH_ORDER_IMPLICIT", None)
+        os.environ.update({env!r})
+        from ringcomm.transport import nccl
+        try:
+            nccl.load()
+        except nccl.NcclUnavailable:
+            pass
+        print("value:", os.environ.get("NCCL_LAUNCH_ORDER_IMPLICIT"))
+    """, str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert f"value: {want}" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("nccl_loads", [False, True])

@@ -49,6 +49,39 @@ def test_pipeline_schedules(launch, n):
     assert_checks(out, f"styles_pipeline {launch.__name__} n={n}", n)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_pipeline_schedules_over_the_nccl_path(n, monkeypatch):
+    """The same schedules with the stage-to-stage traffic on the CUDA path: send/recv
+    on NCCL communicators (one per direction of each pair of ranks), over the NCCL
+    stand-in, whose groups run later on their streams (ringcomm.testing.nccl_world:
+    torch's default group per thread). Every step of every schedule is a symmetric
+    exchange that a single communicator per pair would hang on. Against one process
+    on the whole batch (tests/ranks/styles_pipeline.py's oracle)."""
+    import copy
+
+    sys.path.insert(0, str(RANKS))
+    import styles_pipeline as sp
+    from _common import Checker
+    from ringcomm.testing import nccl_world
+
+    # torch's random generator is one per process: the threads' ranks would draw
+    # their initial weights from it in turn, and differ from the oracle's
+    built = sp.full_model()
+    monkeypatch.setattr(sp, "full_model", lambda: copy.deepcopy(built))
+    n_mb = max(4, 2 * n)
+
+    def body(rank: int) -> list[str]:
+        c = Checker(rank)
+        for spec in sp.SPECS:
+            ours = c.run(f"{spec[0]} over the NCCL path", sp.run_pipeline, spec, None, n_mb)
+            sp.check_results(c, spec, ours, None, n_mb)
+        assert c.count > 10 * len(sp.SPECS), c.count
+        return c.failures
+
+    failures = nccl_world(n, body, timeout_s=120)
+    assert failures == [[]] * n, failures
+
+
 @pytest.mark.parametrize("launch,n", [(mpirun, 3), (torchrun, 2)],
                          ids=["mpiexec-3", "torchrun-2"])
 def test_context_parallel(launch, n):

@@ -74,12 +74,13 @@ class Inputs:
                              f"of {self.size}")
         return root
 
-    def peer(self, peer: int, op: str) -> int:
+    def peer(self, peer: int, op: str, device: torch.device | None = None) -> int:
+        where = "" if device is None else f" of a tensor on {device}"
         if not 0 <= peer < self.size:
-            raise ValueError(f"ringcomm {op}: peer rank {peer} is out of range for a group "
-                             f"of {self.size}")
+            raise ValueError(f"ringcomm {op}{where}: peer rank {peer} is out of range for a "
+                             f"group of {self.size}")
         if peer == self.rank:
-            raise ValueError(f"ringcomm {op}: rank {peer} cannot {op} to/from itself")
+            raise ValueError(f"ringcomm {op}{where}: rank {peer} cannot {op} to/from itself")
         return peer
 
     def per_rank(self, lst: list, like: torch.Tensor, op: str) -> list[torch.Tensor]:

@@ -86,9 +86,11 @@ class BackendView(_backend_base()):
     is gone.
     """
 
-    #: torch then posts ``batch_isend_irecv``'s operations one by one. None of
-    #: ringcomm's can block another: MPI's are non-blocking, and on NCCL each pair of
-    #: ranks has a communicator (and stream) of its own.
+    #: torch posts a Python group's ``batch_isend_irecv`` operations one by one
+    #: whatever this says (it coalesces only its own C++ groups). None of ringcomm's
+    #: can block another: MPI's are non-blocking, and on NCCL each direction of a pair
+    #: of ranks has a communicator (and stream) of its own
+    #: (:meth:`ringcomm.front.lanes.Lanes.pair`).
     supports_coalescing = False
     #: ``split_group`` and, from a bound device, ``new_group`` (:meth:`TorchContract.split_group`)
     supports_splitting = True

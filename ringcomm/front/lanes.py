@@ -122,7 +122,7 @@ class Ordered:
 
 class Lanes:
     """A group's lanes: the CPU lane (if MPI loaded) and one NCCL lane per device,
-    plus two-rank NCCL lanes for send/recv.
+    plus two-rank NCCL lanes for send/recv, one per peer and direction.
 
     Args:
         rank, size: this rank and the group size.
@@ -294,28 +294,53 @@ class Lanes:
             pass
         return None
 
-    def pair(self, device: torch.device, peer: int, op: str) -> tuple[Lane, int]:
-        """The two-rank NCCL communicator (and its own stream) this rank uses for
-        ``dist.send``/``dist.recv`` with ``peer`` on ``device``, as torch's NCCL backend
-        does: messages between a pair then never queue behind the group's collectives.
-        Returns the lane and the peer's rank in it."""
+    def pair(self, device: torch.device, peer: int, op: str, send: bool) -> tuple[Lane, int]:
+        """The two-rank NCCL communicator (and its own stream) that carries this rank's
+        ``dist.send`` calls to ``peer`` (``send``) or its ``dist.recv`` calls from ``peer`` on
+        ``device``; the first message between the two ranks makes both directions'
+        communicators, by the two ranks alone. Returns the lane and the peer's rank in
+        it.
+
+        One communicator per direction, unlike torch's NCCL backend (one per pair):
+        torch groups a ``batch_isend_irecv`` into one NCCL group only for its own
+        C++ groups, so a Python group gets each send and receive separately. On one
+        communicator a symmetric exchange (both ranks: send, then receive, as every
+        pipeline schedule's step is) would queue each rank's receive behind its send,
+        and past NCCL's buffering each send waits for a receive that cannot start.
+        With a communicator and a stream per direction, a rank's sends never wait
+        behind its receives, and messages of one direction still match in issue
+        order (``tag`` is ignored, as in torch's NCCL backend).
+
+        Raises:
+            ValueError: a device other than the one the group is bound to, or CuPy
+                with NCCL missing.
+            DistBackendError: the group was shut down or aborted.
+        """
         self._refuse_if_closed(device, op)
+        self._refuse_off_bound(device, op)
         lib = self._library(op)
-        lo, hi = min(self.rank, peer), max(self.rank, peer)
-        key = (str(device), peer)
+        key = (str(device), peer, send)
         with self._lock:
             lane = self._pairs.get(key)
             if lane is None:
-                # each side counts the pair communicators it made with the other
-                n = sum(1 for k in self._pairs if k[1] == peer)
-                lane = self._new_nccl_lane(lib, device, f"ringcomm/nccl/p2p/{lo}-{hi}/{n}",
-                                           0 if self.rank == lo else 1, 2)
-                self._pairs[key] = lane
-        return lane, 1 if self.rank == lo else 0
+                # Both directions at once, the lower rank's sending one first: making a
+                # communicator waits for the other rank, so if each rank made the one
+                # its first call needs (rank 0 sending, rank 1 sending too), each would
+                # wait at another. Both ends count the pair's communicators made so far
+                # (two per device) alike.
+                n = sum(1 for k in self._pairs if k[1] == peer) // 2
+                lo, hi = min(self.rank, peer), max(self.rank, peer)
+                for src, dst in ((lo, hi), (hi, lo)):
+                    out = src == self.rank
+                    self._pairs[(str(device), peer, out)] = self._new_nccl_lane(
+                        lib, device, f"ringcomm/nccl/p2p/{src}-{dst}/{n}", 0 if out else 1, 2)
+                lane = self._pairs[key]
+        return lane, 1 if send else 0
 
-    def pair_peers(self) -> list[int]:
-        """The peers this rank has a pair communicator with (one entry per device)."""
-        return sorted(k[1] for k in self._pairs)
+    def pair_peers(self) -> list[tuple[int, str]]:
+        """The peers this rank has a communicator with for send/recv, and which way
+        (``"send"`` or ``"recv"``), one entry per device."""
+        return sorted((k[1], "send" if k[2] else "recv") for k in self._pairs)
 
     def _library(self, op: str) -> Any:
         if self._nccl_lib is None:
@@ -331,12 +356,7 @@ class Lanes:
         every rank creates its k-th at the same call, so the k-th communicators of all
         ranks are one."""
         self._refuse_if_closed(device, op)
-        bound = self.bound
-        if bound is not None and (device.type, device.index or 0) != (bound.type, bound.index or 0):
-            raise ValueError(f"ringcomm {op}: {self._describe()} is bound to {self.bound} "
-                             f"(init_process_group(device_id=...)), and a tensor on {device} "
-                             f"was given; move it to {self.bound}, or use a group that is "
-                             "not bound to a device")
+        self._refuse_off_bound(device, op)
         lib = self._library(op)
         with self._lock:
             lanes = self._devices.get(str(device))
@@ -351,6 +371,14 @@ class Lanes:
                     self._nccl_count += 1
                 self._devices[str(device)] = lanes
         return lanes
+
+    def _refuse_off_bound(self, device: torch.device, op: str) -> None:
+        bound = self.bound
+        if bound is not None and (device.type, device.index or 0) != (bound.type, bound.index or 0):
+            raise ValueError(f"ringcomm {op}: {self._describe()} is bound to {self.bound} "
+                             f"(init_process_group(device_id=...)), and a tensor on {device} "
+                             f"was given; move it to {self.bound}, or use a group that is "
+                             "not bound to a device")
 
     def _refuse_if_closed(self, device: torch.device, op: str) -> None:
         if self.closed is not None:

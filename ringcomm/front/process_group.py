@@ -190,13 +190,14 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:
         """``dist.send``/``isend``: posted at once (non-blocking), so rings of sends
         cannot deadlock; the Work completes when the message left. CUDA tensors go
-        over a two-rank NCCL communicator of the pair, on its own stream (``tag`` is
-        ignored there: NCCL matches by order, as in torch's NCCL backend)."""
+        over a two-rank NCCL communicator for this direction of the pair, on its own
+        stream (:meth:`ringcomm.front.lanes.Lanes.pair`; ``tag`` is ignored there: NCCL
+        matches by order, as in torch's NCCL backend)."""
         t = self.inputs.single(tensors, "send")
-        self.inputs.peer(dstRank, "send")
-        lane = self.lanes.for_tensor(t, "send", channel=0)
-        if lane.on_stream:
+        self.inputs.peer(dstRank, "send", t.device)
+        if t.device.type == self.lanes.nccl_type:
             return self._pair_message("send", t, dstRank)
+        lane = self.lanes.for_tensor(t, "send", channel=0)
         buf = t if t.is_contiguous() else t.contiguous()
         h = lane.tp.p2p_isend(buf.view(-1).view(torch.uint8), dstRank, tag)
         return P2PWork("send", lane.engine, lane.tp, h, self.timeout_s)
@@ -204,23 +205,23 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
         """``dist.recv``/``irecv`` from ``srcRank``."""
         t = self.inputs.single(tensors, "recv")
-        self.inputs.peer(srcRank, "recv")
-        lane = self.lanes.for_tensor(t, "recv", channel=0)
-        if lane.on_stream:
+        self.inputs.peer(srcRank, "recv", t.device)
+        if t.device.type == self.lanes.nccl_type:
             return self._pair_message("recv", t, srcRank)
-        return self._post_recv(lane, t, srcRank, tag)
+        return self._post_recv(self.lanes.for_tensor(t, "recv", channel=0), t, srcRank, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         """``dist.recv`` without a source; the Work knows the sender (``_source_rank``)."""
         t = self.inputs.single(tensors, "recv")
-        lane = self.lanes.for_tensor(t, "recv", channel=0)
-        if lane.on_stream:
+        if t.device.type == self.lanes.nccl_type:
             raise ValueError(f"ringcomm recv: a receive from any rank needs MPI; NCCL has "
                              f"none, so a tensor on {t.device} needs the source rank")
-        return self._post_recv(lane, t, None, tag)
+        return self._post_recv(self.lanes.for_tensor(t, "recv", channel=0), t, None, tag)
 
     def _pair_message(self, kind: str, t: torch.Tensor, peer: int) -> dist.Work:
-        lane, pair_peer = self.lanes.pair(t.device, peer, kind)
+        # only the pair's communicator of this direction: the group's own are made by
+        # its first collective, which every rank calls (a message concerns two ranks)
+        lane, pair_peer = self.lanes.pair(t.device, peer, kind, kind == "send")
         call = _PairMessage(f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}",
                             lane, kind == "send", pair_peer)
         return lane.engine.submit(call, (t,), async_op=True, timeout_s=self.timeout_s)
@@ -283,8 +284,8 @@ class _Traced:
 
 
 class _PairMessage:
-    """A lone send or receive on a pair's NCCL communicator: a group of its own, as in
-    torch."""
+    """A lone send or receive on the NCCL communicator of one direction of a pair: a
+    group of its own, as in torch."""
 
     blocking = False
 

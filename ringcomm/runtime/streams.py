@@ -191,6 +191,8 @@ class StreamWork(BaseWork):
         if self._exc is not None:
             raise self._exc
         self._streams.wait_on_current(self._end)
+        if self._exc is not None:  # failed while the wait blocked (a host-side stream)
+            raise self._exc
         return True
 
     def _block(self, limit: float) -> None:

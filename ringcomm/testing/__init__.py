@@ -11,7 +11,9 @@ launcher, any world size.
 
 * :func:`run_ranks` calls any function with a point-to-point transport per rank.
 * :func:`nccl_groups` runs process groups whose CPU tensors take the NCCL path,
-  over :class:`~ringcomm.testing.fake_nccl.FakeNccl` (also importable from here).
+  over :class:`~ringcomm.testing.fake_nccl.FakeNccl` (also importable from here);
+  :func:`nccl_world` makes such a group torch's default one on each thread, for
+  code that calls ``torch.distributed`` itself (pipelining, DDP).
 * :func:`check_collectives` checks every collective of a group against a
   single-process oracle.
 """
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 from ringcomm.testing.collectives import CHECK_OPS, check_collectives
 from ringcomm.testing.fake_nccl import FakeNccl
-from ringcomm.testing.in_process import EXECUTORS, nccl_groups, run_ranks, run_schedule
+from ringcomm.testing.in_process import (EXECUTORS, nccl_groups, nccl_world, run_ranks,
+                                        run_schedule)
 
 __all__ = ["CHECK_OPS", "EXECUTORS", "FakeNccl", "check_collectives", "nccl_groups",
-           "run_ranks", "run_schedule"]
+           "nccl_world", "run_ranks", "run_schedule"]

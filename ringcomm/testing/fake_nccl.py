@@ -12,6 +12,16 @@ It is meant to fail where NCCL and CUDA fail, not to be kinder:
   zeroes its handle: NCCL's "invalid argument");
 * ``abort()`` or ``destroy()`` while another thread is inside NCCL on the same
   communicator (a use after free in NCCL) is recorded in ``unsafe``;
+* work runs on streams, later: ``groupEnd`` only enqueues its group on the stream
+  its calls name (:mod:`ringcomm.testing.sim_stream`, one thread per stream), which
+  runs it in stream order once the peers' matching groups are there; torch ops
+  issued on that stream wait their turn too, so a Work is pending until its stream
+  got there, and output read without waiting for it is stale. A stream handle the
+  stand-in never made is refused, as CUDA refuses it;
+* a schedule that would hang on a GPU hangs here too (until ringcomm's watchdog
+  aborts the communicator), and the cycle is recorded in ``hung``;
+* creating a communicator blocks until all its ranks call it, and ``destroy()``
+  blocks until the communicator's work has run, as NCCL's do;
 * :class:`FakeStreams` issues collectives "on a stream" as CUDA's engine does,
   and refuses memory that NCCL used but that was not recorded on that stream
   (CUDA's caching allocator could hand it to another stream meanwhile);
@@ -22,15 +32,25 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import itertools
+import logging
 import os
 import threading
+import time
 from typing import Any
 
 import torch
 
 from ringcomm.runtime.streams import HostStreams
-from ringcomm.execution.simulator import SimFabric
+from ringcomm.execution.simulator import SimFabric, SimulatorError
+from ringcomm.testing.sim_stream import Deferred, SimEvent, SimStream
 from ringcomm.transport.nccl import CUPY_UNNAMED, DTYPE_CODES, ERROR_NAMES
+
+log = logging.getLogger("ringcomm")
+
+#: the stream handle of CUDA's legacy default stream: work on it runs on the host,
+#: as it is issued
+NULL_STREAM = 0
 
 #: ncclGetErrorString's text per status (nccl.h ncclResult_t)
 _ERROR_TEXT = {1: "unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
@@ -59,11 +79,14 @@ class FakeNccl:
     NCCL path (communicator set-up through the store, pointers, byte counts, type
     codes, groups, NCCL's own collectives, aborts) where there is no GPU.
 
-    Messages follow NCCL's rules through :class:`ringcomm.execution.simulator.SimFabric`:
-    ``groupEnd()`` returns once the group completed (as if the stream were
-    synchronised after each group), so a schedule that would hang on a GPU ends in
-    :class:`ringcomm.execution.simulator.SimulatorError` naming the cycle. NCCL's own
-    collectives are lowered to messages to every peer plus a local reduction.
+    Messages follow NCCL's rules through :class:`ringcomm.execution.simulator.SimFabric`.
+    ``groupEnd()`` enqueues the group on the stream its calls name (a
+    :class:`ringcomm.testing.sim_stream.SimStream` made by :meth:`new_stream`); the
+    stream's thread runs it once every peer's matching group is there. A schedule
+    that would hang on a GPU hangs there too, until the communicator is aborted,
+    and the cycle NCCL's rules find is kept in ``hung``. On the null stream
+    (handle 0) a group runs on the host as it ends. NCCL's own collectives are
+    lowered to messages to every peer plus a local reduction.
 
     Pass it as ``nccl=`` to :class:`ringcomm.ProcessGroupRingcomm` with
     ``nccl_device_type="cpu"``; :func:`nccl_groups` does that for a whole world.
@@ -75,14 +98,19 @@ class FakeNccl:
     Args:
         id_form: what ``get_unique_id`` returns: ``"bytes"`` (CuPy 14) or
             ``"tuple"`` of signed chars (CuPy 13); the communicator takes only that.
-        timeout_s: how long a group may wait for its peers.
+        timeout_s: how long a host call may block (creating a communicator, a
+            ``destroy``, a host wait on a stream) before it is reported instead of
+            hanging the test; a group on a stream waits until it is aborted.
         record: count the calls and do nothing else.
+        delay_s: how long each group takes once it can run (a kernel's time), so a
+            test can count on a collective finishing after the host moved on.
     """
 
     available = True
     NcclError = FakeNcclError
 
-    def __init__(self, id_form: str = "bytes", timeout_s: float = 60.0, record: bool = False):
+    def __init__(self, id_form: str = "bytes", timeout_s: float = 60.0, record: bool = False,
+                 delay_s: float = 0.0):
         if id_form not in ("bytes", "tuple"):
             raise ValueError(f"FakeNccl: id_form must be 'bytes' or 'tuple', got {id_form!r}")
         self.id_form = id_form
@@ -100,6 +128,37 @@ class FakeNccl:
         #: what ncclGetLastError would say after the last error
         self.last_error_text = ""
         self._detail = ""
+        self.delay_s = delay_s
+        #: the simulated streams, by handle
+        self._streams: dict[int, SimStream] = {}
+        self._handles = itertools.count(0x5700)
+        #: what NCCL's rules found stuck: groups that would hang a GPU
+        self.hung: list[str] = []
+        #: ranks that joined each communicator being made, by unique id
+        self._joined: dict[bytes, int] = collections.defaultdict(int)
+        self._joining = threading.Condition(self._lock)
+
+    def new_stream(self, name: str) -> tuple[int, SimStream]:
+        """A simulated stream and its handle (``cudaStreamCreate``)."""
+        with self._lock:
+            handle = next(self._handles)
+            stream = self._streams[handle] = SimStream(f"{name}#{handle:#x}", self.timeout_s)
+        return handle, stream
+
+    def _stream(self, handle: int, method: str) -> SimStream | None:
+        """The stream of ``handle`` (None: the null stream, on the host).
+
+        Raises:
+            FakeNcclError: a handle no stream has (CUDA's invalid resource handle,
+                which NCCL reports as an unhandled CUDA error).
+        """
+        if handle == NULL_STREAM:
+            return None
+        stream = self._streams.get(handle)
+        if stream is None:
+            raise self._error(1, f"{method}: stream {handle:#x} is not a stream of this "
+                                 "process (cudaErrorInvalidResourceHandle)")
+        return stream
 
     def fail_next(self, method: str, rank: int, status: int = 2,
                   detail: str = "injected by FakeNccl.fail_next") -> None:
@@ -148,6 +207,18 @@ class FakeNccl:
         if fabric.size != ndev or not 0 <= rank < ndev:
             raise ValueError(f"FakeNccl: rank {rank} of {ndev} does not fit a communicator "
                              f"of {fabric.size}")
+        # ncclCommInitRank returns once every rank of the communicator called it
+        deadline = time.monotonic() + self.timeout_s
+        with self._joining:
+            self._joined[key] += 1
+            self._joining.notify_all()
+            while self._joined[key] < ndev:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"FakeNccl: ncclCommInitRank (rank {rank} of {ndev}) "
+                                       f"would wait forever: only {self._joined[key]} of "
+                                       f"{ndev} ranks joined within {self.timeout_s:g}s")
+                self._joining.wait(left)
         return _FakeComm(self, fabric.comm(rank))
 
     # -- groups (per thread, as in NCCL) --------------------------------------------
@@ -175,7 +246,7 @@ class FakeNccl:
             err, self._tls.error = self._tls.error, None
             if err is not None:  # the group's first error, and nothing of it runs
                 raise err
-            self._run(ops)
+            self._launch(ops)
 
     def group_depth(self) -> int:
         """This thread's group depth (NCCL's ``ncclGroupDepth``), for tests."""
@@ -210,27 +281,47 @@ class FakeNccl:
             touched.append((ptr, t.numel() * t.element_size(), what))
         return t
 
-    def _enqueue(self, comm: "_FakeComm", sends: list, recvs: list, post=None) -> None:
+    def _enqueue(self, comm: "_FakeComm", stream: int, sends: list, recvs: list,
+                 post=None) -> None:
         """``sends``: ``(peer, tensor)``; ``recvs``: ``(peer, tensor)``; ``post``: runs
-        once the group completed."""
-        item = (comm, sends, recvs, post)
+        once the group completed; ``stream``: the handle the call named."""
+        item = (comm, self._stream(stream, "enqueue"), sends, recvs, post)
         if getattr(self._tls, "depth", 0):
             self._tls.ops.append(item)
         else:  # a lone call is a group of its own
-            self._run([item])
+            self._launch([item])
 
-    def _run(self, items: list) -> None:
-        comms = []
-        for comm, _, _, _ in items:
-            if comm not in comms:
-                comms.append(comm)
-        me = threading.get_ident()
+    def _launch(self, items: list) -> None:
+        """A group ends: on the null stream it runs now, on the host; otherwise it is
+        enqueued on the stream of its first call (a group's calls name one stream)."""
+        if not items:
+            return
+        stream = items[0][1]
+        comms = list(dict.fromkeys(item[0] for item in items))
+        if stream is None:
+            me = threading.get_ident()
+            for c in comms:
+                c.inside.add(me)
+            try:
+                self._run(items, comms, host=True)
+            finally:
+                for c in comms:
+                    c.inside.discard(me)
+            return
         for c in comms:
-            c.inside.add(me)
+            c.started()
+        stream.enqueue(lambda: self._run(items, comms, host=False),
+                       f"an NCCL group of rank {comms[0].rank}")
+
+    def _run(self, items: list, comms: list, host: bool) -> None:
+        """Run one group to its end under NCCL's rules (on its stream's thread, or on
+        the host for the null stream)."""
         try:
+            if self.delay_s:
+                time.sleep(self.delay_s)
             for c in comms:
                 c.sim.group_start()
-            for comm, sends, recvs, _ in items:
+            for comm, _, sends, recvs, _ in items:
                 for peer, t in sends:
                     comm.sim.send(t, peer)
                 for peer, t in recvs:
@@ -238,13 +329,37 @@ class FakeNccl:
             for c in comms:
                 c.sim.group_end("group")
             for c in comms:
-                c.sim.synchronize(self.timeout_s)
-            for _, _, _, post in items:
+                if host:
+                    c.sim.synchronize(self.timeout_s)
+                elif not self._wait_on_stream(c):
+                    return  # aborted: the kernel ends, its data are garbage
+            for *_, post in items:
                 if post is not None:
                     post()
         finally:
-            for c in comms:
-                c.inside.discard(me)
+            if not host:
+                for c in comms:
+                    c.finished()
+
+    def _wait_on_stream(self, c: "_FakeComm") -> bool:
+        """Wait, as a kernel does, until the group of ``c`` completed: True; False once
+        ``c`` is aborted or destroyed. A group NCCL's rules find stuck waits (as on a
+        GPU) until then, its cycle recorded in ``hung``."""
+        while True:
+            try:
+                c.sim.synchronize(1.0)
+                return True
+            except SimulatorError as e:
+                if not c.handle:
+                    return False
+                if c.sim.fabric._error is None:
+                    continue  # a peer has not issued its group yet
+                self.hung.append(str(e))
+                log.warning("FakeNccl: rank %d's stream is stuck (a GPU would hang here "
+                            "until the communicator is aborted): %s", c.rank, e)
+                while c.handle:
+                    time.sleep(0.02)
+                return False
 
 
 #: NCCL type code -> torch dtype
@@ -297,6 +412,18 @@ class _FakeComm:
         self.ended = ""
         #: threads inside a call of this communicator now
         self.inside: set[int] = set()
+        #: groups enqueued on a stream and not run to their end yet
+        self._pending = 0
+        self._idle = threading.Condition()
+
+    def started(self) -> None:
+        with self._idle:
+            self._pending += 1
+
+    def finished(self) -> None:
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
 
     @property
     def aborted(self) -> bool:
@@ -310,13 +437,13 @@ class _FakeComm:
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         self.lib._enter(self, "send")
-        self.lib._enqueue(self, [(peer, self._mem(sendbuf, count, datatype, f"send to {peer}"))],
-                          [])
+        self.lib._enqueue(self, stream,
+                          [(peer, self._mem(sendbuf, count, datatype, f"send to {peer}"))], [])
 
     def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         self.lib._enter(self, "recv")
-        self.lib._enqueue(self, [], [(peer, self._mem(recvbuf, count, datatype,
-                                                      f"recv from {peer}"))])
+        self.lib._enqueue(self, stream, [], [(peer, self._mem(recvbuf, count, datatype,
+                                                              f"recv from {peer}"))])
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,  # noqa: N802
                   stream: int) -> None:
@@ -329,14 +456,14 @@ class _FakeComm:
             parts = [mine if r == self.rank else theirs[r] for r in range(self.size)]
             dst.copy_(_fold(parts, op))
 
-        self.lib._enqueue(self, [(r, mine) for r in theirs], list(theirs.items()), post)
+        self.lib._enqueue(self, stream, [(r, mine) for r in theirs], list(theirs.items()), post)
 
     def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int,
                stream: int) -> None:
         self.lib._enter(self, "reduce")
         mine = self._mem(sendbuf, count, datatype, "sendbuf")
         if self.rank != root:
-            self.lib._enqueue(self, [(root, mine)], [])
+            self.lib._enqueue(self, stream, [(root, mine)], [])
             return
         theirs = {r: torch.empty_like(mine) for r in self._others()}
         dst = self._mem(recvbuf, count, datatype, "recvbuf")
@@ -345,7 +472,7 @@ class _FakeComm:
             parts = [mine if r == self.rank else theirs[r] for r in range(self.size)]
             dst.copy_(_fold(parts, op))
 
-        self.lib._enqueue(self, [], list(theirs.items()), post)
+        self.lib._enqueue(self, stream, [], list(theirs.items()), post)
 
     def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int,
                   stream: int) -> None:
@@ -358,9 +485,10 @@ class _FakeComm:
                 if sendbuff != recvbuff:
                     dst.copy_(src)
 
-            self.lib._enqueue(self, [(r, src) for r in self._others()], [], post)
+            self.lib._enqueue(self, stream, [(r, src) for r in self._others()], [], post)
         else:
-            self.lib._enqueue(self, [], [(root, self._mem(recvbuff, count, datatype, "recvbuff"))])
+            self.lib._enqueue(self, stream, [],
+                              [(root, self._mem(recvbuff, count, datatype, "recvbuff"))])
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,  # noqa: N802
                   stream: int) -> None:
@@ -373,7 +501,7 @@ class _FakeComm:
             if out is not None:
                 out[self.rank].copy_(mine)
 
-        self.lib._enqueue(self, [(r, mine) for r in self._others()],
+        self.lib._enqueue(self, stream, [(r, mine) for r in self._others()],
                           [(r, out[r]) for r in self._others()] if out is not None else [], post)
 
     def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int,  # noqa: N802
@@ -389,7 +517,8 @@ class _FakeComm:
             parts = [blocks[r] if r == self.rank else theirs[r] for r in range(self.size)]
             dst.copy_(_fold(parts, op))
 
-        self.lib._enqueue(self, [(r, blocks[r]) for r in theirs], list(theirs.items()), post)
+        self.lib._enqueue(self, stream, [(r, blocks[r]) for r in theirs], list(theirs.items()),
+                          post)
 
     def check_async_error(self) -> None:
         # ncclCommGetAsyncError: an injected status (fail_next("check_async_error"))
@@ -403,7 +532,21 @@ class _FakeComm:
         self.sim.abort()
 
     def destroy(self) -> None:
+        """ncclCommDestroy: finalizes first, which waits until every operation of the
+        communicator has run (so it blocks while a peer never comes)."""
         self.lib.calls["destroy"] += 1
+        if self.handle:
+            me = threading.get_ident()
+            self.inside.add(me)
+            try:
+                with self._idle:
+                    if not self._idle.wait_for(lambda: self._pending == 0, self.lib.timeout_s):
+                        raise RuntimeError(
+                            f"FakeNccl: ncclCommDestroy (rank {self.rank}) would wait forever: "
+                            f"{self._pending} group(s) of the communicator never completed "
+                            f"within {self.lib.timeout_s:g}s (abort it instead)")
+            finally:
+                self.inside.discard(me)
         self._end("destroyed")
         self.sim.close()
 
@@ -422,16 +565,23 @@ class _FakeComm:
 
 class FakeStreams(HostStreams):
     """The streams of a CUDA device as ringcomm's stream engine drives them, over
-    :class:`FakeNccl`: the collective is issued as on a GPU (the internal stream
-    made to wait for the caller's, the work issued "on" it, its tensors recorded on
-    it with ``record_stream``), though each group has completed when ``groupEnd``
-    returns.
+    :class:`FakeNccl`: the internal stream is a simulated one
+    (:class:`ringcomm.testing.sim_stream.SimStream`); a collective's NCCL groups and
+    the torch ops issued with them (:class:`ringcomm.testing.sim_stream.Deferred`)
+    run on it later, in order; its end is an event that completes when the stream
+    gets there. The caller's current stream is the host, where torch ops run as they
+    are issued: waiting on it for an event (``Work.wait()``) blocks until the event
+    completed; on a simulated stream (another channel's, while it enqueues) that
+    stream waits instead, as ``cudaStreamWaitEvent`` makes it.
 
     What CUDA's caching allocator would punish is refused here: every byte that an
     NCCL call of the collective read or wrote must lie in a tensor recorded on the
     stream (:meth:`keep_alive`). Memory allocated on the caller's stream and used
     on the internal one without that can be handed out again, on the caller's
     stream, while NCCL still uses it.
+
+    With ``check=False`` (a recording :class:`FakeNccl`) nothing is simulated: work
+    completes as it is issued.
     """
 
     inline = False
@@ -440,9 +590,12 @@ class FakeStreams(HostStreams):
     def __init__(self, device: torch.device, lib: FakeNccl, check: bool = True):
         super().__init__(device)
         self.lib = lib
-        self.handle = 0x57  # a stream handle as an int, as CUDA's
         self._kept: list[tuple[int, int]] = []
         self.check = check
+        if check:
+            self.handle, self.stream = lib.new_stream(str(device))
+        else:
+            self.handle, self.stream = 0x57, None  # a stream handle as an int, as CUDA's
 
     def on_stream(self) -> Any:
         return self._checked() if self.check else contextlib.nullcontext()
@@ -450,12 +603,19 @@ class FakeStreams(HostStreams):
     @contextlib.contextmanager
     def _checked(self) -> Any:
         tls = self.lib._tls
-        tls.touched, self._kept = [], []
+        tls.touched, self._kept, held = [], [], []
+        self._held = held
+        outer = getattr(tls, "current", None)
+        tls.current = self.stream
         try:
-            yield
+            with Deferred(self.stream):
+                yield
             touched = tls.touched
         finally:
-            tls.touched = None
+            tls.touched, tls.current = None, outer
+            # what record_stream does for the caching allocator: the tensors stay
+            # allocated until the stream has run everything issued with them
+            self.stream.enqueue(held.clear, "release recorded tensors")
         for ptr, n, what in touched:
             if not any(a <= ptr and ptr + n <= e for a, e in self._kept):
                 raise RuntimeError(
@@ -469,6 +629,37 @@ class FakeStreams(HostStreams):
         for t in tensors:
             st = t.untyped_storage()
             self._kept.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+            self._held.append(t)
+
+    def record(self) -> Any:
+        return self.stream.record() if self.stream is not None else super().record()
+
+    def wait_on_current(self, event: Any) -> None:
+        if not isinstance(event, SimEvent):
+            return
+        current = getattr(self.lib._tls, "current", None)
+        if current is not None:
+            current.wait_event(event)
+        elif not event.wait(self.lib.timeout_s):
+            raise RuntimeError(f"FakeNccl: the host waited {self.lib.timeout_s:g}s for a "
+                               f"collective on stream {self.stream.name} that never "
+                               "completed (on a GPU it would wait forever)")
+
+    def future_after(self, event: Any, value: Any) -> torch.futures.Future:
+        if not isinstance(event, SimEvent):
+            return super().future_after(event, value)
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def complete() -> None:
+            # off the stream's thread, as torch completes a CUDA future's callbacks: a
+            # callback that waits on the stream must not hold the stream up
+            if event.wait(self.lib.timeout_s):
+                fut.set_result(value)
+            else:
+                fut.set_exception(RuntimeError("FakeNccl: the collective never completed"))
+
+        threading.Thread(target=complete, daemon=True, name="fake-cuda-future").start()
+        return fut
 
 
 class _RecordingComm:

@@ -1,7 +1,8 @@
 """In-process ranks: any world size on threads, no MPI, no launcher.
 :func:`run_ranks` (a point-to-point transport per rank), :func:`run_schedule`
-(a builder on either executor) and :func:`nccl_groups` (process groups on the
-NCCL path over FakeNccl). :mod:`ringcomm.testing` hands these names on."""
+(a builder on either executor), :func:`nccl_groups` (process groups on the
+NCCL path over FakeNccl) and :func:`nccl_world` (torch's default group, per thread,
+on that path). :mod:`ringcomm.testing` hands these names on."""
 from __future__ import annotations
 
 import threading
@@ -140,6 +141,71 @@ def nccl_groups(size: int, fn: Callable[[Any], Any], *, lib: FakeNccl | None = N
             pg.shutdown()
 
     return _on_threads("nccl_groups", size, body, timeout_s)
+
+
+#: the torch backend name of :func:`nccl_world`'s groups, registered on first use
+FAKE_NCCL_BACKEND = "ringcomm_fake_nccl"
+_world_lib: list = [None]  # the FakeNccl of the nccl_world running now
+_world_lock = threading.Lock()
+
+
+def _fake_nccl_group(dist_opts: Any, pg_options: Any) -> Any:
+    """torch's creator for :data:`FAKE_NCCL_BACKEND`: a ringcomm group whose CPU
+    tensors take the NCCL path over the running :func:`nccl_world`'s FakeNccl."""
+    from ringcomm.front.contract import options_from_torch
+    from ringcomm.front.process_group import ProcessGroupRingcomm
+
+    return ProcessGroupRingcomm(dist_opts.group_rank, dist_opts.group_size, None,
+                                dist_opts.timeout, options_from_torch(pg_options),
+                                str(dist_opts.group_id), store=dist_opts.store,
+                                cpu_error="not used: CPU tensors take the NCCL path here",
+                                nccl=_world_lib[0], nccl_device_type="cpu",
+                                global_ranks=list(dist_opts.global_ranks_in_group))
+
+
+def nccl_world(size: int, fn: Callable[[int], Any], *, lib: FakeNccl | None = None,
+               timeout_s: float = 60.0) -> list[Any]:
+    """Call ``fn(rank)`` on ``size`` threads, each with torch's default process group
+    initialised (``dist.init_process_group``) to a ringcomm group whose CPU tensors
+    take the NCCL path over :class:`FakeNccl`, as CUDA tensors would on a GPU: code
+    that calls ``torch.distributed``'s functions itself (``torch.distributed.pipelining``,
+    DDP) runs on it unchanged. ``dist.new_group`` makes more such groups. Each thread
+    has a world of its own (torch's thread-local world for threaded tests), for the
+    duration of the call; one such world runs at a time.
+
+    Raises:
+        RuntimeError: some rank raised (the first error is chained) or did not finish.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed import multi_threaded_pg
+
+    with _world_lock:
+        if FAKE_NCCL_BACKEND.upper() not in dist.Backend._plugins:
+            dist.Backend.register_backend(FAKE_NCCL_BACKEND, _fake_nccl_group,
+                                          extended_api=True, devices=["cpu"])
+        _world_lib[0] = lib or FakeNccl()
+        store = dist.HashStore()
+        # torch's registry of group names per thread too (every thread's world names
+        # its default group alike), as torch's own threaded tests set it
+        isolate = torch._C._distributed_c10d._set_thread_isolation_mode
+        multi_threaded_pg._install_threaded_pg()
+        isolate(True)
+        try:
+            def body(rank: int) -> Any:
+                dist.init_process_group(FAKE_NCCL_BACKEND, store=store, rank=rank,
+                                        world_size=size, timeout=timedelta(seconds=timeout_s))
+                try:
+                    return fn(rank)
+                finally:
+                    dist.destroy_process_group()
+
+            return _on_threads("nccl_world", size, body, timeout_s)
+        finally:
+            isolate(False)
+            multi_threaded_pg._uninstall_threaded_pg()
+            _world_lib[0] = None
 
 
 # -- every collective against a single-process oracle ---------------------------------

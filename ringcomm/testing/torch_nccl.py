@@ -15,11 +15,11 @@ here as it does on a GPU::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["torch_nccl", "StandInProcessGroupNCCL"]
+__all__ = ["torch_nccl", "install", "StandInProcessGroupNCCL"]
 
 
 class _Options:
@@ -69,28 +69,45 @@ class StandInProcessGroupNCCL(dist.ProcessGroupGloo):
         """A rank outside a group split from this one: nothing to make."""
 
 
-@contextlib.contextmanager
-def torch_nccl() -> Iterator[type[StandInProcessGroupNCCL]]:
-    """Within the block, torch's ``new_group(backend="nccl")`` makes a
-    :class:`StandInProcessGroupNCCL` (for CPU and CUDA tensors: the host's tensors are
-    what a CPU machine has). Yields the class; its ``made`` lists the options of the
-    groups made."""
+def install() -> Callable[[], None]:
+    """From now on, torch's ``new_group(backend="nccl")`` makes a
+    :class:`StandInProcessGroupNCCL` (for CPU and CUDA tensors: the host's tensors
+    are what a CPU machine has), and ``torch.cuda.nccl.version()``, which torch's
+    logging asks when an "nccl" group's call fails, answers ``(0, 0, 0)``. Returns
+    what undoes it (a group made meanwhile keeps working, but its failures then
+    ask a CPU torch for an NCCL version it lacks)."""
+    import torch.cuda.nccl as cuda_nccl
+
     c10d = dist.distributed_c10d
     # torch 2.15 makes "nccl" groups as ProcessGroupNCCL2 (same options, a device)
     classes = ("ProcessGroupNCCL", "ProcessGroupNCCL2")
     saved = {name: getattr(c10d, name, None) for name in (*classes, "is_nccl_available")}
     caps = dist.Backend.backend_capability
-    saved_caps = caps.get("nccl")
+    saved_caps, saved_version = caps.get("nccl"), cuda_nccl.version
     for name in classes:
         setattr(c10d, name, StandInProcessGroupNCCL)
     c10d.is_nccl_available = lambda: True
     caps["nccl"] = ["cpu", "cuda"]
-    try:
-        yield StandInProcessGroupNCCL
-    finally:
+    cuda_nccl.version = lambda: (0, 0, 0)
+
+    def undo() -> None:
         for name, value in saved.items():
             if value is None:
                 delattr(c10d, name)
             else:
                 setattr(c10d, name, value)
         caps["nccl"] = saved_caps
+        cuda_nccl.version = saved_version
+
+    return undo
+
+
+@contextlib.contextmanager
+def torch_nccl() -> Iterator[type[StandInProcessGroupNCCL]]:
+    """:func:`install` within the block. Yields the class; its ``made`` lists the
+    options of the groups made."""
+    undo = install()
+    try:
+        yield StandInProcessGroupNCCL
+    finally:
+        undo()

@@ -93,13 +93,27 @@ _lib_error: str | None = None
 _lib_lock = threading.Lock()
 
 
+#: NCCL's setting that makes the host's issue order the launch order of kernels of
+#: different communicators on one device (NCCL >= 2.26; older NCCL ignores it)
+LAUNCH_ORDER = "NCCL_LAUNCH_ORDER_IMPLICIT"
+
+
 def load() -> Any:
     """The ``cupy.cuda.nccl`` module, loaded once.
+
+    Before NCCL reads its settings, ``NCCL_LAUNCH_ORDER_IMPLICIT=1`` is set unless
+    the environment sets it: a ringcomm group runs kernels of several communicators
+    on one GPU at once (``num_channels > 1``; the pair communicators of send/recv
+    beside the group's), and NCCL needs one launch order across them or they may
+    deadlock; with it, the order ringcomm issues them in (the same on every rank
+    for a group's collectives) is that order. NCCL before 2.26 has no such setting,
+    and only the issue order protects it.
 
     Raises:
         NcclUnavailable: CuPy is not installed, or it cannot load NCCL.
     """
     global _lib, _lib_error
+    os.environ.setdefault(LAUNCH_ORDER, "1")
     with _lib_lock:
         if _lib is None and _lib_error is None:
             try:

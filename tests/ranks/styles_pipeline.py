@@ -246,11 +246,18 @@ def compare(c: Checker, what: str, got: torch.Tensor | None, ref: torch.Tensor,
 
 def check_spec(c: Checker, spec, ring, gloo, n_mb: int) -> None:
     name = spec[0]
-    refs = reference(n_mb, spec[4].get("sum", False))
     results = {}
     for backend, group in (("ringcomm", ring), ("gloo", gloo)):
         results[backend] = c.run(f"{name} over {backend}", run_pipeline, spec, group, n_mb)
-    ours, theirs = results["ringcomm"], results["gloo"]
+    check_results(c, spec, results["ringcomm"], results["gloo"], n_mb)
+
+
+def check_results(c: Checker, spec, ours: dict | None, theirs: dict | None, n_mb: int) -> None:
+    """What one rank saw of ``spec`` (``ours``) against one process on the whole batch
+    and, bit for bit, against the same schedule over gloo (``theirs``; None: that
+    comparison is left out)."""
+    name = spec[0]
+    refs = reference(n_mb, spec[4].get("sum", False))
     if ours is None:
         return
     if theirs is not None:
