@@ -594,8 +594,7 @@ def worker(args: argparse.Namespace) -> int:
     left = float(os.environ.get(DEADLINE, "nan")) - time.time()
     say(f"rank {rank}: group timeout {ringcomm.get_group().timeout_s:g} s, the stage's "
         f"deadline in {left:.0f} s")
-    # the reference backend: torch's nccl on a GPU, gloo on the CPU
-    peer = new_group(backend="gloo" if args.fake else "nccl")
+    peer = reference_group(new_group, args.fake)
     failures: list[str] = []
     notes: list[str] = []
     t0 = time.monotonic()
@@ -621,6 +620,28 @@ def worker(args: argparse.Namespace) -> int:
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()  # done: no stacks in a passed stage's log
     return 1 if failures else 0
+
+
+def reference_group(new_group, fake: bool):
+    """The reference backend's group, made as a user makes it: ``new_group(backend=
+    "nccl")`` from the default ringcomm group bound to this rank's device. On CPU
+    (``--fake``) the same torch path runs with the default group bound by hand and
+    torch's NCCL backend stood in for by a gloo group that refuses what
+    ``ProcessGroupNCCL`` refuses (``ringcomm.testing.torch_nccl``)."""
+    if not fake:
+        return new_group(backend="nccl")
+    import torch
+    import torch.distributed as dist
+
+    from ringcomm.testing import torch_nccl
+
+    torch_nccl.install()  # for the worker's life: the group's calls run on it
+    world = dist.group.WORLD
+    world.bound_device_id = torch.device("cuda", 0)  # as device_id= binds it on a GPU
+    try:
+        return new_group(backend="nccl")
+    finally:
+        world.bound_device_id = None
 
 
 def allreduce_stage(device, peer, failures, notes, fake) -> int:
