@@ -417,6 +417,54 @@ def test_a_symmetric_exchange_posted_op_by_op_completes(n):
     assert nccl_groups(2, body, timeout_s=20) == [(2.0, 6.0), (1.0, 5.0)]
 
 
+def test_the_stand_in_hangs_a_symmetric_exchange_on_one_communicator_per_pair(monkeypatch):
+    # a deliberately wrong ringcomm: one communicator (and stream) for both directions,
+    # as torch's NCCL backend has for its own, coalesced, batches; the stand-in hangs
+    # as NCCL does, until the watchdog gives up
+    from ringcomm.front.lanes import Lanes
+
+    right = Lanes.pair
+    monkeypatch.setattr(Lanes, "pair", lambda self, device, peer, op, send: right(
+        self, device, peer, op, self.rank < peer))
+    lib = FakeNccl(timeout_s=10)
+
+    def body(pg):
+        pg.set_timeout(timedelta(seconds=2))
+        me = pg.rank()
+        got = torch.zeros(4)
+        works = [pg.send([torch.full((4,), float(me + 1))], 1 - me), pg.recv([got], 1 - me)]
+        with pytest.raises(dist.DistBackendError, match="timed out after 2s"):
+            for w in works:
+                w.wait()
+
+    nccl_groups(2, body, lib=lib, timeout_s=20)
+    assert any("no matching receive" in h for h in lib.hung), lib.hung
+
+
+def test_a_coalescing_manager_batch_of_sends_and_receives_is_one_work():
+    # torch's _coalescing_manager(device=...) asks the group to start and end a batch
+    # (torch's NCCL backend makes it one NCCL group); each operation inside is posted
+    # at once and the batch's Work waits for all of them
+    from ringcomm.testing import nccl_world
+
+    def body(rank):
+        peer, got = 1 - rank, torch.zeros(4)
+        with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+            dist.isend(torch.full((4,), float(rank + 1)), peer)
+            dist.irecv(got, peer)
+        cm.wait()
+        pg = dist.group.WORLD
+        with pytest.raises(ValueError, match="no batch is open"):
+            pg._end_coalescing(torch.device("cpu"))
+        pg._start_coalescing(torch.device("cpu"))
+        with pytest.raises(ValueError, match="already open"):
+            pg._start_coalescing(torch.device("cpu"))
+        pg._end_coalescing(torch.device("cpu")).wait()  # an empty batch
+        return got[0].item()
+
+    assert nccl_world(2, body, timeout_s=20) == [2.0, 1.0]
+
+
 def test_the_first_message_needs_only_the_two_ranks():
     # torch's NCCL backend makes the pair's communicator alone; a rank that takes no
     # part (rank 2 here) must not be waited for

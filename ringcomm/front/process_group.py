@@ -12,6 +12,7 @@ the lane's engine, which runs it (or queues it) and returns torch's ``Work``.
 from __future__ import annotations
 
 import os
+import threading
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ from ringcomm.front.lanes import Lane, Lanes, Ordered
 from ringcomm.front.algorithm_choice import Planner
 from ringcomm.front.calls import Calls
 from ringcomm.runtime.engine import Engine
-from ringcomm.runtime.work import P2PWork
+from ringcomm.runtime.work import Batch, P2PWork
 from ringcomm.execution.checker import AlgorithmFailed
 from ringcomm.settings import Options, get
 from ringcomm.transport import Transport
@@ -132,6 +133,8 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
         self.seq = 0
         #: the prepared calls, by shape (:mod:`ringcomm.front.calls`)
         self.calls = Calls()
+        #: per thread: the Works of an open batch (:meth:`_start_coalescing`)
+        self._batch = threading.local()
 
     # -- identity -------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -196,19 +199,20 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
         t = self.inputs.single(tensors, "send")
         self.inputs.peer(dstRank, "send", t.device)
         if t.device.type == self.lanes.nccl_type:
-            return self._pair_message("send", t, dstRank)
+            return self._batched(self._pair_message("send", t, dstRank))
         lane = self.lanes.for_tensor(t, "send", channel=0)
         buf = t if t.is_contiguous() else t.contiguous()
         h = lane.tp.p2p_isend(buf.view(-1).view(torch.uint8), dstRank, tag)
-        return P2PWork("send", lane.engine, lane.tp, h, self.timeout_s)
+        return self._batched(P2PWork("send", lane.engine, lane.tp, h, self.timeout_s))
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
         """``dist.recv``/``irecv`` from ``srcRank``."""
         t = self.inputs.single(tensors, "recv")
         self.inputs.peer(srcRank, "recv", t.device)
         if t.device.type == self.lanes.nccl_type:
-            return self._pair_message("recv", t, srcRank)
-        return self._post_recv(self.lanes.for_tensor(t, "recv", channel=0), t, srcRank, tag)
+            return self._batched(self._pair_message("recv", t, srcRank))
+        return self._batched(self._post_recv(self.lanes.for_tensor(t, "recv", channel=0), t,
+                                             srcRank, tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         """``dist.recv`` without a source; the Work knows the sender (``_source_rank``)."""
@@ -216,7 +220,43 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
         if t.device.type == self.lanes.nccl_type:
             raise ValueError(f"ringcomm recv: a receive from any rank needs MPI; NCCL has "
                              f"none, so a tensor on {t.device} needs the source rank")
-        return self._post_recv(self.lanes.for_tensor(t, "recv", channel=0), t, None, tag)
+        return self._batched(self._post_recv(self.lanes.for_tensor(t, "recv", channel=0), t,
+                                             None, tag))
+
+    # -- torch's _coalescing_manager(device=...) ------------------------------------
+    def _start_coalescing(self, device: Any) -> None:
+        """The sends and receives this thread makes until :meth:`_end_coalescing` are
+        one batch, whose Work that call returns (torch's ``_coalescing_manager`` with
+        a device, as its NCCL backend serves it). Each is posted at once: none can
+        block another (MPI's are non-blocking; on NCCL each direction of a pair has a
+        communicator of its own).
+
+        Raises:
+            ValueError: a batch is already open on this thread.
+        """
+        if getattr(self._batch, "works", None) is not None:
+            raise ValueError(f"ringcomm _start_coalescing ({self._describe()}): a batch is "
+                             "already open on this thread; end it first")
+        self._batch.works = []
+
+    def _end_coalescing(self, device: Any) -> dist.Work:
+        """The Work of the batch :meth:`_start_coalescing` opened.
+
+        Raises:
+            ValueError: no batch is open on this thread.
+        """
+        works = getattr(self._batch, "works", None)
+        if works is None:
+            raise ValueError(f"ringcomm _end_coalescing ({self._describe()}): no batch is "
+                             "open on this thread (_start_coalescing first)")
+        self._batch.works = None
+        return Batch("coalesced send/recv", works)
+
+    def _batched(self, work: dist.Work) -> dist.Work:
+        works = getattr(self._batch, "works", None)
+        if works is not None:
+            works.append(work)
+        return work
 
     def _pair_message(self, kind: str, t: torch.Tensor, peer: int) -> dist.Work:
         # only the pair's communicator of this direction: the group's own are made by

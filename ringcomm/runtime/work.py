@@ -232,6 +232,40 @@ class Done(BaseWork):
         self.wait()
 
 
+class Batch(BaseWork):
+    """The Works of a batch of calls as one (torch's ``_coalescing_manager`` with a
+    device: ``_end_coalescing``'s Work): waiting waits for every one, in order, and
+    raises the first failure."""
+
+    __slots__ = ("_op", "_works", "_value", "_exc")
+
+    def __init__(self, op: str, works: list):
+        _work_init(self)
+        self._op, self._works, self._exc = op, works, None
+        self._value = None
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        for w in self._works:
+            try:
+                w.wait(timeout) if timeout else w.wait()
+            except BaseException as e:
+                self._exc = e
+                raise
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def get_future(self) -> torch.futures.Future:
+        futs = [w.get_future() for w in self._works]
+        return torch.futures.collect_all(futs).then(
+            lambda f: [t for x in f.value() for t in (x.value() or [])])
+
+    def synchronize(self) -> None:
+        for w in self._works:
+            w.synchronize()
+
+
 class P2PWork(Work):
     """Handle of a user send/receive (``dist.isend`` / ``dist.irecv``).
 

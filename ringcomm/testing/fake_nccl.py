@@ -309,7 +309,7 @@ class FakeNccl:
                     c.inside.discard(me)
             return
         for c in comms:
-            c.started()
+            c._started()
         stream.enqueue(lambda: self._run(items, comms, host=False),
                        f"an NCCL group of rank {comms[0].rank}")
 
@@ -339,7 +339,7 @@ class FakeNccl:
         finally:
             if not host:
                 for c in comms:
-                    c.finished()
+                    c._finished()
 
     def _wait_on_stream(self, c: "_FakeComm") -> bool:
         """Wait, as a kernel does, until the group of ``c`` completed: True; False once
@@ -416,11 +416,11 @@ class _FakeComm:
         self._pending = 0
         self._idle = threading.Condition()
 
-    def started(self) -> None:
+    def _started(self) -> None:
         with self._idle:
             self._pending += 1
 
-    def finished(self) -> None:
+    def _finished(self) -> None:
         with self._idle:
             self._pending -= 1
             self._idle.notify_all()
