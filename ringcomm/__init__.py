@@ -26,6 +26,7 @@ from ringcomm import schedule, settings, trace
 from ringcomm.algorithms import REGISTRY, register_algorithm, unregister_algorithm
 from ringcomm.front.create import GROUPS, connect_group
 from ringcomm.front.create import register as register_backend
+from ringcomm.front import departure
 from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.launch import bootstrap, slurm
 from ringcomm.execution import checker
@@ -106,6 +107,8 @@ elif slurm.launched_by_slurm():  # srun without an MPI plugin: read as torchrun'
 register_backend()
 trace.start_from_environment()
 atexit.register(_shutdown_all)
+# after _shutdown_all, so that it runs first: peers hear how this rank left
+departure.install(GROUPS)
 
 # The algorithm library registers itself through the public register_algorithm
 # (defined above), as a user's code would; last, so it sees a complete package.

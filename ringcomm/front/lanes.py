@@ -18,7 +18,8 @@ collectives on different tensors overlap.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,12 @@ from ringcomm.transport import Link, Transport
 
 #: where a rank of the group reports a collective mismatch it found (the group's store)
 _FAILURE_KEY = "ringcomm/mismatch"
+#: how many ranks of the group have left; ``/<rank>``: how that rank left ("code\ntext");
+#: ``/<rank>/seen``: how many peers have read it (:mod:`ringcomm.front.departure`)
+_LEFT_KEY = "ringcomm/left"
+#: a rank that ended normally may have sent its last messages just before: a wait on
+#: it fails only once it stayed unfinished this long after the notice was read
+LEFT_GRACE_S = 0.5
 
 
 class _Turn(threading.local):
@@ -169,6 +176,9 @@ class Lanes:
         self._pairs: dict[tuple, Lane] = {}
         self._nccl_count = 0
         self._lock = threading.Lock()
+        #: peers whose notice of leaving (code 0) was first read, and when
+        self._left_read: dict[int, float] = {}
+        self._left_told: set[int] = set()
 
     @property
     def cpu(self) -> Lane | None:
@@ -285,14 +295,55 @@ class Lanes:
             except Exception:  # noqa: BLE001  (a store that is gone: the peers time out)
                 pass
 
-    def _peer_failure(self) -> str | None:
-        """What a rank of the group reported with :meth:`mark_broken`, if any."""
+    def _peer_failure(self, peers: Iterable[int] = ()) -> str | None:
+        """What a rank of the group reported with :meth:`mark_broken`, or how one of
+        ``peers`` (those a wait needs) left (:meth:`announce_left`), if any."""
         try:
-            if self._store.check([_FAILURE_KEY]):
-                return self._store.get(_FAILURE_KEY).decode(errors="replace")
+            store = self._store
+            if store.check([_FAILURE_KEY]):
+                return store.get(_FAILURE_KEY).decode(errors="replace")
+            if not peers or not store.add(_LEFT_KEY, 0):
+                return None
+            for peer in peers:
+                key = f"{_LEFT_KEY}/{peer}"
+                if not store.check([key]):
+                    continue
+                code, text = store.get(key).decode(errors="replace").split("\n", 1)
+                if code == "0":  # its last messages may still be on their way
+                    first = self._left_read.setdefault(peer, time.monotonic())
+                    if time.monotonic() - first < LEFT_GRACE_S:
+                        continue
+                if peer not in self._left_told:
+                    self._left_told.add(peer)
+                    store.add(f"{key}/seen", 1)
+                return f"{text}, while rank {self.rank} waited for it"
         except Exception:  # noqa: BLE001  (a store that is gone tells nothing)
             pass
         return None
+
+    def announce_left(self, who: str, how: str, code: int) -> None:
+        """This process (``who``: this rank, its pid and host) is leaving, ``how``
+        (:mod:`ringcomm.front.departure`): tell the group's ranks through its store
+        and, for a failure, through the shared memory of the peers on this host (read
+        at once, with no grace)."""
+        if self._store is not None:
+            try:
+                self._store.set(f"{_LEFT_KEY}/{self.rank}", f"{code}\n{who} {how}")
+                self._store.add(_LEFT_KEY, 1)
+            except Exception:  # noqa: BLE001  (a store that is gone: nothing to tell)
+                pass
+        if code:
+            for lane in self.cpus:
+                tell = getattr(lane.tp, "tell_peers", None)
+                if tell is not None:  # its readers name the rank and host themselves
+                    tell(how)
+
+    def left_seen_by_all(self) -> bool:
+        """Every other rank of the group has read this rank's notice of leaving."""
+        try:
+            return self._store.add(f"{_LEFT_KEY}/{self.rank}/seen", 0) >= self.size - 1
+        except Exception:  # noqa: BLE001  (a store that is gone: nobody will read it)
+            return True
 
     def pair(self, device: torch.device, peer: int, op: str, send: bool) -> tuple[Lane, int]:
         """The two-rank NCCL communicator (and its own stream) that carries this rank's

@@ -226,8 +226,9 @@ class Transport(Link):
     #: (set by the executor that numbers them; a transport with two paths to a peer
     #: tells by them that a message came the other way); None: not known
     number_bits: int | None = None
-    #: ``peer_failure() -> text | None``: what a peer of the group reported, if any
-    #: (the group's front sets it); a long wait looks at it
+    #: ``peer_failure(peers) -> text | None``: what a rank of the group reported, or
+    #: how one of ``peers`` (the ranks the wait needs) left the job, if any (the group's
+    #: front sets it); a long wait looks at it
     peer_failure = None
 
     def __init__(self, rank: int, size: int, device: torch.device):

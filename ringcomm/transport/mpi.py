@@ -449,7 +449,7 @@ class MPITransport(Transport):
                 self._signs.gone(h)
             elif self._signs.lasted(h, tag, _monotonic()):
                 raise TransportMismatch(h.peer, h.tag, tag)
-        reported = self.peer_failure() if self.peer_failure is not None else None
+        reported = self.peer_failure((h.peer,)) if self.peer_failure is not None else None
         if reported is not None:
             raise TransportPeerFailed(reported)
 

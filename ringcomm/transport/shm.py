@@ -546,13 +546,19 @@ class ShmTransport(Transport):
         self._fence()
         words[2] = len(raw)
 
+    def tell_peers(self, text: str) -> None:
+        """This process is leaving with an error: the peers on this host read
+        ``text`` in its segment at their next look (:mod:`ringcomm.front.departure`)."""
+        self._fail(text)
+
     def _look_at_peers(self, handles: tuple) -> None:
         """Raise :class:`TransportPeerFailed` if a peer this wait needs wrote a failure
         into its segment or its process is gone; also what the group's store says."""
-        reported = self.peer_failure() if self.peer_failure is not None else None
+        waited = sorted({h.peer for h in handles if not h.req.done})
+        reported = self.peer_failure(waited) if self.peer_failure is not None else None
         if reported is not None:
             raise TransportPeerFailed(reported)
-        for peer in sorted({h.peer for h in handles if not h.req.done}):
+        for peer in waited:
             text = self._failure_of(peer)
             if text is not None:
                 raise TransportPeerFailed(f"rank {peer} on host {self._host} stopped: {text}")
@@ -719,7 +725,7 @@ class ShmTransport(Transport):
         """A long shm_direct wait looks at the peers it waits on: failed, gone, or in
         another collective (a message of a schedule from them waits here, the same at
         every look for MISMATCH_S)."""
-        reported = self.peer_failure() if self.peer_failure is not None else None
+        reported = self.peer_failure(pending) if self.peer_failure is not None else None
         if reported is not None:
             raise TransportPeerFailed(reported)
         first_tag = getattr(self.inner, "first_tag_from", None)
