@@ -180,6 +180,25 @@ def test_the_stand_in_records_an_abort_under_a_thread_inside_nccl():
     assert any("aborted while 1 other thread" in u for u in lib.unsafe), lib.unsafe
 
 
+def test_torch_ops_on_a_simulated_stream_run_later_and_check_their_arguments_now():
+    from ringcomm.testing.sim_stream import Deferred, SimStream
+
+    stream = SimStream("test", 5.0)
+    gate = threading.Event()
+    stream.enqueue(lambda: gate.wait(5), "a kernel still running")
+    a = torch.ones(4)
+    with Deferred(stream):
+        a.add_(1)                      # in place: queued behind the running kernel
+        doubled = a * 2                # functional: its output allocated now
+        with pytest.raises(RuntimeError, match="broadcast"):
+            a.add_(torch.ones(3))      # the host refuses bad arguments as it issues
+    assert torch.equal(a, torch.ones(4)), "an op ran before the stream got to it"
+    gate.set()
+    with Deferred(stream):
+        total = a.sum().item()         # the host reads: it waits for the stream
+    assert total == 8.0 and torch.equal(doubled, torch.full((4,), 4.0))
+
+
 def test_the_stand_in_blocks_as_nccl_does():
     lib = FakeNccl(timeout_s=0.5)
     # creating a communicator waits for every rank of it

@@ -347,10 +347,10 @@ class Lanes:
 
     def pair(self, device: torch.device, peer: int, op: str, send: bool) -> tuple[Lane, int]:
         """The two-rank NCCL communicator (and its own stream) that carries this rank's
-        ``dist.send`` calls to ``peer`` (``send``) or its ``dist.recv`` calls from ``peer`` on
-        ``device``; the first message between the two ranks makes both directions'
-        communicators, by the two ranks alone. Returns the lane and the peer's rank in
-        it.
+        ``dist.send`` calls to ``peer`` (``send``) or its ``dist.recv`` calls from
+        ``peer`` on ``device``; the first message between the two ranks makes both
+        directions' communicators, by the two ranks alone. Returns the lane and the
+        peer's rank in it.
 
         One communicator per direction, unlike torch's NCCL backend (one per pair):
         torch groups a ``batch_isend_irecv`` into one NCCL group only for its own

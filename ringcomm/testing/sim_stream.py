@@ -163,14 +163,23 @@ class Deferred(TorchDispatchMode):
             return func(*args, **kwargs)
         schema = func._schema
         written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        meta_args, meta_kwargs = tree_map(_meta, args), tree_map(_meta, kwargs)
         if written:  # in place or out=: written later, handed back now
+            # torch checks an op's arguments (dtypes, shapes) on the host as it issues
+            # the kernel: the meta kernel makes the same checks, so an error is raised
+            # now, not later on the stream
+            try:
+                func(*meta_args, **meta_kwargs)
+            except NotImplementedError:  # no meta kernel (or one that needs the data):
+                self.stream.synchronize(f"torch {name} on the host")  # the real op
+                return func(*args, **kwargs)  # decides, at the host's turn
             self.stream.enqueue(lambda: func(*args, **kwargs), f"torch {name}")
             return self._written(schema, written, args, kwargs)
         if schema.returns and all(str(r.type) in ("Tensor", "Tensor[]") for r in schema.returns):
-            try:
-                shapes = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
-            except Exception:  # noqa: BLE001 - no meta kernel: run it at its turn instead
-                shapes = None
+            try:  # the outputs' shapes, and the host's checks of the arguments
+                shapes = func(*meta_args, **meta_kwargs)
+            except Exception:  # noqa: BLE001 - no meta kernel, or shapes that depend on
+                shapes = None  # the data: run it at the host's turn (which raises, if bad)
             if shapes is not None:
                 outs = tree_map(lambda m: torch.empty_strided(m.size(), m.stride(),
                                                               dtype=m.dtype) if _is_tensor(m)
