@@ -60,3 +60,14 @@ def test_three_ranks_that_end_normally_exit_zero_in_every_order(order):
     proc = mpirun(3, "leave_check.py", "normal", delays, timeout=60)
     ended = sorted(line for line in proc.stdout.splitlines() if line.startswith("ended: "))
     assert ended == [f"ended: {r}" for r in range(3)] and "Traceback" not in proc.stderr
+
+
+def test_under_torchrun_peers_get_the_cause_not_only_the_exit():
+    from conftest import torchrun
+
+    proc = torchrun(2, "leave_check.py", "raise", timeout=60, check=False)
+    assert proc.returncode != 0
+    left = _left(proc.stdout)
+    assert [x["rank"] for x in left] == [0], proc.stdout[-2000:]
+    assert "raised ValueError: bad batch at leave_check.py:41" in left[0]["error"], left
+    assert left[0]["seconds"] < 2.0, left

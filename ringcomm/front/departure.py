@@ -23,9 +23,12 @@ mpiexec ends the whole job with that code instead of leaving the ranks in
 ``MPI_Finalize`` would next: rank 0's process holds the store, which must live
 until every rank has written how it left.
 
-All of this applies under an MPI launcher (mpiexec, srun with an MPI plugin), where
-``MPI_Finalize`` held the process. Under torchrun and plain srun a process that
-leaves ends, and its peers see it go (its pid on the same host, its connections).
+The abort and the barrier apply under an MPI launcher (mpiexec, srun with an MPI
+plugin), where ``MPI_Finalize`` held the process. Under torchrun the process ends
+as it would, after writing how it left into the store (torchrun's agent keeps it),
+so its peers get the cause, not only that it exited. Under plain srun nothing is
+written (the store lives in rank 0's process, which may have ended): the process
+ends and its peers see it go.
 """
 from __future__ import annotations
 
@@ -105,8 +108,10 @@ def install(groups: Any) -> None:
 
 
 def _leave(groups: Any) -> None:
-    if not bootstrap.launched_by_mpi():
-        # torchrun, plain srun: the process ends, and its peers see it go
+    under_mpi = bootstrap.launched_by_mpi()
+    if not under_mpi and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # plain srun: the process ends and its peers see it go; the store lives in
+        # rank 0's process, which may have ended already
         return
     code, how = _how
     if how is None:
@@ -119,8 +124,8 @@ def _leave(groups: Any) -> None:
     members = [g for g in list(groups) if g.size() > 1]
     for g in members:
         g.lanes.announce_left(f"rank {g.rank()} (pid {pid}) on host {host}", how, code)
-    if not members:
-        return
+    if not members or not under_mpi:
+        return  # torchrun: the process ends now (its agent keeps the store)
     if code == 0:
         _exit_barrier()
         return
