@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 from datetime import timedelta
 import logging
 from typing import Iterator
@@ -38,6 +39,22 @@ __all__ = ["Options", "ProcessGroupRingcomm", "register_algorithm", "unregister_
            "get_group", "connect_group", "REGISTRY", "checker", "schedule", "__version__"]
 
 log = logging.getLogger("ringcomm")
+
+
+class _RankFilter(logging.Filter):
+    """Every line of ringcomm's log says which rank wrote it: the ranks' output is
+    interleaved on one terminal (the launcher's RANK, which ringcomm sets under
+    mpiexec and srun too)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rank = os.environ.get("RANK")
+        if rank is not None and not getattr(record, "ringcomm_rank", None):
+            record.ringcomm_rank = rank
+            record.msg = f"rank {rank}: {record.msg}"
+        return True
+
+
+log.addFilter(_RankFilter())
 _level = settings.get("RINGCOMM_DEBUG")
 if _level in ("INFO", "DETAIL"):
     log.setLevel(logging.DEBUG if _level == "DETAIL" else logging.INFO)

@@ -102,3 +102,18 @@ def test_stale_table_is_replaced():
     assert settings.render_into(new) == new
     with pytest.raises(ValueError, match="no <!-- settings:begin -->"):
         settings.render_into("no markers")
+
+
+def test_every_log_line_says_which_rank_wrote_it(tmp_path):
+    from conftest import mpirun
+
+    prog = tmp_path / "log_rank_probe.py"
+    prog.write_text("import torch, torch.distributed as dist, ringcomm\n"
+                    "dist.init_process_group('ringcomm')\n"
+                    "dist.all_reduce(torch.ones(10))\n"
+                    "dist.destroy_process_group()\n")
+    proc = mpirun(2, str(prog), env={"RINGCOMM_DEBUG": "INFO"}, timeout=60)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if line.startswith("[ringcomm ")]
+    assert lines, proc.stderr
+    assert {line.split("] ", 1)[1][:7] for line in lines} == {"rank 0:", "rank 1:"}, lines

@@ -164,7 +164,7 @@ def test_merge_aligns_clocks_across_hosts_only():
 def test_merge_refuses_what_it_cannot_merge(tmp_path):
     with pytest.raises(ValueError, match="not a ringcomm trace"):
         trace.merge([{"traceEvents": []}])
-    with pytest.raises(ValueError, match="two traces of rank 0"):
+    with pytest.raises(ValueError, match="document 0 and document 1 are both traces of rank 0"):
         trace.merge([_doc(0, "a", 1.0), _doc(0, "a", 2.0)])
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -172,6 +172,20 @@ def test_merge_refuses_what_it_cannot_merge(tmp_path):
                            str(tmp_path / "o.json"), str(bad)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "cannot read" in proc.stderr and "bad.json" in proc.stderr
+    # the file that is not a trace is the one named
+    good, other = tmp_path / "r0.json", tmp_path / "other.json"
+    good.write_text(json.dumps(_doc(0, "a", 1.0)))
+    other.write_text(json.dumps({"traceEvents": []}))
+    proc = subprocess.run([sys.executable, "-m", "ringcomm.trace", "merge",
+                           str(tmp_path / "o.json"), str(good), str(other)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"{other} is not a ringcomm trace" in proc.stderr, proc.stderr
+    # the output name forgotten: the first input would be overwritten
+    before = good.read_text()
+    proc = subprocess.run([sys.executable, "-m", "ringcomm.trace", "merge", str(good),
+                           str(good)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "is also an input" in proc.stderr, proc.stderr
+    assert good.read_text() == before
 
 
 def test_one_iteration_is_drawn(merged, tmp_path):

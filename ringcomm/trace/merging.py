@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-def merge(docs: list[dict], align: bool | None = None) -> dict:
+def merge(docs: list[dict], align: bool | None = None,
+          names: list[str] | None = None) -> dict:
     """One trace from the ranks' traces.
 
     Ranks on one host share its clock, so their events are kept as recorded.
@@ -16,18 +17,24 @@ def merge(docs: list[dict], align: bool | None = None) -> dict:
     rank 0's: a barrier ends at nearly the same moment on every rank, closer than
     the clocks of two hosts usually agree. ``align=False`` keeps every clock.
 
+    ``names`` (the documents' files) name the documents in errors.
+
     Raises:
         ValueError: a document is not a ringcomm trace, or two are of one rank.
     """
     seen: dict[int, dict] = {}
-    for d in docs:
+    names = names or [f"document {i}" for i in range(len(docs))]
+    first: dict[int, str] = {}
+    for d, name in zip(docs, names):
         other = d.get("otherData", {}) if isinstance(d, dict) else {}
         if other.get("schema") != "ringcomm.trace/1" or "rank" not in other:
-            raise ValueError("ringcomm.trace.merge: not a ringcomm trace (no otherData.schema "
-                             "ringcomm.trace/1)")
+            raise ValueError(f"ringcomm.trace.merge: {name} is not a ringcomm trace (no "
+                             "otherData.schema ringcomm.trace/1)")
         if other["rank"] in seen:
-            raise ValueError(f"ringcomm.trace.merge: two traces of rank {other['rank']}")
+            raise ValueError(f"ringcomm.trace.merge: {first[other['rank']]} and {name} are "
+                             f"both traces of rank {other['rank']}")
         seen[other["rank"]] = d
+        first[other["rank"]] = name
     shifts = {r: 0.0 for r in seen}
     if align is None:
         align = len({d["otherData"].get("host") for d in seen.values()}) > 1
@@ -68,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     how.add_argument("--no-align", dest="align", action="store_false",
                      help="keep each rank's clock as recorded")
     a = ap.parse_args(argv)
+    out_path = Path(a.output).resolve()
+    if any(Path(p).resolve() == out_path for p in a.inputs):
+        # merge OUT IN...: a forgotten output name makes the first input the output,
+        # which the merge would overwrite
+        print(f"ringcomm.trace merge: the output {a.output} is also an input; the first "
+              "argument is the merged file's name (merge OUT IN...)", file=sys.stderr)
+        return 2
     docs = []
     for path in a.inputs:
         try:
@@ -76,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ringcomm.trace merge: cannot read {path}: {e}", file=sys.stderr)
             return 2
     try:
-        out = merge(docs, align=a.align)
+        out = merge(docs, align=a.align, names=a.inputs)
     except ValueError as e:
-        print(f"{e} (in {', '.join(a.inputs)})", file=sys.stderr)
+        print(e, file=sys.stderr)
         return 2
     Path(a.output).write_text(json.dumps(out))
     print(f"{a.output}: {len(out['traceEvents'])} events of ranks {out['otherData']['ranks']}")
