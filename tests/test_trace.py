@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from conftest import assert_checks, mpirun
 from ringcomm import trace
@@ -148,6 +150,28 @@ def _doc(rank: int, host: str, barrier_end: float) -> dict:
     return {"traceEvents": [{"ph": "X", "name": "barrier[dissemination]", "cat": "collective",
                              "ts": barrier_end - 10, "dur": 10, "pid": rank, "tid": 0}],
             "otherData": {"schema": "ringcomm.trace/1", "rank": rank, "host": host}}
+
+
+def test_a_collectives_bytes_are_counted_once_as_nccl_tests_counts_them(merged):
+    # the run's all_reduce(torch.ones(100)): 400 bytes (the buffer, not twice)
+    for rank, events in _per_rank(merged).items():
+        sizes = {e["args"]["bytes"] for e in events
+                 if e["cat"] == "collective" and e["name"].startswith("allreduce")}
+        assert 400 in sizes and 800 not in sizes, (rank, sorted(sizes))
+
+
+def test_traced_bytes_takes_the_larger_side_each_byte_once():
+    from ringcomm.front.process_group import traced_bytes
+
+    t = torch.ones(1000)
+    assert traced_bytes(([t],)) == 4000  # allreduce, broadcast, reduce
+    assert traced_bytes(([t, t[:10]],)) == 4000  # a view of the same memory: once
+    outs = [torch.empty(1000) for _ in range(4)]
+    assert traced_bytes(([outs], [t])) == 16000  # allgather: its output
+    flat = torch.empty(4000)
+    assert traced_bytes((flat, flat[1000:2000])) == 16000  # in place: the output
+    assert traced_bytes(([t[:250]], [outs])) == 16000  # reduce_scatter: its input
+    assert traced_bytes((dist.BarrierOptions(),)) == 0
 
 
 def test_merge_aligns_clocks_across_hosts_only():

@@ -299,19 +299,38 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
         self.lanes.stop_threads(wait_s)
 
 
+def traced_bytes(torch_args: tuple) -> int:
+    """A collective's size in the trace, as nccl-tests counts it: the larger of its
+    outputs' and its inputs' bytes on this rank, each byte of memory once (an
+    allreduce of 4,000 bytes is 4,000; an allgather of 4,000 bytes in is its output,
+    4,000 times the ranks; a reduce_scatter its input). torch's methods take the
+    outputs first, then the inputs; allreduce, broadcast and reduce one list."""
+    sides = [list(calls.tensors_in(a)) for a in torch_args[:2]]
+    return max((_distinct_bytes(side) for side in sides if side), default=0)
+
+
+def _distinct_bytes(tensors: list) -> int:
+    spans = sorted((t.data_ptr(), t.data_ptr() + calls.nbytes_of(t))
+                   for t in tensors if t.numel())
+    total, end = 0, 0
+    for lo, hi in spans:
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
 class _Traced:
     """A prepared call recorded in the trace: its enqueue now, on the caller's thread,
     and its run where it runs (on a stream: the time to issue it)."""
 
     __slots__ = ("call", "name", "lane", "blocking", "targs", "enqueued")
 
-    def __init__(self, call: Any, args: tuple, seq: int, group: str):
+    def __init__(self, call: Any, nbytes: int, seq: int, group: str):
         self.call, self.name, self.lane = call, call.name, call.lane
         self.blocking = getattr(call, "blocking", False)
         self.targs = {"group": group, "seq": seq, "device": call.lane.key,
-                      "channel": call.lane.channel,
-                      "bytes": sum(t.numel() * t.element_size()
-                                   for t in calls.tensors_in(args))}
+                      "channel": call.lane.channel, "bytes": nbytes}
         trace.instant(f"enqueue {self.name}", "enqueue", **self.targs)
         self.enqueued = trace.now()
 
@@ -391,7 +410,7 @@ def _method(torch_name: str, build: Callable[..., tuple]) -> Callable[..., dist.
             if deps:
                 call = Ordered(call, deps)
         if trace.active():
-            call = _Traced(call, call_args, self.seq, self._describe())
+            call = _Traced(call, traced_bytes(args), self.seq, self._describe())
         opts = args[-1] if args else kwargs.get("opts")  # torch's options come last
         timeout = getattr(opts, "timeout", None)
         work = call.lane.engine.submit(
