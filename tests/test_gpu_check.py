@@ -222,9 +222,12 @@ def test_a_hung_stage_leaves_every_ranks_stacks_in_its_log(tmp_path):
     # faulthandler's own dump a little before the deadline ("Timeout (...)!"), and the
     # one on the driver's SIGUSR1 at it (from the signal handler: "Current thread")
     assert "Timeout (" in tail and "Current thread 0x" in tail, tail
-    # both ranks, each twice, stopped in the worker (the --hang sleep)
-    assert tail.count('gpu_check.py", line') >= 4 and tail.count(" in worker\n") >= 4, tail
-    assert "in worker" in (tmp_path / "allreduce.log").read_text()
+    # the ranks stopped in the worker (the --hang sleep), in the stage's whole log (the
+    # JSON keeps its end). Both ranks dump at the same moment into one pipe, so their
+    # lines can interleave mid-line: four dumps leave at least two whole frames.
+    log = (tmp_path / "allreduce.log").read_text()
+    assert log.count("in worker") >= 2, log[-6000:]
+    assert "in worker" in tail, tail
     assert "in worker" in (tmp_path / "gpu-results.md").read_text()
     assert _no_workers_left()
 
