@@ -479,6 +479,12 @@ def test_a_coalescing_manager_batch_of_sends_and_receives_is_one_work():
         with pytest.raises(ValueError, match="already open"):
             pg._start_coalescing(torch.device("cpu"))
         pg._end_coalescing(torch.device("cpu")).wait()  # an empty batch
+        # one batch, one device (CPU tensors are this stand-in's "CUDA" ones)
+        pg._start_coalescing(torch.device("meta"))
+        with pytest.raises(ValueError, match=r"ringcomm send .*a batch of sends and receives "
+                                             r"on meta .* was given a tensor on cpu"):
+            dist.isend(torch.ones(2), peer)
+        pg._end_coalescing(torch.device("meta"))
         return got[0].item()
 
     assert nccl_world(2, body, timeout_s=20) == [2.0, 1.0]

@@ -198,6 +198,7 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
         matches by order, as in torch's NCCL backend)."""
         t = self.inputs.single(tensors, "send")
         self.inputs.peer(dstRank, "send", t.device)
+        self._in_batch(t, "send")
         if t.device.type == self.lanes.nccl_type:
             return self._batched(self._pair_message("send", t, dstRank))
         lane = self.lanes.for_tensor(t, "send", channel=0)
@@ -209,6 +210,7 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
         """``dist.recv``/``irecv`` from ``srcRank``."""
         t = self.inputs.single(tensors, "recv")
         self.inputs.peer(srcRank, "recv", t.device)
+        self._in_batch(t, "recv")
         if t.device.type == self.lanes.nccl_type:
             return self._batched(self._pair_message("recv", t, srcRank))
         return self._batched(self._post_recv(self.lanes.for_tensor(t, "recv", channel=0), t,
@@ -238,6 +240,7 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
             raise ValueError(f"ringcomm _start_coalescing ({self._describe()}): a batch is "
                              "already open on this thread; end it first")
         self._batch.works = []
+        self._batch.device = torch.device(device)
 
     def _end_coalescing(self, device: Any) -> dist.Work:
         """The Work of the batch :meth:`_start_coalescing` opened.
@@ -249,8 +252,17 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
         if works is None:
             raise ValueError(f"ringcomm _end_coalescing ({self._describe()}): no batch is "
                              "open on this thread (_start_coalescing first)")
-        self._batch.works = None
+        self._batch.works = self._batch.device = None
         return Batch("coalesced send/recv", works)
+
+    def _in_batch(self, t: torch.Tensor, op: str) -> None:
+        """Refuse a tensor of another device type than the open batch's (torch's NCCL
+        backend would put it in an NCCL group)."""
+        dev = getattr(self._batch, "device", None)
+        if dev is not None and t.device.type != dev.type:
+            raise ValueError(f"ringcomm {op} ({self._describe()}): a batch of sends and "
+                             f"receives on {dev} (_coalescing_manager(device={dev})) was given "
+                             f"a tensor on {t.device}; one batch takes one device's tensors")
 
     def _batched(self, work: dist.Work) -> dist.Work:
         works = getattr(self._batch, "works", None)
