@@ -27,10 +27,13 @@ import torch.distributed as dist
 from ringcomm.execution.executors import CollectiveMismatch
 from ringcomm.transport import Link, Transport
 
+#: how many reports (a mismatch, a rank that left) the group's store holds: a long wait
+#: reads this one counter, and the reports only once it is not zero
+_NEWS_KEY = "ringcomm/news"
 #: where a rank of the group reports a collective mismatch it found (the group's store)
 _FAILURE_KEY = "ringcomm/mismatch"
-#: how many ranks of the group have left; ``/<rank>``: how that rank left ("code\ntext");
-#: ``/<rank>/seen``: how many peers have read it (:mod:`ringcomm.front.departure`)
+#: ``/<rank>``: how that rank left ("code\ntext"); ``/<rank>/seen``: how many peers
+#: have read it (:mod:`ringcomm.front.departure`)
 _LEFT_KEY = "ringcomm/left"
 #: a rank that ended normally may have sent its last messages just before: a wait on
 #: it fails only once it stayed unfinished this long after the notice was read
@@ -292,6 +295,7 @@ class Lanes:
         if cause is not None and self._store is not None:
             try:
                 self._store.set(_FAILURE_KEY, f"{cause} (found by rank {self.rank})")
+                self._store.add(_NEWS_KEY, 1)
             except Exception:  # noqa: BLE001  (a store that is gone: the peers time out)
                 pass
 
@@ -300,10 +304,10 @@ class Lanes:
         ``peers`` (those a wait needs) left (:meth:`announce_left`), if any."""
         try:
             store = self._store
+            if not store.add(_NEWS_KEY, 0):  # the common case: one round trip
+                return None
             if store.check([_FAILURE_KEY]):
                 return store.get(_FAILURE_KEY).decode(errors="replace")
-            if not peers or not store.add(_LEFT_KEY, 0):
-                return None
             for peer in peers:
                 key = f"{_LEFT_KEY}/{peer}"
                 if not store.check([key]):
@@ -329,7 +333,7 @@ class Lanes:
         if self._store is not None:
             try:
                 self._store.set(f"{_LEFT_KEY}/{self.rank}", f"{code}\n{who} {how}")
-                self._store.add(_LEFT_KEY, 1)
+                self._store.add(_NEWS_KEY, 1)
             except Exception:  # noqa: BLE001  (a store that is gone: nothing to tell)
                 pass
         if code:
