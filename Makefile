@@ -48,7 +48,8 @@ test: install
 	$(call pytest,-m "not cluster and not frameworks and not ray and not parallel and not bench and not gpucheck and not wide")
 
 # the launches make test leaves out because another launch there covers them: the
-# other launcher, one rank, or five oversubscribed ranks (about two minutes)
+# other launcher, one rank, five oversubscribed ranks, the other ways a rank leaves
+# (about three minutes)
 test-wide: install
 	$(call pytest,-m wide)
 

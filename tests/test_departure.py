@@ -20,10 +20,14 @@ def _left(out: str) -> list[dict]:
             if line.startswith("left: ")]
 
 
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.wide)])
+# make test runs one of each kind at 2 ranks; test-wide the rest
+_WIDE = pytest.mark.wide
+
+
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=_WIDE)])
 @pytest.mark.parametrize("how,code,words", [
     ("raise", 1, ["raised ValueError: bad batch at leave_check.py:41", "exit code 1"]),
-    ("exit", 3, ["called sys.exit(3)", "exit code 3"]),
+    pytest.param("exit", 3, ["called sys.exit(3)", "exit code 3"], marks=_WIDE),
     ("end", 1, ["ended its script, while rank"]),
 ])
 def test_peers_learn_how_a_rank_left_and_the_job_ends(n, how, code, words):
@@ -44,7 +48,8 @@ def test_peers_learn_how_a_rank_left_and_the_job_ends(n, how, code, words):
     assert took < 30, took  # not the group's 30-minute timeout
 
 
-@pytest.mark.parametrize("delays", ["0,0", "0,1", "1,0"])
+@pytest.mark.parametrize("delays", [pytest.param("0,0", marks=_WIDE), "0,1",
+                                    pytest.param("1,0", marks=_WIDE)])
 def test_ranks_that_all_end_normally_exit_zero_in_any_order(delays):
     proc = mpirun(2, "leave_check.py", "normal", delays, timeout=60)
     ended = sorted(line for line in proc.stdout.splitlines() if line.startswith("ended: "))
@@ -62,6 +67,7 @@ def test_three_ranks_that_end_normally_exit_zero_in_every_order(order):
     assert ended == [f"ended: {r}" for r in range(3)] and "Traceback" not in proc.stderr
 
 
+@pytest.mark.wide
 def test_under_torchrun_peers_get_the_cause_not_only_the_exit():
     from conftest import torchrun
 
