@@ -32,11 +32,13 @@ from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.launch import bootstrap, slurm
 from ringcomm.execution import checker
 from ringcomm.settings import Options
+from ringcomm.trace.flight import dump as dump_flight_recorder
 
 __version__ = "0.1.0"
 __all__ = ["Options", "ProcessGroupRingcomm", "register_algorithm", "unregister_algorithm",
            "register_backend", "register_msccl", "set_algorithm", "algorithm", "set_timeout",
-           "get_group", "connect_group", "REGISTRY", "checker", "schedule", "__version__"]
+           "get_group", "connect_group", "dump_flight_recorder", "REGISTRY", "checker", "schedule",
+           "__version__"]
 
 log = logging.getLogger("ringcomm")
 

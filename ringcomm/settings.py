@@ -164,6 +164,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("RINGCOMM_DEBUG", "level", "OFF",
             "`INFO` logs each `auto` choice; `DETAIL` also compares every collective's "
             "kind and sizes across ranks before it runs"),
+    Setting("RINGCOMM_WATCH_S", "float", 1.0,
+            "how often, in seconds, each rank reads its groups' store for a failure "
+            "elsewhere in the group (a timeout, a mismatch, a rank that raised), so a "
+            "rank outside any collective learns of it too; 0 never", minimum=0),
+    Setting("RINGCOMM_FR_SIGNAL", "name", "SIGUSR2",
+            "the signal that makes a rank write its flight recorder dump (when "
+            "`TORCH_FR_BUFFER_SIZE` turns the recorder on and nothing else handles "
+            "the signal); `off`: none"),
     Setting("RINGCOMM_BLOCKING_WAIT", "bool", False,
             "`Work.wait()` on CUDA tensors blocks the CPU until the collective finished "
             "(as `TORCH_NCCL_BLOCKING_WAIT`)"),

@@ -8,6 +8,8 @@ key) -> the engine -> the program (executor) -> the transport -> MPI.
 Each row adds one layer of ringcomm on top of the row before; times are the
 maximum over ranks of the best of 5 rounds (each round times every layer in
 turn) of the mean over many calls.
+The last row is ``dist.all_reduce`` again with the flight recorder on
+(:mod:`ringcomm.trace.flight`): what recording each call costs.
 ``--algo`` picks the algorithm (default recursive doubling: one exchange and
 one add at 2 ranks). ``--deepspeed`` adds a row before ringcomm's: DeepSpeed's
 shared-memory allreduce op called directly (no ProcessGroup dispatch), where
@@ -26,6 +28,10 @@ import torch.distributed as dist
 
 import ringcomm
 from ringcomm.front import reductions
+from ringcomm.trace import flight
+
+#: the flight recorder's size in the last row (torch's default)
+FLIGHT_ENTRIES = 2000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,17 +111,30 @@ def main(argv: list[str] | None = None) -> int:
          lambda: engine.submit(call, args, async_op=False, timeout_s=60.0)),
         ("ProcessGroupRingcomm.allreduce (key, lookup)", lambda: pg.allreduce([t], opts)),
         ("dist.all_reduce", lambda: dist.all_reduce(t)),
+        (f"dist.all_reduce, flight recorder on ({FLIGHT_ENTRIES} entries)",
+         lambda: dist.all_reduce(t)),
     ]
-    for _, fn in layers:
+    # the last row runs with the group's flight recorder on (off by default)
+    recorder = (flight.Recorder(FLIGHT_ENTRIES), None)
+
+    def recording(i: int, on: bool) -> None:
+        if i == len(layers) - 1:
+            pg.flight = recorder[0] if on else recorder[1]
+
+    for i, (_, fn) in enumerate(layers):
+        recording(i, True)
         for _ in range(200):
             fn()
+        recording(i, False)
     # rounds visit every layer in turn, so a slow spell of the machine touches them
     # all alike instead of the layers timed during it
     best = [float("inf")] * len(layers)
     for _ in range(a.rounds):
         for i, (_, fn) in enumerate(layers):
             world.Barrier()
+            recording(i, True)
             best[i] = min(best[i], timeit.timeit(fn, number=a.calls) / a.calls * 1e6)
+            recording(i, False)
     rows = [(name, max(world.allgather(us))) for (name, _), us in zip(layers, best)]
     if rank == 0:
         print(f"| {a.bytes} B allreduce, {a.algo}, 2 ranks | time per call | added |")
@@ -126,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             added = f"{us - prev:+.1f} us" if prev is not None and i > len(peers) else ""
             print(f"| {name} | {us:.1f} us | {added} |")
             prev = us
+        print(f"flight recorder: {rows[-1][1] / rows[-2][1] - 1:+.1%} of dist.all_reduce's time")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"schema": "ringcomm.bench_layers/1",

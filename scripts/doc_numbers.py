@@ -232,6 +232,20 @@ def _layers(layers: dict, source: str) -> str:
                       f"(From `{source}`, measured {layers['started']}.)"])
 
 
+def _flight_cost(layers: dict, source: str) -> str:
+    """What the flight recorder costs ``dist.all_reduce`` (the last two rows of
+    ``scripts/bench_layers.py``)."""
+    off, on = layers["rows"][-2], layers["rows"][-1]
+    if "flight recorder" not in on["layer"]:
+        return f"(`{source}` has no row with the flight recorder on: run scripts/bench_layers.py)"
+    return (f"| {format_size(layers['bytes'])} allreduce, {layers['world_size']} ranks | "
+            "time per call |\n|---|---:|\n"
+            f"| `dist.all_reduce` | {off['time_us']:.1f} us |\n"
+            f"| {on['layer']} | {on['time_us']:.1f} us "
+            f"({on['time_us'] / off['time_us'] - 1:+.0%}) |\n\n"
+            f"(From `{source}`, measured {layers['started']}.)")
+
+
 def _layers_sizes(runs: list[tuple[dict, str]]) -> str:
     """``scripts/bench_layers.py`` of one algorithm at several sizes: the program's
     time (its messages and local work), each layer above it, and what they add
@@ -686,6 +700,9 @@ def main(argv: list[str] | None = None) -> int:
             json.loads(Path(a.msccl_data).read_text()), _relative(Path(a.msccl_data)),
             json.loads(Path(a.msccl_tools_data).read_text()),
             _relative(Path(a.msccl_tools_data))), a.msccl_doc)
+        debugging = ROOT / "docs" / "debugging-a-hang.md"
+        new[debugging] = replace_blocks(debugging.read_text(), {
+            "flight-cost": _flight_cost(layers, _relative(Path(a.layers)))}, str(debugging))
         short = json.loads(Path(a.ddp_short_data).read_text())
         short_source = _relative(Path(a.ddp_short_data))
         new[Path(a.ddp_doc)] = replace_blocks(Path(a.ddp_doc).read_text(), {

@@ -4,8 +4,9 @@
 Runs the per-rank programs of tests/ranks/ that provoke failures (timeouts,
 short messages, inputs refused on one rank, mismatched collectives, abort and
 shutdown while a collective runs, 100 groups created, broken and destroyed, a
-soak of mixed asynchronous collectives, Ctrl-C on both launchers) and the
-CUDA path's refusals (through ringcomm.testing.FakeNccl), collects the lines
+soak of mixed asynchronous collectives, Ctrl-C on both launchers, a rank that
+leaves under each launcher) and the CUDA path's refusals (through
+ringcomm.testing.FakeNccl), collects the lines
 ``case: {...}``, ``lifecycle: {...}`` and ``soak: {...}`` they print, and writes
 docs/data/reliability.json and docs/reliability.md.
 
@@ -16,6 +17,7 @@ docs/data/reliability.json and docs/reliability.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -49,6 +51,122 @@ RUNS = [
     ("lifecycle_check.py", ["100"], 3, {}),
     ("soak_check.py", ["3000"], 2, {}),
 ]
+
+
+#: a rank leaves, while the others wait on it in an allreduce
+#: (tests/ranks/leave_check.py): launcher -> the ways it leaves; every row is
+#: asserted by tests/test_departure.py (the srun and two-host rows with a Slurm
+#: cluster and namespace hosts: make test-cluster)
+DEPARTURES = {
+    "mpiexec": ["raise", "exit", "end", "thread", "os_exit", "sigterm", "sigkill"],
+    "torchrun": ["raise", "exit", "end", "sigkill"],
+    "srun": ["raise", "exit", "end"],
+    "srun --mpi=pmi2": ["raise", "exit", "end"],
+    "mpiexec, 2 hosts": ["raise", "exit", "end"],
+}
+#: how each way of leaving reads in words, as leave_check.py does it
+LEAVING = {"raise": "raises ValueError", "exit": "calls sys.exit(3)",
+           "end": "ends its script (exit code 0)", "thread": "a thread of its raises, then "
+           "its script ends", "os_exit": "calls os._exit(4)", "sigterm": "gets SIGTERM",
+           "sigkill": "gets SIGKILL"}
+
+
+def raise_line() -> int:
+    """The line of leave_check.py's ``raise``, which the error must name."""
+    text = (RANKS / "leave_check.py").read_text().splitlines()
+    return next(i for i, line in enumerate(text, 1) if 'raise ValueError("bad batch")' in line)
+
+
+def leaving_words(how: str) -> list[str]:
+    """What a peer's error must say of the rank that left ``how`` (besides its rank)."""
+    return {"raise": [f"raised ValueError: bad batch at leave_check.py:{raise_line()}",
+                      "exit code 1"],
+            "exit": ["called sys.exit(3)", "exit code 3"],
+            "end": ["ended its script, while rank"],
+            "thread": ["after an uncaught exception: raised ValueError: invalid literal",
+                       "in thread 'loader'"]}.get(how, ["exited"])
+
+
+def departure(launcher: str, how: str, run) -> dict:
+    """A row of the table: 2 ranks under ``launcher``, the last leaving ``how``.
+    ``run(argv)`` runs ``[python, leave_check.py, how]`` under the launcher and returns
+    (exit code, output); the row: the job's exit code, when it ended after the rank
+    left, and each waiting rank's error and after how long it came."""
+    code, out = run([sys.executable, str(RANKS / "leave_check.py"), how])
+    ended = time.time()
+    left = [float(line.split()[1]) for line in out.splitlines() if line.startswith("leaving: ")]
+    peers = []
+    for line in out.splitlines():
+        if line.startswith("left: "):
+            with contextlib.suppress(json.JSONDecodeError):
+                peers.append(json.loads(line[len("left: "):]))
+    return {"launcher": launcher, "how": how, "exit_code": code,
+            "job_ended_after": round(ended - left[0], 2) if left else None,
+            "peers": sorted(peers, key=lambda x: x["rank"]), "tail": out[-1500:]}
+
+
+def local_runner(launcher: str):
+    """``run`` for :func:`departure` on this machine (mpiexec, torchrun)."""
+    def run(argv: list[str]) -> tuple[int, str]:
+        p = subprocess.run(launch_command(launcher, 2, Path(argv[1]), argv[2:]), cwd=ROOT,
+                           env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=120)
+        return p.returncode, p.stdout
+    return run
+
+
+def slurm_runner(cluster, mpi: str):
+    """``run`` for :func:`departure` under srun on a local Slurm cluster
+    (scripts/localslurm.py), the two ranks on two nodes; ``mpi``: srun's --mpi."""
+    def run(argv: list[str]) -> tuple[int, str]:
+        e = env({"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+        for k in list(e):  # nothing of an enclosing launch leaks into the job
+            if k.startswith(("SLURM_JOB", "SLURM_STEP", "SLURM_PROCID", "PMI_", "PMIX_")):
+                e.pop(k)
+        e.update(cluster.env)
+        p = subprocess.run(cluster.command(["srun", "-N", "2", "-n", "2", f"--mpi={mpi}",
+                                            *argv]),
+                           cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=120)
+        return p.returncode, p.stdout
+    return run
+
+
+def hosts_runner(hosts):
+    """``run`` for :func:`departure` under mpiexec across two namespace hosts
+    (scripts/nshosts.py)."""
+    def run(argv: list[str]) -> tuple[int, str]:
+        p = hosts.popen(0, hosts.mpiexec_argv(2, argv, hosts=2), cwd=ROOT, env=env(),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, _ = p.communicate(timeout=120)
+        return p.returncode, out
+    return run
+
+
+def departures() -> list[dict]:
+    """Every row of :data:`DEPARTURES` this machine can run (srun: a local Slurm
+    cluster; two hosts: network namespaces; both need root)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import localslurm
+    import nshosts
+
+    rows = []
+
+    def run_all(launcher: str, run) -> None:
+        for how in DEPARTURES[launcher]:
+            print(f"{launcher}: the last rank {LEAVING[how]} ...", flush=True)
+            rows.append(departure(launcher, how, run))
+
+    for launcher in ("mpiexec", "torchrun"):
+        run_all(launcher, local_runner(launcher))
+    if localslurm.unavailable(hosts=2) is None:
+        with localslurm.LocalSlurm(hosts=2, cpus=4) as cluster:
+            run_all("srun", slurm_runner(cluster, "none"))
+            run_all("srun --mpi=pmi2", slurm_runner(cluster, "pmi2"))
+    if nshosts.unavailable() is None:
+        with nshosts.NamespaceHosts(2, prefix=f"rrp{os.getpid() % 10000}h") as hosts:
+            run_all("mpiexec, 2 hosts", hosts_runner(hosts))
+    return rows
 
 
 def env(extra: dict | None = None) -> dict:
@@ -210,17 +328,41 @@ def collect() -> dict:
         signals[launcher] = {"seconds_to_exit": round(took, 1) if took != float("inf") else None,
                              "ranks_left_running": len(left)}
     print("the CUDA path's refusals (FakeNccl) ...", flush=True)
+    cuda = cuda_path_cases()
     return {
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "environment": {"ringcomm": ringcomm.__version__, "torch": torch.__version__,
                         "python": platform.python_version(), "cores": os.cpu_count()},
-        "runs": runs, "signals": signals, "cuda_path": cuda_path_cases(),
+        "runs": runs, "signals": signals, "cuda_path": cuda, "departures": departures(),
     }
 
 
 def _cell(text: str, limit: int = 260) -> str:
     text = " ".join(str(text).split()).replace("|", "\\|")
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def render_departures(rows: list[dict]) -> list[str]:
+    """The table "a rank leaves"."""
+    if not rows:
+        return []
+    lines = ["", "## A rank leaves", "",
+             "Two ranks (`tests/ranks/leave_check.py`): after one good allreduce the last "
+             "rank leaves while rank 0 calls the next, under the group's default 30-minute "
+             "timeout. What rank 0's allreduce raised and after how long (none: the "
+             "launcher ended rank 0 first), and when the job ended after the rank left. "
+             "Each row is asserted by `tests/test_departure.py` (srun: "
+             "`test_slurm_cluster.py`, two hosts: `test_multinode.py`).", "",
+             "| launcher | the last rank ... | rank 0 got | after (s) | job ended after (s) "
+             "| exit code |", "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        peer = r["peers"][0] if r["peers"] else None
+        got = _cell(peer["error"], 300) if peer else "(ended by the launcher)"
+        secs = f"{peer['seconds']:.2f}" if peer else ""
+        ended = "" if r["job_ended_after"] is None else f"{r['job_ended_after']:.1f}"
+        lines.append(f"| {r['launcher']} | {LEAVING[r['how']]} | {got} | {secs} | {ended} | "
+                     f"{r['exit_code']} |")
+    return lines
 
 
 def render(doc: dict) -> str:
@@ -248,6 +390,7 @@ def render(doc: dict) -> str:
             secs = "" if c.get("seconds") is None else f"{c['seconds']:.2f}"
             lines.append(f"| {_cell(c['case'], 80)} | `{run['program']}` ({run['ranks']}) | "
                          f"{_cell(c['outcome'])} | {secs} |")
+    lines += render_departures(doc.get("departures", []))
     lines += ["", "## CUDA path (through the NCCL stand-in, CPU tensors)", "",
               "| case | what the caller gets | after (s) |", "|---|---|---:|"]
     for c in doc["cuda_path"]:

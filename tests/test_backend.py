@@ -64,6 +64,7 @@ def test_comm_hooks_that_wait_in_callbacks_match_gloo(launch, n):
 #: extra environment). Each rank must report exactly its recorded number of checks.
 FAILURE_CASES = {
     "a timeout raises instead of hanging": ("failure_check.py timeout", 3, None),
+    "a late rank's call fails as the others' timed out": ("failure_check.py late", 3, None),
     "abort and shutdown end a running collective at once": ("failure_check.py abort", 3, None),
     "a short message is an error, not stale data": ("failure_check.py short", 3, None),
     "input refused on one rank ends in errors everywhere": ("failure_check.py refused", 3, None),

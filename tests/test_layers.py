@@ -3,8 +3,8 @@ ones included) goes to the module's own layer or to one the layer may use.
 
 The layers, bottom up, as docs/architecture.md draws them:
 
-* bottom: settings, reduce ops, the schedule model and the trace (a recorder
-  every layer may call); they import nothing of ringcomm above them;
+* bottom: settings, reduce ops, the schedule model, the trace (a recorder
+  every layer may call) and the mismatch error every layer words alike; they import nothing of ringcomm above them;
 * transport: point-to-point only, driven and driving nothing;
 * builders: the algorithms and the library, pure schedule builders (the schedule
   model, ops and the registry);
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: layer -> the module prefixes in it (a prefix covers its submodules)
 LAYERS = {
     "bottom": ("ringcomm.settings", "ringcomm.ops", "ringcomm.schedule", "ringcomm.trace",
-               "ringcomm.backoff", "ringcomm.mpi_serial", "ringcomm.machine"),
+               "ringcomm.backoff", "ringcomm.mpi_serial", "ringcomm.machine", "ringcomm.mismatch"),
     "transport": ("ringcomm.transport",),
     "builders": ("ringcomm.algorithms", "ringcomm.library"),
     "execution": ("ringcomm.execution",),

@@ -33,6 +33,7 @@ from ringcomm.launch import network
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import nshosts  # noqa: E402
+import reliability_report  # noqa: E402
 
 _ports = itertools.count(29400)
 
@@ -95,6 +96,18 @@ def mpiexec_hosts(hosts, nhosts: int, n: int, program: str, *args: str,
         pytest.fail(f"{program} failed under mpiexec on {nhosts} hosts (exit {code}):\n"
                     f"{out[-8000:]}")
     return out
+
+
+@pytest.mark.cluster
+def test_a_rank_leaves_across_hosts(hosts):
+    """Rows of docs/reliability.md's "a rank leaves": mpiexec, one rank on each of two
+    hosts, the second leaving while the first waits on it."""
+    from test_departure import assert_row
+
+    launcher = "mpiexec, 2 hosts"
+    for how in reliability_report.DEPARTURES[launcher]:
+        assert_row(reliability_report.departure(launcher, how,
+                                                reliability_report.hosts_runner(hosts)))
 
 
 @pytest.mark.cluster

@@ -29,6 +29,7 @@ from conftest import BIN, RANKS, ROOT, _env, assert_checks, shm_segments
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import localslurm  # noqa: E402
+import reliability_report  # noqa: E402
 
 _ports = itertools.count(29700)
 
@@ -152,6 +153,17 @@ def test_a_rank_killed_inside_a_shared_memory_allreduce_ends_the_others_wait(clu
         assert result.startswith("survived") and "FAIL" not in result, (name, result)
     assert elapsed < 50, f"the survivors took {elapsed:.0f} s (the group's timeout is 60 s)"
     assert shm_segments() <= before
+
+
+@pytest.mark.parametrize("mpi,launcher", [("none", "srun"), ("pmi2", "srun --mpi=pmi2")])
+def test_a_rank_leaves_under_srun(cluster, mpi, launcher):
+    """Rows of docs/reliability.md's "a rank leaves": two tasks on two nodes, the last
+    raising, calling sys.exit(3) or ending its script while the first waits on it."""
+    from test_departure import assert_row
+
+    for how in reliability_report.DEPARTURES[launcher]:
+        assert_row(reliability_report.departure(launcher, how,
+                                                reliability_report.slurm_runner(cluster, mpi)))
 
 
 def test_one_host_cluster_from_the_command_line(tmp_path):

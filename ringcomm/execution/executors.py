@@ -31,6 +31,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from ringcomm import ops, trace
+from ringcomm.mismatch import CollectiveMismatch, mismatch
 from ringcomm.execution.plan import COPY, REDUCE_SRC_FIRST, Plan
 
 #: bindings (sets of caller buffer addresses) a program keeps; the oldest made is
@@ -45,10 +46,6 @@ BINDINGS = 4
 #: so messages of two different calls, or of two epochs, rarely match, and a rank
 #: that waits can tell its peer runs another call (:class:`TagLayout`).
 NUMBER_BITS, EPOCH_BITS, SIGNATURE_BITS = 14, 6, 16
-
-
-class CollectiveMismatch(RuntimeError):
-    """This rank and a peer run different calls (found from a message's tag)."""
 
 
 class TagLayout:
@@ -323,12 +320,22 @@ class P2PProgram(_Program):
             err = self._mismatch(e)
             err.__cause__ = e
             return err
+        if isinstance(e, getattr(self.tp, "PeerFailed", ())) and str(e).startswith(
+                "collective mismatch"):  # another rank's report: add this rank's side
+            err = type(e)(f"{e}; rank {self.tp.rank} runs {self.signature[1]}")
+            err.__cause__ = e
+            return err
         return e
 
     def _mismatch(self, e: Any) -> CollectiveMismatch:
         """The error of a call whose peer runs another: what each runs, as far as
-        this rank can tell from the peer's tag."""
+        this rank can tell from the peer's tag, or from its call's whole signature
+        where the transport read one (``e.signature``)."""
         lay, me = self._layout, self.tp.rank
+        names = self._names
+        if e.signature is not None:  # a shared-memory window: the whole signature
+            return mismatch(me, self.signature[1], e.peer,
+                            names(e.signature, 32) if names is not None else None)
         sig, epoch, _ = lay.split(e.found)
         mine_sig, mine_epoch, _ = lay.split(e.expected)
         if epoch != mine_epoch:
@@ -337,14 +344,10 @@ class P2PProgram(_Program):
         elif sig == mine_sig:
             theirs = "the same call with its messages in another order"
         else:
-            name = (self._names(sig, lay.signature_bits)
-                    if self._names is not None and lay.signature_bits else None)
-            theirs = (f"{name} (as far as its message tags tell)" if name else
-                      f"a call rank {me} has not made")
-        return CollectiveMismatch(f"collective mismatch: rank {me} runs {self.signature[1]}, "
-                                  f"but rank {e.peer} runs {theirs}. Every rank must make the "
-                                  "same calls in the same order, with the same reduce op, "
-                                  "dtype, sizes and root")
+            name = (names(sig, lay.signature_bits)
+                    if names is not None and lay.signature_bits else None)
+            theirs = f"{name} (as far as its message tags tell)" if name else None
+        return mismatch(me, self.signature[1], e.peer, theirs)
 
 
 class GroupComm(Protocol):

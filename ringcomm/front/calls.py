@@ -27,6 +27,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
+from ringcomm.trace import flight
 from ringcomm.front.arguments import Inputs
 from ringcomm.front.cross_rank_checks import Fingerprints
 from ringcomm.front.lanes import Lane, Lanes
@@ -49,6 +50,21 @@ class Group(Protocol):
     #: collectives called so far, and the default time limit of each
     seq: int
     timeout_s: float
+    #: sends and receives posted so far; the flight recorder (None: off), and the
+    #: group as its entries name it
+    p2p_seq: int
+    flight: Any
+    fr_tag: Any
+
+
+def flight_meta(g: Any, call: "Call", method: str, args: tuple) -> tuple:
+    """What the flight recorder says of a call of ProcessGroup ``method`` (its name in
+    torch, sizes, dtypes, algorithm): made at the first call of its shape."""
+    meta = call.fr
+    if meta is None:
+        lib = "nccl" if call.lane.key.startswith(g.lanes.nccl_type) else "gloo"
+        meta = call.fr = flight.call_meta(method, lib, args, g.size(), call.name)
+    return meta
 
 
 class Calls(dict):
@@ -92,7 +108,7 @@ class Call:
         blocking: waiting on it blocks the CPU even on a stream (barrier).
     """
 
-    __slots__ = ("name", "lane", "programs", "detail", "g", "owned")
+    __slots__ = ("name", "lane", "programs", "detail", "g", "owned", "fr")
     blocking = False
 
     def __init__(self, g: Group, lane: Lane, op: str, prepared: Sequence[tuple]):
@@ -103,6 +119,8 @@ class Call:
         self.detail = g.detail
         self.g = g
         self.owned: tuple[torch.Tensor, ...] = ()
+        #: what the flight recorder says of this call's shape (:func:`flight_meta`)
+        self.fr: tuple | None = None
 
     def execute(self, *args: Any) -> Any:
         """Run the collective on this call's tensors; return the Work's result."""

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ringcomm import mpi_serial
 from ringcomm.algorithms import expand_choices
 from ringcomm.front.contract import never_a_split_source, options_from_torch
+from ringcomm.front import watch
 from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.launch import bootstrap
 from ringcomm.settings import Options
@@ -126,6 +127,8 @@ def _connect(store: Any, rank: int, size: int, timeout: timedelta, options: Opti
                               store=store, cpu_error=cpu_error, hosts=hosts,
                               torch_store=torch_store, global_ranks=members)
     GROUPS.add(pg)
+    if size > 1:
+        watch.watch(pg)
     return pg
 
 

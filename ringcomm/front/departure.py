@@ -24,11 +24,17 @@ mpiexec ends the whole job with that code instead of leaving the ranks in
 until every rank has written how it left.
 
 The abort and the barrier apply under an MPI launcher (mpiexec, srun with an MPI
-plugin), where ``MPI_Finalize`` held the process. Under torchrun the process ends
-as it would, after writing how it left into the store (torchrun's agent keeps it),
-so its peers get the cause, not only that it exited. Under plain srun nothing is
-written (the store lives in rank 0's process, which may have ended): the process
-ends and its peers see it go.
+plugin), where ``MPI_Finalize`` held the process. Under torchrun and plain srun the
+process ends as it would, after writing how it left into the store, so its peers get
+the cause, not only that it exited; a non-zero code first waits (at most
+:data:`ABORT_WAIT_S`) for them to read it: under plain srun the store lives in rank
+0's process.
+
+An uncaught exception in another thread does not end the process; if the process
+then ends, its notice names that exception too. A ``SystemExit`` raised by hand
+(not through ``sys.exit``) keeps its code from Python's hooks: it reads as the
+script's end, and the peers that wait on the rank fail after
+:data:`ringcomm.front.lanes.LEFT_GRACE_S`, naming it.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ import traceback
 from typing import Any
 
 from ringcomm import mpi_serial
+from ringcomm.trace import flight
 from ringcomm.launch import bootstrap
 
 __all__ = ["install", "ABORT_WAIT_S"]
@@ -54,6 +61,8 @@ _lock = threading.Lock()
 _installed = False
 #: how this process is leaving, as far as it is known: (exit code, words)
 _how: list = [None, None]
+#: the first uncaught exception of a thread other than the main one (words)
+_thread_failure: list = [None]
 
 
 def _where(tb: Any) -> str:
@@ -94,6 +103,17 @@ def install(groups: Any) -> None:
         previous(exc_type, exc, tb)
 
     sys.excepthook = excepthook
+    previous_thread_hook = threading.excepthook
+
+    def thread_excepthook(args: Any) -> None:
+        # the process goes on; if it then ends, its peers hear of this too
+        if args.exc_type is not SystemExit and _thread_failure[0] is None:
+            name = getattr(args.thread, "name", "?")
+            _thread_failure[0] = (f"{describe_exception(args.exc_type, args.exc_value, args.exc_traceback)}"
+                                  f" in thread {name!r}")
+        previous_thread_hook(args)
+
+    threading.excepthook = thread_excepthook
     real_exit = sys.exit
 
     def exit(status: Any = None) -> None:  # noqa: A001 - sys.exit's own name
@@ -109,31 +129,35 @@ def install(groups: Any) -> None:
 
 def _leave(groups: Any) -> None:
     under_mpi = bootstrap.launched_by_mpi()
-    if not under_mpi and "TORCHELASTIC_RUN_ID" not in os.environ:
-        # plain srun: the process ends and its peers see it go; the store lives in
-        # rank 0's process, which may have ended already
-        return
     code, how = _how
     if how is None:
         # no exception and no sys.exit: the script's end (or a SystemExit raised by
         # hand, whose code Python keeps to itself)
         code, how = 0, "ended its script"
+        if _thread_failure[0] is not None:
+            how += f" after an uncaught exception: {_thread_failure[0]}"
     else:
         how = f"{how} (exit code {code})"
     pid, host = os.getpid(), socket.gethostname()
     members = [g for g in list(groups) if g.size() > 1]
+    if code and members:
+        flight.dump_for_failure(f"this rank {how}")
     for g in members:
         g.lanes.announce_left(f"rank {g.rank()} (pid {pid}) on host {host}", how, code)
-    if not members or not under_mpi:
-        return  # torchrun: the process ends now (its agent keeps the store)
+    if not members or (code == 0 and not under_mpi):
+        return  # torchrun, plain srun: the process ends now
     if code == 0:
         _exit_barrier()
         return
-    # MPI would hold this process in MPI_Finalize: end the job once the ranks that
-    # wait on this one have read why (or at once, for those that never look)
+    # wait until the ranks that wait on this one have read why (or at most
+    # ABORT_WAIT_S, for those that never look): under plain srun this process may
+    # hold the store they read it from
     deadline = time.monotonic() + ABORT_WAIT_S
     while time.monotonic() < deadline and not all(g.lanes.left_seen_by_all() for g in members):
         time.sleep(0.02)
+    if not under_mpi:
+        return
+    # MPI would hold this process in MPI_Finalize: end the job
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

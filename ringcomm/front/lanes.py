@@ -24,14 +24,17 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ringcomm.execution.executors import CollectiveMismatch
-from ringcomm.transport import Link, Transport
+from ringcomm.mismatch import CollectiveMismatch
+from ringcomm.trace import flight
+from ringcomm.transport import Link, Transport, TransportAborted, TransportPeerFailed
 
 #: how many reports (a mismatch, a rank that left) the group's store holds: a long wait
 #: reads this one counter, and the reports only once it is not zero
 _NEWS_KEY = "ringcomm/news"
-#: where a rank of the group reports a collective mismatch it found (the group's store)
-_FAILURE_KEY = "ringcomm/mismatch"
+#: where the group's first failure is reported ("rank\ntext", the group's store): a
+#: collective that failed on a rank (a timeout, a mismatch), or a rank that left
+#: with a non-zero code; every other rank fails on reading it
+_FAILURE_KEY = "ringcomm/failure"
 #: ``/<rank>``: how that rank left ("code\ntext"); ``/<rank>/seen``: how many peers
 #: have read it (:mod:`ringcomm.front.departure`)
 _LEFT_KEY = "ringcomm/left"
@@ -182,6 +185,8 @@ class Lanes:
         #: peers whose notice of leaving (code 0) was first read, and when
         self._left_read: dict[int, float] = {}
         self._left_told: set[int] = set()
+        #: the store's news counter at the last look_for_news
+        self._news_read = 0
 
     @property
     def cpu(self) -> Lane | None:
@@ -282,38 +287,101 @@ class Lanes:
                 return lane.engine.error
         return None
 
-    def mark_broken(self, err: BaseException) -> None:
-        """Every lane of the group refuses later collectives with ``err``. A
-        collective mismatch found here is reported to the group's other ranks: the
-        ranks that wait for this one's messages learn of it at their next look
-        (:meth:`ringcomm.transport.mpi.MPITransport.wait`), not at their deadline."""
+    def mark_broken(self, err: BaseException, report: bool = True) -> None:
+        """Every lane of the group refuses later collectives with ``err``. A failure
+        found here (a timeout, a mismatch; not another rank's report, nor a shutdown
+        or abort of this rank's own) is reported to the group's other ranks: those that
+        wait for this one learn of it at their next look
+        (:meth:`ringcomm.transport.mpi.MPITransport.wait`), not at their deadline, and
+        the others within ``RINGCOMM_WATCH_S`` (:mod:`ringcomm.front.watch`), so a
+        late rank's call fails too."""
         for lane in [*self.cpus, *self._nccl()]:
             lane.engine.mark_broken(err)
-        cause = err
-        while cause is not None and not isinstance(cause, CollectiveMismatch):
-            cause = cause.__cause__
-        if cause is not None and self._store is not None:
-            try:
-                self._store.set(_FAILURE_KEY, f"{cause} (found by rank {self.rank})")
-                self._store.add(_NEWS_KEY, 1)
-            except Exception:  # noqa: BLE001  (a store that is gone: the peers time out)
-                pass
+        if self.closed is not None:
+            return  # this rank's own shutdown or abort
+        if report and self._store is not None:
+            cause, mismatch = err, None
+            while cause is not None and not isinstance(
+                    cause, (TransportPeerFailed, TransportAborted)):  # heard from a peer
+                if isinstance(cause, CollectiveMismatch):
+                    mismatch = cause
+                cause = cause.__cause__
+            if cause is None:
+                self._report(f"{mismatch} (found by rank {self.rank})" if mismatch is not None
+                             else str(err))
+        # every rank of the group dumps, once the others can learn of it
+        flight.dump_for_failure(f"{self._describe()} failed: {err}"[:500])
 
-    def _peer_failure(self, peers: Iterable[int] = ()) -> str | None:
-        """What a rank of the group reported with :meth:`mark_broken`, or how one of
-        ``peers`` (those a wait needs) left (:meth:`announce_left`), if any."""
+    def _report(self, text: str) -> None:
+        """Make ``text`` the group's failure unless one is reported already."""
+        try:
+            self._store.compare_set(_FAILURE_KEY, "", f"{self.rank}\n{text}")
+            self._store.add(_NEWS_KEY, 1)
+        except Exception:  # noqa: BLE001  (a store that is gone: the peers time out)
+            pass
+
+    def _reported(self, ack: bool = True) -> tuple[int, str] | None:
+        """The group's reported failure: (the reporting rank, its text); None if none.
+        A reader acknowledges a rank's notice of leaving (:meth:`left_seen_by_all`),
+        here or with :meth:`_ack`."""
+        store = self._store
+        if not store.check([_FAILURE_KEY]):
+            return None
+        who, text = store.get(_FAILURE_KEY).decode(errors="replace").split("\n", 1)
+        if ack:
+            self._ack(int(who))
+        return int(who), text
+
+    def _ack(self, rank: int) -> None:
+        """Tell ``rank``, leaving, that this rank has read why (it may end the job)."""
+        if rank != self.rank and rank not in self._left_told:
+            self._left_told.add(rank)
+            self._store.add(f"{_LEFT_KEY}/{rank}/seen", 1)
+
+    def look_for_news(self) -> str | None:
+        """Called every ``RINGCOMM_WATCH_S`` (:mod:`ringcomm.front.watch`): if another
+        rank reported a failure since the last look, break the group with it and
+        return its text (the group's later collectives fail at once, as on the rank
+        that found it); else None. One store read when nothing happened."""
+        if self._store is None or self.closed is not None or self.error() is not None:
+            return None
+        try:
+            news = self._store.add(_NEWS_KEY, 0)
+            if news == self._news_read:
+                return None
+            self._news_read = news
+            reported = self._reported(ack=False)
+        except Exception:  # noqa: BLE001  (a store that is gone tells nothing)
+            return None
+        if reported is None or reported[0] == self.rank:
+            return None
+        who, text = reported
+        self.mark_broken(dist.DistBackendError(
+            f"ringcomm: {self._describe()}, rank {self.rank}: a failure elsewhere in the "
+            f"group: {text}"), report=False)
+        try:  # after the flight recorder's dump: a rank that left may end the job now
+            self._ack(who)
+        except Exception:  # noqa: BLE001  (a store that is gone: nobody waits for it)
+            pass
+        return text
+
+    def _peer_failure(self, peers: Iterable[int] = (), gone: bool = False) -> str | None:
+        """What a rank of the group reported (:meth:`mark_broken`), or how one of
+        ``peers`` (those a wait needs) left (:meth:`announce_left`), if any; ``gone``:
+        the caller saw their process end (no grace for a normal end then)."""
         try:
             store = self._store
             if not store.add(_NEWS_KEY, 0):  # the common case: one round trip
                 return None
-            if store.check([_FAILURE_KEY]):
-                return store.get(_FAILURE_KEY).decode(errors="replace")
+            reported = self._reported()
+            if reported is not None:
+                return reported[1]
             for peer in peers:
                 key = f"{_LEFT_KEY}/{peer}"
                 if not store.check([key]):
                     continue
                 code, text = store.get(key).decode(errors="replace").split("\n", 1)
-                if code == "0":  # its last messages may still be on their way
+                if code == "0" and not gone:  # its last messages may still be on their way
                     first = self._left_read.setdefault(peer, time.monotonic())
                     if time.monotonic() - first < LEFT_GRACE_S:
                         continue
@@ -336,6 +404,8 @@ class Lanes:
                 self._store.add(_NEWS_KEY, 1)
             except Exception:  # noqa: BLE001  (a store that is gone: nothing to tell)
                 pass
+            if code:  # a failure of the group's: every rank learns it (look_for_news)
+                self._report(f"{who} {how}")
         if code:
             for lane in self.cpus:
                 tell = getattr(lane.tp, "tell_peers", None)

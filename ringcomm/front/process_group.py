@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ringcomm import trace
+from ringcomm.trace import flight
 from ringcomm.algorithms import check_choice
 from ringcomm.front import calls, data_movement, reductions
 from ringcomm.front.contract import TorchContract, forward_collectives
@@ -29,7 +30,7 @@ from ringcomm.front.lanes import Lane, Lanes, Ordered
 from ringcomm.front.algorithm_choice import Planner
 from ringcomm.front.calls import Calls
 from ringcomm.runtime.engine import Engine
-from ringcomm.runtime.work import Batch, P2PWork
+from ringcomm.runtime.work import Batch, Done, P2PWork
 from ringcomm.execution.checker import AlgorithmFailed
 from ringcomm.settings import Options, get
 from ringcomm.transport import Transport
@@ -131,6 +132,11 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
                            nccl_type=nccl_device_type, channels=channels)
         #: collectives called so far, refused ones included (see :func:`_method`)
         self.seq = 0
+        #: sends and receives posted so far (torch numbers them apart)
+        self.p2p_seq = 0
+        #: the flight recorder (None: off) and this group as its entries name it
+        self.flight = flight.recorder()
+        self.fr_tag = flight.GroupTag(group_id, "", self._global_ranks or list(range(size)))
         #: the prepared calls, by shape (:mod:`ringcomm.front.calls`)
         self.calls = Calls()
         #: per thread: the Works of an open batch (:meth:`_start_coalescing`)
@@ -144,13 +150,13 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
         return self._group_name
 
     def setGroupName(self, name: str) -> None:
-        self._group_name = name
+        self._group_name = self.fr_tag.name = name
 
     def getGroupDesc(self) -> str:
         return self._group_desc
 
     def setGroupDesc(self, desc: str) -> None:
-        self._group_desc = desc
+        self._group_desc = self.fr_tag.desc = desc
 
     def _describe(self) -> str:
         return f"group '{self._group_desc or self._group_name or '?'}'"
@@ -199,22 +205,43 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
         t = self.inputs.single(tensors, "send")
         self.inputs.peer(dstRank, "send", t.device)
         self._in_batch(t, "send")
+        entry = self._record_message("send", t, dstRank)
         if t.device.type == self.lanes.nccl_type:
-            return self._batched(self._pair_message("send", t, dstRank))
-        lane = self.lanes.for_tensor(t, "send", channel=0)
-        buf = t if t.is_contiguous() else t.contiguous()
-        h = lane.tp.p2p_isend(buf.view(-1).view(torch.uint8), dstRank, tag)
-        return self._batched(P2PWork("send", lane.engine, lane.tp, h, self.timeout_s))
+            work = self._pair_message("send", t, dstRank)
+        else:
+            lane = self.lanes.for_tensor(t, "send", channel=0)
+            buf = t if t.is_contiguous() else t.contiguous()
+            h = lane.tp.p2p_isend(buf.view(-1).view(torch.uint8), dstRank, tag)
+            work = P2PWork("send", lane.engine, lane.tp, h, self.timeout_s)
+        if entry is not None:
+            self.flight.issued(entry, work, False)
+        return self._batched(work)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
         """``dist.recv``/``irecv`` from ``srcRank``."""
         t = self.inputs.single(tensors, "recv")
         self.inputs.peer(srcRank, "recv", t.device)
         self._in_batch(t, "recv")
+        entry = self._record_message("recv", t, srcRank)
         if t.device.type == self.lanes.nccl_type:
-            return self._batched(self._pair_message("recv", t, srcRank))
-        return self._batched(self._post_recv(self.lanes.for_tensor(t, "recv", channel=0), t,
-                                             srcRank, tag))
+            work = self._pair_message("recv", t, srcRank)
+        else:
+            work = self._post_recv(self.lanes.for_tensor(t, "recv", channel=0), t, srcRank, tag)
+        if entry is not None:
+            self.flight.issued(entry, work, False)
+        return self._batched(work)
+
+    def _record_message(self, kind: str, t: torch.Tensor, peer: int) -> list | None:
+        """A send or receive in the flight recorder (torch's name: ``send 0->1``,
+        ``recv 1<-0``); its entry, or None when the recorder is off."""
+        self.p2p_seq += 1
+        if self.flight is None:
+            return None
+        lib = "nccl" if t.device.type == self.lanes.nccl_type else "gloo"
+        arrow = f"{self._rank}->{peer}" if kind == "send" else f"{self._rank}<-{peer}"
+        dtype = flight.call_meta("broadcast", lib, ([t],), self._size, kind)
+        meta = (f"{lib}:{kind} {arrow}", *dtype[1:5], kind)
+        return self.flight.record(self.fr_tag, self.seq, self.p2p_seq, meta, self.timeout_s)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         """``dist.recv`` without a source; the Work knows the sender (``_source_rank``)."""
@@ -416,6 +443,14 @@ def _method(torch_name: str, build: Callable[..., tuple]) -> Callable[..., dist.
             self.planner.refused()
             self.calls.clear()
             raise
+        opts = args[-1] if args else kwargs.get("opts")  # torch's options come last
+        timeout = getattr(opts, "timeout", None)
+        timeout_s = (self.timeout_s if timeout is None or timeout.days < 0 or not timeout
+                     else timeout.total_seconds())
+        fr = self.flight
+        if fr is not None:
+            entry = fr.record(self.fr_tag, self.seq, self.p2p_seq,
+                              calls.flight_meta(self, call, torch_name, args), timeout_s)
         order = lanes.order
         if order is not None:  # several channels: keep issue order on the same tensors
             keys, deps = order.after_earlier(call.lane, calls.tensors_in(call_args))
@@ -423,12 +458,10 @@ def _method(torch_name: str, build: Callable[..., tuple]) -> Callable[..., dist.
                 call = Ordered(call, deps)
         if trace.active():
             call = _Traced(call, traced_bytes(args), self.seq, self._describe())
-        opts = args[-1] if args else kwargs.get("opts")  # torch's options come last
-        timeout = getattr(opts, "timeout", None)
-        work = call.lane.engine.submit(
-            call, call_args, async_op=getattr(opts, "asyncOp", True),
-            timeout_s=self.timeout_s if timeout is None or timeout.days < 0 or not timeout
-            else timeout.total_seconds())
+        work = call.lane.engine.submit(call, call_args, async_op=getattr(opts, "asyncOp", True),
+                                       timeout_s=timeout_s)
+        if fr is not None:
+            fr.issued(entry, work, work.__class__ is Done and work._exc is None)
         if order is not None:
             order.issued(call.lane, keys, work)
         return work

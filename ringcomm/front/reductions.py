@@ -15,7 +15,9 @@ from ringcomm import algorithms, ops, trace
 from ringcomm.front.arguments import options
 from ringcomm.front.cross_rank_checks import dtype_code
 from ringcomm.front.lanes import Lane
-from ringcomm.front.calls import Call, Group, apart, flat_view, lookup, nbytes_of
+from ringcomm.runtime.work import Done
+from ringcomm.front.calls import (Call, Group, apart, flat_view, flight_meta, lookup,
+                                  nbytes_of)
 
 _Tensor = torch.Tensor
 _strided = torch.strided
@@ -101,9 +103,19 @@ def allreduce_prepared(g: Group, tensors: Any, opts: Any) -> Any:
             if call is not None:
                 g.seq += 1
                 timeout = opts.timeout
-                return call.lane.engine.submit(
-                    call, (t, tensors), opts.asyncOp if _ASYNC_OP else True,
-                    g.timeout_s if timeout.days < 0 or not timeout else timeout.total_seconds())
+                timeout_s = (g.timeout_s if timeout.days < 0 or not timeout
+                             else timeout.total_seconds())
+                fr = g.flight
+                if fr is None:
+                    return call.lane.engine.submit(
+                        call, (t, tensors), opts.asyncOp if _ASYNC_OP else True, timeout_s)
+                entry = fr.record(g.fr_tag, g.seq, g.p2p_seq,
+                                  call.fr or flight_meta(g, call, "allreduce", (tensors,)),
+                                  timeout_s)
+                work = call.lane.engine.submit(
+                    call, (t, tensors), opts.asyncOp if _ASYNC_OP else True, timeout_s)
+                fr.issued(entry, work, work.__class__ is Done and work._exc is None)
+                return work
     return None
 
 

@@ -171,7 +171,9 @@ class Engine:
             tp.end()
             err = self._wrap(call.name, e, timeout_s)
             self._error = err
-            log.error("%s", err)
+            # the Work raises it where the caller waits: printed once, by the caller's
+            # traceback (here only in RINGCOMM_DEBUG's log)
+            log.info("%s", err)
             if self.on_failure is not None:
                 self.on_failure(err)
             raise err from e

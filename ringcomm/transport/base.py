@@ -75,12 +75,17 @@ class TransportMismatch(RuntimeError):
     """While a receive from ``peer`` waited for a message tagged ``expected``, a
     message from ``peer`` tagged ``found`` arrived that nothing here will receive:
     the peer runs another call (messages between two ranks arrive in the order they
-    were sent, so the awaited one would have come first)."""
+    were sent, so the awaited one would have come first). A transport that reads the
+    peer's whole call signature (a shared-memory window) gives ``signature`` instead
+    of the two tags."""
 
-    def __init__(self, peer: int, expected: int, found: int):
-        super().__init__(f"rank {peer} sent a message tagged {found} where one tagged "
+    def __init__(self, peer: int, expected: int | None, found: int | None,
+                 signature: int | None = None):
+        super().__init__(f"rank {peer} runs the call of signature {signature}" if found is None
+                         else f"rank {peer} sent a message tagged {found} where one tagged "
                          f"{expected} was awaited")
         self.peer, self.expected, self.found = peer, expected, found
+        self.signature = signature
 
 
 class TransportPeerFailed(RuntimeError):
@@ -220,15 +225,18 @@ class Transport(Link):
 
     #: what :meth:`wait` raises when a peer runs another call (it may never)
     Mismatch: type = TransportMismatch
+    #: what a wait raises when a peer failed or reported a failure
+    PeerFailed: type = TransportPeerFailed
     #: tags lie in [0, tag_limit)
     tag_limit: int = 1 << 30
     #: the low bits of a schedule's tags that number its messages to or from one peer
     #: (set by the executor that numbers them; a transport with two paths to a peer
     #: tells by them that a message came the other way); None: not known
     number_bits: int | None = None
-    #: ``peer_failure(peers) -> text | None``: what a rank of the group reported, or
-    #: how one of ``peers`` (the ranks the wait needs) left the job, if any (the group's
-    #: front sets it); a long wait looks at it
+    #: ``peer_failure(peers, gone=False) -> text | None``: what a rank of the group
+    #: reported, or how one of ``peers`` (the ranks the wait needs) left the job, if any
+    #: (the group's front sets it); a long wait looks at it (``gone``: their process
+    #: was seen to end)
     peer_failure = None
 
     def __init__(self, rank: int, size: int, device: torch.device):

@@ -55,6 +55,7 @@ import torch
 from ringcomm import machine, mpi_serial, ops, settings
 from ringcomm.backoff import Backoff
 from ringcomm.transport import shm_direct
+from ringcomm.mismatch import mismatch
 from ringcomm.transport.base import (Handle, Signs, Transport, TransportAborted,
                                      TransportMismatch, TransportPeerFailed, TransportTimeout)
 
@@ -581,10 +582,10 @@ class ShmTransport(Transport):
             if ahead <= self.rounds:
                 self._signs.gone(key)
             elif self._signs.lasted(key, ahead, now):
-                raise RuntimeError(
-                    f"rank {peer} on host {self._host} runs a shm_direct collective (round "
-                    f"{ahead}) where rank {self.rank} runs a schedule: the ranks passed "
-                    "different sizes or collectives (a mismatch)")
+                # its window holds its call's whole signature: the program names it
+                line = self.direct.lines[ahead & 1]
+                raise TransportMismatch(peer, None, None,
+                                        signature=self.direct.words[peer][line + 1])
 
     def _came_here(self, h: Handle) -> None:
         """Called while MPI waits long for ``h``: raise if its peer, on this host, is
@@ -628,16 +629,18 @@ class ShmTransport(Transport):
             self._signs.gone(h)  # no message of another call with this number
             return
         if self._signs.lasted(h, (found, how, got), _monotonic()):
-            raise RuntimeError(f"the message from rank {peer} that rank {self.rank} awaits "
-                               f"came {how}, so the two ranks gave it different sizes "
-                               "(RINGCOMM_SHM_MIN_BYTES decides the way): ranks passed "
-                               "different sizes to this collective")
+            # the peer's call of another size (RINGCOMM_SHM_MIN_BYTES decides the way a
+            # message takes): its tag names that call as well as the program can
+            raise TransportMismatch(peer, tag, found)
 
     def _check_alive(self, peer: int, how: str) -> None:
         pid = self._pids.get(peer)
         if pid is not None and not _alive(pid):
-            raise TransportPeerFailed(f"rank {peer} (pid {pid}) on host {self._host} exited "
-                                      f"while rank {self.rank} waited for it {how}")
+            # how it left, if it said so (its last messages cannot come now)
+            said = (self.peer_failure((peer,), gone=True) if self.peer_failure is not None
+                    else None)
+            raise TransportPeerFailed(said or f"rank {peer} (pid {pid}) on host {self._host} "
+                                      f"exited while rank {self.rank} waited for it {how}")
 
     def _failure_of(self, peer: int) -> str | None:
         mm, words = self._maps[self._map_index[peer]]
@@ -700,8 +703,8 @@ class ShmTransport(Transport):
         line, words, me = win.lines[k & 1], win.words, self.rank
         pending = [r for r in range(self.size) if r != me]
         idle = _Idle(self, lambda: (
-            f"waiting for rank(s) {pending} on host {self._host} to publish round {k} of "
-            f"{describe(sig)} over shared memory"),
+            f"waiting for rank(s) {pending} on host {self._host} to join "
+            f"{describe(sig)} (over shared memory)"),
             lambda now: self._look_from_window(pending, now, describe(sig)))
         self._signs.clear()
         while True:
@@ -711,11 +714,10 @@ class ShmTransport(Transport):
                 for r in arrived:
                     w = words[r]
                     if w[line + 1] != sig or w[line + 2] != epoch:
-                        raise RuntimeError(
-                            f"rank {r} on host {self._host} runs {describe(w[line + 1])}"
-                            f"{'' if w[line + 2] == epoch else ' of another epoch'} where "
-                            f"rank {me} runs {describe(sig)}: the ranks passed different "
-                            "sizes or collectives (a mismatch)")
+                        theirs = describe(w[line + 1]) if w[line + 2] == epoch else (
+                            "a call of another epoch (a call before it was refused on "
+                            "some ranks only: bad input there)")
+                        raise mismatch(me, describe(sig), r, theirs)
                 pending[:] = [r for r in pending if r not in arrived]
                 if not pending:
                     return
@@ -740,10 +742,7 @@ class ShmTransport(Transport):
             if not came and tag is None:
                 self._signs.gone(peer)
             elif self._signs.lasted(peer, (came, tag, pair.in_[pair.head_in]), now):
-                raise RuntimeError(
-                    f"rank {peer} on host {self._host} sent rank {self.rank} a message of a "
-                    f"schedule where rank {self.rank} runs {mine}: the ranks "
-                    "passed different sizes or collectives (a mismatch)")
+                raise mismatch(self.rank, mine, peer, None)  # its messages' tags: unread
 
     def direct_failed(self, e: BaseException) -> None:
         """A round failed part done: the windows are out of step from here on."""

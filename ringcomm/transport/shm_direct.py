@@ -143,12 +143,12 @@ class _Direct:
             tp.direct_failed(e)
             raise
 
-    def _describe(self, sig: int) -> str:
-        """The call of signature hash ``sig``, as this rank knows it."""
+    def _describe(self, sig: int) -> str | None:
+        """The call of signature hash ``sig``, as this rank knows it (None: not one of
+        this rank's recent calls)."""
         if sig == self.signature[0]:
             return self.signature[1]
-        named = self._names(sig, 32) if self._names is not None else None
-        return named or "a call of another shape or collective"
+        return self._names(sig, 32) if self._names is not None else None
 
     def close(self) -> None:
         self._bound = None

@@ -13,6 +13,8 @@ Modes:
             the group timeout (op, collective, dtype), and the ranks waiting on it
             learn of it from the store; a broadcast whose every rank is its root
             sends no message anyone receives and stays undetected (documented).
+  late      the last rank calls an allreduce after the others timed out in it: its
+            call fails at once too, naming their timeout.
   abort     rank 0 never joins an allreduce; rank 1 aborts its group, rank 2 shuts it
             down, half a second in: the running collective must end within a second
             (the group timeout is a minute), and later calls must fail at once.
@@ -31,7 +33,15 @@ import ringcomm
 from _common import Checker, run_checks
 
 
-def expect_error(c: Checker, what: str, fn, *needles: str, exc=dist.DistBackendError) -> float:
+#: a mismatch found from message tags either names the peer's call or says how to
+#: have it named
+NAMED_OR_HOW = ("as far as its message tags tell", "RINGCOMM_DEBUG=DETAIL")
+
+
+def expect_error(c: Checker, what: str, fn, *needles: str, exc=dist.DistBackendError,
+                 either: tuple[str, ...] = ()) -> float:
+    """Run ``fn``, which must raise ``exc`` whose message holds every one of
+    ``needles`` and, if given, one of ``either``; the seconds it took."""
     t0 = time.monotonic()
     try:
         fn()
@@ -40,6 +50,8 @@ def expect_error(c: Checker, what: str, fn, *needles: str, exc=dist.DistBackendE
         c.case(what, e, time.monotonic() - t0)
         for n in needles:
             c.check(n.lower() in msg.lower(), f"{what}: {n!r} not in message: {msg[:300]}")
+        if either:
+            c.check(any(n in msg for n in either), f"{what}: none of {either} in: {msg}")
     except Exception as e:  # noqa: BLE001
         c.check(False, f"{what}: expected DistBackendError, got {type(e).__name__}: {e}")
     else:
@@ -74,6 +86,23 @@ def check_timeout(ctx: Ctx) -> None:
                  exc=RuntimeError)
     took = expect_error(c, "later call", lambda: dist.all_reduce(torch.ones(3)), "unusable")
     c.check(took < 1.0, f"a call on a broken group took {took:.1f}s")
+
+
+def check_late(ctx: Ctx) -> None:
+    """late: the last rank calls the allreduce after the others timed out in it; its
+    call fails too, at once, naming their timeout (as NCCL's abort fails a late
+    rank), instead of completing with the messages they sent before: every rank
+    agrees on the outcome."""
+    c, rank, timeout = ctx.c, ctx.rank, ctx.timeout
+    t = torch.ones(1024)
+    if rank == ctx.p - 1:
+        time.sleep(timeout + 3)  # the others' timeout, and the watch's look, pass
+        took = expect_error(c, "the late rank's call", lambda: dist.all_reduce(t),
+                            "failure elsewhere in the group", "timed out")
+        c.check(took < 1.0, f"the late rank's call failed after {took:.2f}s")
+    else:
+        expect_error(c, "timeout", lambda: dist.all_reduce(t), "timed out")
+    dist.barrier(group=dist.new_group(backend="gloo"))  # every rank's outcome is in
 
 
 def check_abort(ctx: Ctx) -> None:
@@ -117,7 +146,8 @@ def check_tags_op(ctx: Ctx) -> None:
     """tags: ranks reduce with different ops; named well before the timeout."""
     op = dist.ReduceOp.SUM if ctx.rank == 0 else dist.ReduceOp.MAX
     took = expect_error(ctx.c, "op mismatch, no debug mode",
-                        lambda: dist.all_reduce(torch.ones(1000), op=op), "mismatch")
+                        lambda: dist.all_reduce(torch.ones(1000), op=op), "mismatch",
+                        either=NAMED_OR_HOW)
     ctx.c.check(took < TAGS_LIMIT - 0.5, f"op mismatch named after {took:.2f}s")
 
 
@@ -209,6 +239,7 @@ def check_refused(ctx: Ctx) -> None:
 #: each mode's checks, run in this order on every rank
 MODES = {
     "timeout": [check_timeout],
+    "late": [check_late],
     "mismatch": [check_mismatch],
     "tags": [check_tags_op, check_tags_collective, check_tags_dtype, check_tags_every_root],
     "abort": [check_abort],

@@ -4,7 +4,9 @@ Usage: mpiexec -n N python leave_check.py HOW [DELAYS]
 
 HOW is how the last rank leaves after one allreduce, while the other ranks call
 the next one: ``raise`` (an uncaught ValueError), ``exit`` (``sys.exit(3)``),
-``end`` (the script ends, exit code 0). Each waiting rank prints one line
+``end`` (the script ends, exit code 0), ``thread`` (a thread of its raises, then
+the script ends), ``os_exit`` (``os._exit(4)``), ``sigterm``, ``sigkill``. It first
+prints ``leaving: <time.time()>``. Each waiting rank prints one line
 ``left: {"rank": r, "seconds": s, "error": "..."}`` with what its allreduce raised
 and after how long, then raises it (as a training script would).
 
@@ -14,7 +16,10 @@ collectives, sleeps its delay and ends normally; ``ended: r`` per rank.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -37,10 +42,20 @@ if how == "normal":
     say(f"ended: {rank}")
     sys.exit(0)
 if rank == p - 1:
+    say(f"leaving: {time.time()}")  # when it left, by the clock every local rank shares
     if how == "raise":
-        raise ValueError("bad batch")  # line 41: the test names it
+        raise ValueError("bad batch")  # the tests name its line
     if how == "exit":
         sys.exit(3)
+    if how == "thread":  # its data loader's thread dies; the script then ends
+        loader = threading.Thread(target=lambda: int("loader died"), name="loader")
+        loader.start()
+        loader.join()
+    if how == "os_exit":
+        os._exit(4)
+    if how in ("sigterm", "sigkill"):
+        os.kill(os.getpid(), signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        time.sleep(5)
     # "end": the script just ends
 else:
     t0 = time.monotonic()
