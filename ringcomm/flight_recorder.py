@@ -103,26 +103,34 @@ def _group_findings(name: str, g: dict, dumps: dict[int, dict]) -> dict:
     members = g["ranks"] or sorted(g["entries"])
     present = [r for r in members if r in dumps]
     coll = {r: [e for e in g["entries"].get(r, []) if not e.get("is_p2p")] for r in present}
-    last = {r: max((e["collective_seq_id"] for e in es), default=0) for r, es in coll.items()}
+    # a rank whose ring kept none of the group's collectives tells nothing of them
+    last = {r: max(e["collective_seq_id"] for e in es) for r, es in coll.items() if es}
     out: dict[str, Any] = {"group": name, "desc": g["desc"], "ranks": members,
-                           "no_dump": [r for r in members if r not in dumps]}
-    if last:
-        low, high = min(last.values()), max(last.values())
-        if low < high:
-            seq = low + 1
-            missing = sorted(r for r, s in last.items() if s < seq)
-            states = {r: next((e["state"] for e in coll[r] if e["collective_seq_id"] == seq),
-                              None) for r in present if r not in missing}
-            reached = next(e for r in states for e in coll[r] if e["collective_seq_id"] == seq)
-            out["first_not_reached"] = {"seq": seq, "call": _describe(reached),
-                                        "missing": missing, "states": states}
-        else:
-            open_ = {r: es[-1]["state"] for r, es in coll.items()
-                     if es and es[-1]["state"] != "completed"}
-            if open_:
-                out["all_reached_not_completed"] = {
-                    "seq": high, "call": _describe(coll[next(iter(open_))][-1]),
-                    "states": open_}
+                           "no_dump": [r for r in members if r not in dumps],
+                           "none_kept": [r for r in present if not coll[r]]}
+    if last and min(last.values()) < max(last.values()):
+        low = min(last.values())
+        # the first collective past the lowest rank's last that a rank still keeps
+        # (low + 1, unless every ring that had it has overwritten it since)
+        seq = min(e["collective_seq_id"] for es in coll.values() for e in es
+                  if e["collective_seq_id"] > low)
+        missing = sorted(r for r, s in last.items() if s < seq)
+        at = {r: e for r, es in coll.items() for e in es if e["collective_seq_id"] == seq}
+        # what held each rank that reached it: the peers it waited for, its error
+        held = {r: e.get("error") or e.get("waiting_for") for r, e in at.items()
+                if e.get("error") or e.get("waiting_for")}
+        out["first_not_reached"] = {"seq": seq, "call": _describe(next(iter(at.values()))),
+                                    "missing": missing,
+                                    "states": {r: e["state"] for r, e in sorted(at.items())},
+                                    "held": held, "exact": seq == low + 1}
+    elif last:
+        open_ = {r: es[-1]["state"] for r, es in coll.items()
+                 if es and es[-1]["state"] != "completed"}
+        if open_:
+            high = max(last.values())
+            out["all_reached_not_completed"] = {
+                "seq": high, "call": _describe(coll[next(iter(open_))][-1]),
+                "states": open_}
     # the first collective the ranks called differently
     by_seq: dict[int, dict[int, dict]] = {}
     for r, es in coll.items():
@@ -208,8 +216,12 @@ def report(result: dict) -> tuple[str, bool]:
         if nr:
             wrong = True
             states = ", ".join(f"rank {r}: {s}" for r, s in sorted(nr["states"].items()))
-            lines.append(f"{head}: {nr['call']} is the first collective not every rank "
+            first = "first collective" if nr.get("exact", True) else (
+                "first collective still kept (the rings overwrote the ones before it)")
+            lines.append(f"{head}: {nr['call']} is the {first} not every rank "
                          f"reached: ranks {nr['missing']} never called it ({states})")
+            for r, why in sorted(nr.get("held", {}).items()):
+                lines.append(f"  rank {r}: {' '.join(why.split())[:300]}")
         arc = f.get("all_reached_not_completed")
         if arc:
             wrong = True
@@ -222,8 +234,11 @@ def report(result: dict) -> tuple[str, bool]:
             calls = "; ".join(f"rank {r}: {c}" for r, c in mm["calls"].items())
             lines.append(f"{head}: collective #{mm['seq']} differs across ranks: {calls}")
         for note in f["unmatched_p2p"]:
+            wrong = True
             lines.append(f"{head}: {note}")
-        if not (nr or arc or mm or f["unmatched_p2p"]):
+        if f.get("none_kept"):
+            lines.append(f"{head}: ranks {f['none_kept']} kept none of its collectives")
+        if not (nr or arc or mm or f["unmatched_p2p"] or f.get("none_kept")):
             lines.append(f"{head}: every rank reached and completed the same calls")
     for rank, what in sorted(result["last_doing"].items()):
         lines.append(f"rank {rank} last did: {what}")

@@ -62,6 +62,7 @@ DEPARTURES = {
     "torchrun": ["raise", "exit", "end", "sigkill"],
     "srun": ["raise", "exit", "end"],
     "srun --mpi=pmi2": ["raise", "exit", "end"],
+    "srun --mpi=pmix": ["raise", "exit", "end"],
     "mpiexec, 2 hosts": ["raise", "exit", "end"],
 }
 #: how each way of leaving reads in words, as leave_check.py does it
@@ -117,19 +118,28 @@ def local_runner(launcher: str):
 
 def slurm_runner(cluster, mpi: str):
     """``run`` for :func:`departure` under srun on a local Slurm cluster
-    (scripts/localslurm.py), the two ranks on two nodes; ``mpi``: srun's --mpi."""
+    (scripts/localslurm.py), the two ranks on two nodes (PMIx: on one, whose files
+    in /tmp namespace hosts would share); ``mpi``: srun's --mpi."""
+    nodes = "1" if mpi == "pmix" else "2"
+
     def run(argv: list[str]) -> tuple[int, str]:
         e = env({"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
         for k in list(e):  # nothing of an enclosing launch leaks into the job
             if k.startswith(("SLURM_JOB", "SLURM_STEP", "SLURM_PROCID", "PMI_", "PMIX_")):
                 e.pop(k)
         e.update(cluster.env)
-        p = subprocess.run(cluster.command(["srun", "-N", "2", "-n", "2", f"--mpi={mpi}",
+        p = subprocess.run(cluster.command(["srun", "-N", nodes, "-n", "2", f"--mpi={mpi}",
                                             *argv]),
                            cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, timeout=120)
         return p.returncode, p.stdout
     return run
+
+
+def pmix_loads(cluster) -> bool:
+    """Slurm's PMIx plugin loads on this cluster (Debian: libpmix-dev)."""
+    code, _ = slurm_runner(cluster, "pmix")(["true"])
+    return code == 0
 
 
 def hosts_runner(hosts):
@@ -163,6 +173,8 @@ def departures() -> list[dict]:
         with localslurm.LocalSlurm(hosts=2, cpus=4) as cluster:
             run_all("srun", slurm_runner(cluster, "none"))
             run_all("srun --mpi=pmi2", slurm_runner(cluster, "pmi2"))
+            if pmix_loads(cluster):
+                run_all("srun --mpi=pmix", slurm_runner(cluster, "pmix"))
     if nshosts.unavailable() is None:
         with nshosts.NamespaceHosts(2, prefix=f"rrp{os.getpid() % 10000}h") as hosts:
             run_all("mpiexec, 2 hosts", hosts_runner(hosts))
@@ -277,6 +289,9 @@ def cuda_path_cases() -> list[dict]:
                       "seconds": round(time.monotonic() - t0, 2)})
 
     def refusals(pg):
+        # the group's communicator first, with both ranks (a later refusal that comes
+        # after the lane is chosen would otherwise wait for the other rank to make it)
+        pg.allreduce([torch.ones(2)]).wait()
         if pg.rank() != 0:
             return
         note("non-contiguous tensor", lambda: pg.allreduce([torch.ones(4, 4).t()]))

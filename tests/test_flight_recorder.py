@@ -168,7 +168,75 @@ def test_a_stuck_rank_is_named_from_every_ranks_dump(tmp_path):
     # 36 steps of one allreduce, a broadcast every 10th: step 37's allreduce is #40
     assert nr["seq"] == 40 and nr["missing"] == [2], result
     assert nr["states"] == {0: "started", 1: "started"}
+    # what held them: rank 1 waits for rank 2 (rank 0, in recursive doubling, for 1)
+    assert "recv from rank 2" in nr["held"][1], nr
     assert result["last_doing"][2].startswith("all_reduce #39 of [[1024]] Float"), result
     assert result["groups"][0]["unmatched_p2p"] == []
     with open(f"{prefix}2", "rb") as f:
         assert pickle.load(f)["entries"][-1]["state"] == "completed"
+
+
+def test_a_dump_asks_no_work_that_could_take_a_lock():
+    """A dump may run while the interrupted thread holds MPI's lock: it reads the
+    Works' state, never ``is_completed()`` (which tests MPI requests)."""
+    class Untouchable:
+        _done, _exc = False, None
+
+        def is_completed(self):
+            raise AssertionError("is_completed() called from a dump")
+
+    class Finished(Untouchable):
+        _done = True
+
+    rec = flight.Recorder(4)
+    tag = flight.GroupTag("0", "default_pg", [0, 1])
+    meta = flight.call_meta("barrier", "gloo", (), 2, "b")
+    works = [Untouchable(), Finished()]
+    for seq, w in enumerate(works, 1):
+        rec.issued(rec.record(tag, seq, 0, meta, 1.0), w, False)
+    assert [e["state"] for e in rec.snapshot()["entries"]] == ["started", "completed"]
+
+
+def test_calls_the_rings_overwrote_are_said_so(tmp_path, monkeypatch):
+    """Rank 0 ran 900 allreduces, rank 1 500, each ring keeps 100: the first one rank
+    1 missed is gone from rank 0's ring; the analysis names the first kept one, says
+    so, and does not crash; a rank that kept none of a group's calls is named."""
+    prefix = str(tmp_path / "rank_")
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", prefix)
+    x = torch.ones(4)
+    meta = flight.call_meta("allreduce", "gloo", ([x],), 2, "allreduce[ring]")
+    for rank, calls in ((0, 900), (1, 500)):
+        rec = flight.Recorder(100)
+        tag = flight.GroupTag("1", "d", [0, 1])
+        for seq in range(1, calls + 1):
+            rec.issued(rec.record(tag, seq, 0, meta, 1.0), None, True)
+        rec.write(rank, "test")
+    result = flight_recorder.analyze(*flight_recorder.load(str(tmp_path)))
+    nr = result["groups"][0]["first_not_reached"]
+    assert (nr["seq"], nr["missing"], nr["exact"]) == (801, [1], False)
+    text, wrong = flight_recorder.report(result)
+    assert wrong and "the rings overwrote the ones before it" in text
+
+
+def test_the_watch_goes_on_past_a_group_that_fails_to_look(monkeypatch):
+    from ringcomm.front import watch
+
+    looked = []
+
+    class Group:
+        def __init__(self, fail):
+            self.fail, self.lanes = fail, self
+
+        def look_for_news(self):
+            looked.append(self.fail)
+            if self.fail:
+                raise RuntimeError("dictionary changed size during iteration")
+            return None
+
+        def _describe(self):
+            return "g"
+
+    groups = [Group(True), Group(False)]
+    monkeypatch.setattr(watch, "_groups", groups)
+    watch._look()
+    assert looked == [True, False]

@@ -547,3 +547,49 @@ def test_a_communicator_used_after_abort_is_refused_naming_group_device_and_op()
             pg.broadcast([torch.ones(2)], dist.BroadcastOptions())
 
     nccl_groups(2, body)
+
+
+def _report_elsewhere(pg, text: str) -> None:
+    """What another rank's failure leaves in the group's store (Lanes.mark_broken)."""
+    pg.lanes._store.compare_set("ringcomm/failure", "", f"{1 - pg.rank()}\n{text}")
+    pg.lanes._store.add("ringcomm/news", 1)
+
+
+def test_a_failure_read_from_the_store_fails_the_calls_in_flight_on_nccl():
+    """A collective enqueued on a stream when another rank's failure is read (the
+    watch thread, ringcomm.front.watch) can never complete: the communicator is
+    aborted and the call fails at once, instead of the stream hanging (the watchdog
+    stops watching a broken lane)."""
+    def body(pg):
+        pg.allreduce([torch.ones(4)]).wait()
+        if pg.rank() == 1:
+            time.sleep(4)  # never joins the second allreduce
+            return None
+        threading.Timer(0.5, lambda: (_report_elsewhere(pg, "rank 1 timed out"),
+                                      pg.lanes.look_for_news())).start()
+        t0 = time.monotonic()
+        with pytest.raises(dist.DistBackendError, match="a failure elsewhere in the group: "
+                                                        "rank 1 timed out"):
+            pg.allreduce([torch.ones(4)]).wait()
+        return time.monotonic() - t0
+
+    took = nccl_groups(2, body, lib=FakeNccl(), timeout_s=20.0)[0]
+    assert took < 2.0, took  # not the 20 s timeout
+
+
+def test_the_process_ending_with_a_call_on_the_stream_reports_no_failure():
+    """At exit a collective still on a stream is aborted (ringcomm's exit hook): that
+    is this process's end, not a failure of the group its peers must hear of."""
+    seen = {}
+
+    def body(pg):
+        pg.allreduce([torch.ones(4)]).wait()
+        if pg.rank() == 1:  # does not join the last allreduce
+            time.sleep(1.0)
+            seen["report"] = pg.lanes._reported(ack=False)
+            return
+        pg.allreduce([torch.ones(4)])  # still on the stream
+        pg._stop_threads(wait_s=1.0)
+
+    nccl_groups(2, body, lib=FakeNccl(), timeout_s=10.0)
+    assert seen == {"report": None}

@@ -102,6 +102,10 @@ class SimFabric:
         with self._cv:
             self._aborted.add(rank)
             self._gone.add(rank)
+            # its kernels end: nothing of its queued work runs any more, and no peer's
+            # message lands in its buffers (which its owner may free now); peers that
+            # wait for it are stuck, as on a GPU
+            self.rules.queues[rank].clear()
             self._cv.notify_all()
 
 

@@ -187,6 +187,10 @@ class Lanes:
         self._left_told: set[int] = set()
         #: the store's news counter at the last look_for_news
         self._news_read = 0
+        #: a failure elsewhere in the group was read: this rank reports none of its own
+        self._heard = False
+        #: the store failed a request (its host ended): it is not asked again
+        self._store_gone = False
 
     @property
     def cpu(self) -> Lane | None:
@@ -298,8 +302,8 @@ class Lanes:
         for lane in [*self.cpus, *self._nccl()]:
             lane.engine.mark_broken(err)
         if self.closed is not None:
-            return  # this rank's own shutdown or abort
-        if report and self._store is not None:
+            return  # this rank's own shutdown or abort, or the process's end
+        if report and self._store is not None and not self._heard:
             cause, mismatch = err, None
             while cause is not None and not isinstance(
                     cause, (TransportPeerFailed, TransportAborted)):  # heard from a peer
@@ -333,17 +337,21 @@ class Lanes:
         return int(who), text
 
     def _ack(self, rank: int) -> None:
-        """Tell ``rank``, leaving, that this rank has read why (it may end the job)."""
-        if rank != self.rank and rank not in self._left_told:
+        """Tell ``rank``, leaving, that this rank has read why (it may end the job);
+        once, whichever thread reads it first."""
+        with self._lock:
+            if rank == self.rank or rank in self._left_told:
+                return
             self._left_told.add(rank)
-            self._store.add(f"{_LEFT_KEY}/{rank}/seen", 1)
+        self._store.add(f"{_LEFT_KEY}/{rank}/seen", 1)
 
     def look_for_news(self) -> str | None:
         """Called every ``RINGCOMM_WATCH_S`` (:mod:`ringcomm.front.watch`): if another
         rank reported a failure since the last look, break the group with it and
         return its text (the group's later collectives fail at once, as on the rank
         that found it); else None. One store read when nothing happened."""
-        if self._store is None or self.closed is not None or self.error() is not None:
+        if (self._store is None or self._store_gone or self.closed is not None
+                or self.error() is not None):
             return None
         try:
             news = self._store.add(_NEWS_KEY, 0)
@@ -352,13 +360,20 @@ class Lanes:
             self._news_read = news
             reported = self._reported(ack=False)
         except Exception:  # noqa: BLE001  (a store that is gone tells nothing)
+            self._store_gone = True  # and is not asked again (each try prints torch's warning)
             return None
         if reported is None or reported[0] == self.rank:
             return None
         who, text = reported
-        self.mark_broken(dist.DistBackendError(
-            f"ringcomm: {self._describe()}, rank {self.rank}: a failure elsewhere in the "
-            f"group: {text}"), report=False)
+        self._heard = True  # the group's failure is known: this rank reports none
+        err = dist.DistBackendError(f"ringcomm: {self._describe()}, rank {self.rank}: a "
+                                    f"failure elsewhere in the group: {text}")
+        for lane in self._nccl():
+            # its calls in flight can never complete: abort the communicator, failing them
+            fail = getattr(lane.engine, "fail_from_elsewhere", None)
+            if fail is not None:
+                fail(err)
+        self.mark_broken(err, report=False)
         try:  # after the flight recorder's dump: a rank that left may end the job now
             self._ack(who)
         except Exception:  # noqa: BLE001  (a store that is gone: nobody waits for it)
@@ -369,6 +384,8 @@ class Lanes:
         """What a rank of the group reported (:meth:`mark_broken`), or how one of
         ``peers`` (those a wait needs) left (:meth:`announce_left`), if any; ``gone``:
         the caller saw their process end (no grace for a normal end then)."""
+        if self._store_gone:
+            return None
         try:
             store = self._store
             if not store.add(_NEWS_KEY, 0):  # the common case: one round trip
@@ -385,12 +402,10 @@ class Lanes:
                     first = self._left_read.setdefault(peer, time.monotonic())
                     if time.monotonic() - first < LEFT_GRACE_S:
                         continue
-                if peer not in self._left_told:
-                    self._left_told.add(peer)
-                    store.add(f"{key}/seen", 1)
+                self._ack(peer)
                 return f"{text}, while rank {self.rank} waited for it"
         except Exception:  # noqa: BLE001  (a store that is gone tells nothing)
-            pass
+            self._store_gone = True  # and is not asked again (each try prints torch's warning)
         return None
 
     def announce_left(self, who: str, how: str, code: int) -> None:
@@ -398,7 +413,7 @@ class Lanes:
         (:mod:`ringcomm.front.departure`): tell the group's ranks through its store
         and, for a failure, through the shared memory of the peers on this host (read
         at once, with no grace)."""
-        if self._store is not None:
+        if self._store is not None and not self._store_gone:
             try:
                 self._store.set(f"{_LEFT_KEY}/{self.rank}", f"{code}\n{who} {how}")
                 self._store.add(_NEWS_KEY, 1)
@@ -411,6 +426,13 @@ class Lanes:
                 tell = getattr(lane.tp, "tell_peers", None)
                 if tell is not None:  # its readers name the rank and host themselves
                     tell(how)
+
+    def waiting_for(self) -> str | None:
+        """The peers the group's CPU lanes last waited for (the flight recorder's
+        words for a call still open at a dump)."""
+        texts = [t for t in (getattr(lane.tp, "waiting_for", lambda: None)()
+                             for lane in self.cpus) if t]
+        return "; ".join(texts) or None
 
     def left_seen_by_all(self) -> bool:
         """Every other rank of the group has read this rank's notice of leaving."""
@@ -546,14 +568,18 @@ class Lanes:
         """At interpreter exit: stop the progress thread; NCCL communicators are
         destroyed if idle, else aborted (left to CuPy's finalizer, a destroy could
         wait for work that never finishes)."""
+        if self.closed is None:  # the process's end: no failure of the group's to report
+            self.closed = "the process is ending"
         for cpu in self.cpus:
             cpu.engine.shutdown(wait_s=wait_s)
         for lane in self._nccl():
             lane.engine.close(0.0)
 
     def _nccl(self) -> list[Lane]:
-        return [*(lane for lanes in self._devices.values() for lane in lanes),
-                *self._pairs.values()]
+        # pair() and _nccl_lanes() add to the dicts from other threads (holding _lock
+        # while a communicator connects): list() copies each at once, under the GIL
+        devices, pairs = list(self._devices.values()), list(self._pairs.values())
+        return [*(lane for lanes in devices for lane in lanes), *pairs]
 
     def _take_nccl(self) -> list[Lane]:
         with self._lock:

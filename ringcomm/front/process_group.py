@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -137,6 +138,7 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
         #: the flight recorder (None: off) and this group as its entries name it
         self.flight = flight.recorder()
         self.fr_tag = flight.GroupTag(group_id, "", self._global_ranks or list(range(size)))
+        self.fr_tag.waiting = weakref.WeakMethod(self.lanes.waiting_for)
         #: the prepared calls, by shape (:mod:`ringcomm.front.calls`)
         self.calls = Calls()
         #: per thread: the Works of an open batch (:meth:`_start_coalescing`)

@@ -66,7 +66,11 @@ def _look() -> None:
     with _lock:
         groups = list(_groups)
     for g in groups:
-        text = g.lanes.look_for_news()
+        try:
+            text = g.lanes.look_for_news()
+        except Exception as e:  # noqa: BLE001 - one group's trouble must not end the watch
+            log.info("ringcomm %s: looking for news failed: %s", g._describe(), e)
+            continue
         if text is None:
             continue
         log.info("ringcomm %s: a failure elsewhere in the group: %s", g._describe(), text)

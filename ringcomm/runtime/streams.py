@@ -326,6 +326,17 @@ class StreamEngine:
             if self._error is None:
                 self._error = err
 
+    def fail_from_elsewhere(self, err: BaseException) -> None:
+        """Another rank's collective failed (its report was read): calls still in
+        flight here wait for messages that will never come, so, if there are any,
+        abort the communicator and fail them (the watchdog would stop watching a
+        broken lane); either way refuse later calls with ``err``."""
+        with self._state:
+            busy = bool(self._pending) or self._enqueuing is not None
+        if busy:
+            self._abort_between_enqueues("collective", err, 0.0)
+        self.mark_broken(err)
+
     def _raise_if_broken(self, op: str) -> None:
         if self._error is not None:
             raise dist.DistBackendError(f"ringcomm {op}: {self._describe()} on {self.tp.device} "

@@ -528,8 +528,10 @@ class _FakeComm:
 
     def abort(self) -> None:
         self.lib.calls["abort"] += 1
-        self._end("aborted")
+        # the kernels end first (no peer's message lands in this rank's buffers after
+        # this), then the handle: a stream that sees it zeroed frees the buffers
         self.sim.abort()
+        self._end("aborted")
 
     def destroy(self) -> None:
         """ncclCommDestroy: finalizes first, which waits until every operation of the

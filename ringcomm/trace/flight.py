@@ -11,8 +11,9 @@ What it keeps, per call: torch's sequence numbers (per group, collectives and
 point-to-point calls counted apart, 1-based, as torch numbers them), the op in the
 analyzer's spelling (``gloo:all_reduce`` for a CPU tensor, ``nccl:...`` for a CUDA
 one: torch 2.13's analyzer takes no other library name), the algorithm, sizes and
-dtypes, and its state with times: *scheduled* (queued behind another call),
-*started*, *completed*.
+dtypes, and its state: *started* (issued, not known to have finished; for the
+newest open call of a group, the peers its last wait was on) or *completed*, with
+times.
 
 torch's variables, read once when the first group is made:
 
@@ -63,15 +64,36 @@ OP_NAMES = {
     "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced",
     "alltoall": "all_to_all", "alltoall_base": "all_to_all", "gather": "gather",
     "scatter": "scatter", "barrier": "barrier",
+    # torch's analyzer knows these by other names
+    "all_gather_single": "_all_gather_base",
+    "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+    "gather_single": "gather", "gather_into_tensor": "gather",
+    "all_to_all_single": "all_to_all",
 }
 #: collectives whose output is the ranks' inputs side by side, and the reverse:
 #: recorded as one tensor of the whole, as torch's NCCL backend records them (its
 #: analyzer checks output = input x ranks)
-_GATHERS = {"allgather", "_allgather_base"}
-_SCATTERS = {"reduce_scatter", "_reduce_scatter_base"}
+_GATHERS = {"allgather", "_allgather_base", "all_gather_single"}
+_SCATTERS = {"reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single"}
 
 # the fields of an entry (a list: one is made per call, on its caller's thread)
 _ID, _GROUP, _SEQ, _P2P_SEQ, _META, _CREATED, _TIMEOUT, _WORK = range(8)
+
+
+def _finished(work: Any) -> bool:
+    """Whether ``work`` is known to have finished, from its state alone: a dump may run
+    in a signal handler, between two bytecodes of a thread holding MPI's lock, where
+    ``is_completed()`` (which tests MPI requests, and may run callbacks) would
+    deadlock. A message not yet tested reads as unfinished."""
+    if getattr(work, "_done", False) or getattr(work, "_finished", False):
+        return True
+    query = getattr(getattr(work, "_end", None), "query", None)  # a stream's event
+    try:
+        return bool(query()) if query is not None else False
+    except Exception:  # noqa: BLE001 - a torn-down stream: not known to have finished
+        return False
 
 
 def _env(*names: str) -> str | None:
@@ -145,10 +167,20 @@ class GroupTag:
     """A group as its entries name it (torch sets a group's name after making it:
     the group keeps its tag's up to date)."""
 
-    __slots__ = ("name", "desc", "ranks")
+    __slots__ = ("name", "desc", "ranks", "waiting")
 
     def __init__(self, name: str, desc: str, ranks: list[int]):
         self.name, self.desc, self.ranks = name, desc, list(ranks)
+        #: a weak reference to a function naming the peers the group's running call
+        #: waits for (or None); asked at a dump
+        self.waiting: Any = None
+
+    def waiting_for(self) -> str | None:
+        fn = self.waiting() if self.waiting is not None else None
+        try:
+            return fn() if fn is not None else None
+        except Exception:  # noqa: BLE001 - a dump must not fail on a torn-down group
+            return None
 
 
 class Recorder:
@@ -158,7 +190,8 @@ class Recorder:
         self.capacity = capacity
         self._ring: list = [None] * capacity
         self._ids = itertools.count()
-        self._lock = threading.Lock()
+        # reentrant: a dump asked for by signal may interrupt one being written
+        self._lock = threading.RLock()
         self.dumped_at: float | None = None
 
     def record(self, group: GroupTag, seq: int, p2p_seq: int, meta: tuple,
@@ -172,9 +205,15 @@ class Recorder:
     @staticmethod
     def issued(entry: list, work: Any, done: bool) -> None:
         """The call's Work: ``done`` (it returned finished, with no error, from the
-        caller's thread), or asked at the dump whether it completed. Held weakly: a
-        ring of Works would keep their tensors alive."""
-        entry[_WORK] = True if done else weakref.ref(work)
+        caller's thread); failed already (its error kept); or asked at the dump
+        whether it completed, held weakly (a ring of Works would keep their tensors
+        alive)."""
+        if done:
+            entry[_WORK] = True
+        elif getattr(work, "_exc", None) is not None:
+            entry[_WORK] = str(work._exc)
+        else:
+            entry[_WORK] = weakref.ref(work)
 
     def entries(self) -> list[list]:
         """The kept entries, oldest first."""
@@ -183,7 +222,7 @@ class Recorder:
     def snapshot(self, stacks: bool = True) -> dict:
         """The dump, as torch's writer makes it (``pickle`` it to a file)."""
         now = time.time_ns()
-        entries, status, groups = [], {}, {}
+        entries, status, groups, last_open = [], {}, {}, {}
         for e in self.entries():
             tag = e[_GROUP]
             name, desc = tag.name, tag.desc
@@ -194,12 +233,15 @@ class Recorder:
             # returned finished from its caller's thread within microseconds of its
             # creation; else its Work, found completed at this dump (gone: the engine
             # let it go once finished)
-            done = None
+            done, error = None, None
             if held is True:
                 done = created
+            elif isinstance(held, str):
+                error = held
             elif held is not None:
                 work = held()
-                if work is None or (work.is_completed() and getattr(work, "_exc", None) is None):
+                error = getattr(work, "_exc", None)
+                if work is None or (error is None and _finished(work)):
                     done = now
             state = "completed" if done is not None else "started"
             started = created
@@ -217,6 +259,10 @@ class Recorder:
                 "timeout_ms": int(e[_TIMEOUT] * 1000), "is_p2p": is_p2p,
                 "algorithm": algo,
             }
+            if error is not None:
+                entry["error"] = str(error)[:2000]
+            if state == "started":
+                last_open[name] = (entry, tag)
             if stacks:
                 entry["frames"] = []
             entries.append(entry)
@@ -228,6 +274,9 @@ class Recorder:
                 st["last_started_collective"] = e[_SEQ]
                 if done is not None:
                     st["last_completed_collective"] = e[_SEQ]
+        for entry, tag in last_open.values():  # the newest call of a group still open
+            if "error" not in entry:
+                entry["waiting_for"] = tag.waiting_for()
         return {"version": VERSION, "pg_config": groups, "comm_lib_version": "ringcomm",
                 "pg_status": status, "entries": entries, "host_name": socket.gethostname(),
                 "pid": os.getpid(), "dump_time_ns": now}
@@ -245,13 +294,12 @@ class Recorder:
                 with open(tmp, "wb") as f:
                     f.write(data)
                 os.replace(tmp, path)
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - a dump never ends the training
                 with contextlib.suppress(OSError):
                     os.remove(tmp)
                 log.warning("ringcomm: rank %d could not write its flight recorder dump to "
                             "%s (%s): %s", rank, path, why, e)
                 return None
-            self.dumped_at = time.monotonic()
         log.warning("ringcomm: rank %d wrote its flight recorder dump to %s (%s)", rank, path, why)
         return path
 
@@ -315,6 +363,7 @@ def dump_for_failure(why: str) -> str | None:
         return None
     if rec.dumped_at is not None and time.monotonic() - rec.dumped_at < 1.0:
         return None
+    rec.dumped_at = time.monotonic()  # failures only: an earlier dump asked for counts not
     return rec.write(world_rank(), why)
 
 
@@ -329,4 +378,12 @@ def _install_signal() -> None:
         raise ValueError(f"ringcomm: RINGCOMM_FR_SIGNAL={name!r} is not a signal")
     if signal.getsignal(sig) not in (signal.SIG_DFL, None):
         return  # the program handles it: leave it so
-    signal.signal(sig, lambda *_: dump(f"signal {name}"))
+    def handler(*_: Any) -> None:
+        # on a thread of its own: the handler runs between two bytecodes of the main
+        # thread, which may hold a lock the dump needs; the main thread may be stuck
+        # in a C call too (then the signal waits for it: Python runs handlers only
+        # between bytecodes)
+        threading.Thread(target=dump, args=(f"signal {name}",), daemon=True,
+                         name="ringcomm-flight-dump").start()
+
+    signal.signal(sig, handler)

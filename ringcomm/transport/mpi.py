@@ -358,6 +358,12 @@ class MPITransport(Transport):
         with _mpi_lock:
             _startall(batch.reqs)
 
+    def waiting_for(self) -> str | None:
+        """The messages of the last wait: the peers a call still running waits for
+        (no MPI call: a dump asked for by signal may interrupt a wait)."""
+        batch = self._waiting
+        return None if batch is None else self.timeout_message(batch.handles)
+
     def wait(self, batch: "_Batch") -> None:
         """Also checks that every receive got exactly its buffer's size: MPI reports
         only messages that are too long, and a short one would leave stale data."""

@@ -534,6 +534,11 @@ class ShmTransport(Transport):
     def timeout_message(self, pending: Sequence[Handle]) -> str:
         return super().timeout_message(pending) + " over shared memory"
 
+    def waiting_for(self) -> str | None:
+        """The messages of the last wait (of the MPI transport inside: the small
+        messages go that way)."""
+        return self.inner.waiting_for()
+
     # -- faults ---------------------------------------------------------------------
     def _fail(self, text: str) -> None:
         """Tell the peers on this host, through this rank's segment, why it stopped."""
