@@ -50,6 +50,7 @@ def _steps(n: int, last_done: bool = True) -> list:
     return calls
 
 
+@pytest.mark.compat  # torch's analyzer of 2.13 and 2.15 (2.7 has none)
 def test_a_rank_missing_from_a_collective_is_named_by_both_analyzers(tmp_path, monkeypatch):
     d = _write_dumps(tmp_path, monkeypatch, {0: _steps(2, last_done=False), 1: _steps(2)[:-1]})
     dumps, bad = flight_recorder.load(d)
@@ -240,3 +241,17 @@ def test_the_watch_goes_on_past_a_group_that_fails_to_look(monkeypatch):
     monkeypatch.setattr(watch, "_groups", groups)
     watch._look()
     assert looked == [True, False]
+
+
+def test_a_dump_another_process_wrote_since_this_one_started_is_named(tmp_path, caplog,
+                                                                     monkeypatch):
+    """Two jobs sharing a dump prefix: the second's dump replaces the first's, with a
+    warning naming the path (its own earlier dump is replaced silently)."""
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "rank_"))
+    (tmp_path / "rank_0").write_bytes(b"another job's dump")
+    rec = flight.Recorder(4)
+    assert rec.write(0, "test") == str(tmp_path / "rank_0")
+    assert f"replaces {tmp_path / 'rank_0'}, which another process wrote" in caplog.text
+    caplog.clear()
+    rec.write(0, "again")
+    assert "another process" not in caplog.text

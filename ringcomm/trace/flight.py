@@ -188,36 +188,42 @@ class Recorder:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._ring: list = [None] * capacity
-        self._ids = itertools.count()
+        #: the entries, at their id modulo the capacity (the allreduce short path
+        #: writes them itself: ringcomm.front.reductions)
+        self.ring: list = [None] * capacity
+        #: the next entry's id (atomic: several threads may record)
+        self.next_id = itertools.count().__next__
         # reentrant: a dump asked for by signal may interrupt one being written
         self._lock = threading.RLock()
+        #: the dumps this process wrote
+        self._written: set[str] = set()
         self.dumped_at: float | None = None
 
     def record(self, group: GroupTag, seq: int, p2p_seq: int, meta: tuple,
                timeout_s: float) -> list:
         """A call of ``group`` issued now: its entry, to be :meth:`issued` its Work."""
-        i = next(self._ids)
+        i = self.next_id()
         entry = [i, group, seq, p2p_seq, meta, time.time_ns(), timeout_s, None]
-        self._ring[i % self.capacity] = entry
+        self.ring[i % self.capacity] = entry
         return entry
 
     @staticmethod
     def issued(entry: list, work: Any, done: bool) -> None:
         """The call's Work: ``done`` (it returned finished, with no error, from the
-        caller's thread); failed already (its error kept); or asked at the dump
-        whether it completed, held weakly (a ring of Works would keep their tensors
-        alive)."""
-        if done:
-            entry[_WORK] = True
-        elif getattr(work, "_exc", None) is not None:
-            entry[_WORK] = str(work._exc)
-        else:
-            entry[_WORK] = weakref.ref(work)
+        caller's thread), or what :meth:`held` keeps of it."""
+        entry[_WORK] = True if done else Recorder.held(work)
+
+    @staticmethod
+    def held(work: Any) -> Any:
+        """What an entry keeps of a Work not known to be done: its error if it failed
+        already, else a weak reference, asked at the dump (a ring of Works would keep
+        their tensors alive)."""
+        exc = getattr(work, "_exc", None)
+        return str(exc) if exc is not None else weakref.ref(work)
 
     def entries(self) -> list[list]:
         """The kept entries, oldest first."""
-        return sorted((e for e in self._ring if e is not None), key=lambda e: e[_ID])
+        return sorted((e for e in self.ring if e is not None), key=lambda e: e[_ID])
 
     def snapshot(self, stacks: bool = True) -> dict:
         """The dump, as torch's writer makes it (``pickle`` it to a file)."""
@@ -284,16 +290,24 @@ class Recorder:
     def write(self, rank: int, why: str) -> str | None:
         """Write the dump to :func:`dump_path` (``rank``: this process's world rank);
         its path, or None where it could not be written (a warning says why: the
-        training goes on)."""
+        training goes on). A file there that another process wrote since this one
+        started (two jobs sharing ``TORCH_FR_DUMP_TEMP_FILE``, or two ranks one
+        rank number) is replaced, with a warning naming the path."""
         path = dump_path(rank)
         tmp = f"{path}.{os.getpid()}.tmp"  # whole or not at all: renamed once written
         with self._lock:
+            with contextlib.suppress(OSError):
+                if path not in self._written and os.stat(path).st_mtime > _PROCESS_STARTED:
+                    log.warning("ringcomm: rank %d's flight recorder dump replaces %s, which "
+                                "another process wrote since this one started: give each "
+                                "job its own TORCH_FR_DUMP_TEMP_FILE", rank, path)
             try:
                 data = pickle.dumps(self.snapshot())
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 with open(tmp, "wb") as f:
                     f.write(data)
                 os.replace(tmp, path)
+                self._written.add(path)
             except Exception as e:  # noqa: BLE001 - a dump never ends the training
                 with contextlib.suppress(OSError):
                     os.remove(tmp)
@@ -304,6 +318,9 @@ class Recorder:
         return path
 
 
+#: when this process started (as far as this module knows): a dump file newer than
+#: that, not written here, is another process's
+_PROCESS_STARTED = time.time()
 _recorder: Recorder | None = None
 _made = False
 _made_lock = threading.Lock()
