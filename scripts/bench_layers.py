@@ -3,13 +3,13 @@ layer, from MPI alone up to ``dist.all_reduce``, along the path a call takes:
 ``dist.all_reduce`` -> the group's method -> the prepared call (found by its
 key) -> the engine -> the program (executor) -> the transport -> MPI.
 
-    mpiexec -n 2 python scripts/bench_layers.py --json docs/data/layers_2ranks.json
+    mpiexec -n 2 python scripts/bench_layers.py --flight --json docs/data/layers_2ranks.json
 
 Each row adds one layer of ringcomm on top of the row before; times are the
 maximum over ranks of the best of 5 rounds (each round times every layer in
 turn) of the mean over many calls.
-The last row is ``dist.all_reduce`` again with the flight recorder on
-(:mod:`ringcomm.trace.flight`): what recording each call costs.
+With ``--flight``, a last row is ``dist.all_reduce`` again with the flight recorder
+on (:mod:`ringcomm.trace.flight`): what recording each call costs.
 ``--algo`` picks the algorithm (default recursive doubling: one exchange and
 one add at 2 ranks). ``--deepspeed`` adds a row before ringcomm's: DeepSpeed's
 shared-memory allreduce op called directly (no ProcessGroup dispatch), where
@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds over all layers; each layer's best round is kept")
     ap.add_argument("--deepspeed", action="store_true",
                     help="also time DeepSpeed's shared-memory allreduce op (same ranks)")
+    ap.add_argument("--flight", action="store_true",
+                    help="a last row: dist.all_reduce with the flight recorder on")
     ap.add_argument("--json", help="write the results here (rank 0)")
     a = ap.parse_args(argv)
     dist.init_process_group("ringcomm")
@@ -111,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
          lambda: engine.submit(call, args, async_op=False, timeout_s=60.0)),
         ("ProcessGroupRingcomm.allreduce (key, lookup)", lambda: pg.allreduce([t], opts)),
         ("dist.all_reduce", lambda: dist.all_reduce(t)),
-        (f"dist.all_reduce, flight recorder on ({FLIGHT_ENTRIES} entries)",
-         lambda: dist.all_reduce(t)),
     ]
-    # the last row runs with the group's flight recorder on (off by default)
+    if a.flight:  # the last row runs with the group's flight recorder on (off by default)
+        layers.append((f"dist.all_reduce, flight recorder on ({FLIGHT_ENTRIES} entries)",
+                       lambda: dist.all_reduce(t)))
     recorder = (flight.Recorder(FLIGHT_ENTRIES), None)
 
     def recording(i: int, on: bool) -> None:
-        if i == len(layers) - 1:
+        if a.flight and i == len(layers) - 1:
             pg.flight = recorder[0] if on else recorder[1]
 
     for i, (_, fn) in enumerate(layers):
@@ -145,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             added = f"{us - prev:+.1f} us" if prev is not None and i > len(peers) else ""
             print(f"| {name} | {us:.1f} us | {added} |")
             prev = us
-        print(f"flight recorder: {rows[-1][1] / rows[-2][1] - 1:+.1%} of dist.all_reduce's time")
+        if a.flight:
+            print(f"flight recorder: {rows[-1][1] / rows[-2][1] - 1:+.1%} of dist.all_reduce's "
+                  "time")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"schema": "ringcomm.bench_layers/1",

@@ -237,7 +237,8 @@ def _flight_cost(layers: dict, source: str) -> str:
     ``scripts/bench_layers.py``)."""
     off, on = layers["rows"][-2], layers["rows"][-1]
     if "flight recorder" not in on["layer"]:
-        return f"(`{source}` has no row with the flight recorder on: run scripts/bench_layers.py)"
+        return (f"(`{source}` has no row with the flight recorder on: run "
+                "scripts/bench_layers.py --flight)")
     return (f"| {format_size(layers['bytes'])} allreduce, {layers['world_size']} ranks | "
             "time per call |\n|---|---:|\n"
             f"| `dist.all_reduce` | {off['time_us']:.1f} us |\n"
