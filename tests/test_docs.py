@@ -118,10 +118,11 @@ def test_stale_paper_doc_is_detected(tmp_path, run_doc_numbers):
 
 
 def test_stale_multinode_doc_is_detected(tmp_path, run_doc_numbers):
-    # docs/multi-node.md's blocks: the measured crossover, the cross-host target and
-    # the runs across hosts
+    # docs/multi-node.md's blocks: the measured crossover, the cross-host target, the
+    # runs across hosts, and how long a torchrun world takes to form
     doc = tmp_path / "multi-node.md"
-    names = ("multinode-crossover", "multinode-target", "multinode-runs", "multinode-ddp")
+    names = ("multinode-crossover", "multinode-target", "multinode-runs", "multinode-ddp",
+             "world-formation")
     doc.write_text("".join(f"x\n<!-- generated:{n} begin -->\n| 4 KiB | 1 us |\n"
                            f"<!-- generated:{n} end -->\n" for n in names))
     cmd = ["--multinode", str(doc), "--paper", "none"]
@@ -136,6 +137,8 @@ def test_stale_multinode_doc_is_detected(tmp_path, run_doc_numbers):
     assert "| size | ring | tree | recursive_doubling | rabenseifner | hierarchical |" in text
     assert "docs/data/multinode.json" in text and "bench_ddp_2hosts.json" in text
     assert "# links (ping-pong" in text and "latency breakdown per iteration" in text
+    assert "| ranks | rounds, one at a time | time | rounds, tree | time |" in text
+    assert "docs/data/world_formation.json" in text
     committed = (ROOT / "docs" / "multi-node.md").read_text()
     for n in names:
         begin = f"<!-- generated:{n} begin -->"

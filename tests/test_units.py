@@ -362,3 +362,28 @@ def test_finished_works_with_small_results_are_kept_and_large_ones_not():
     assert not kept([torch.nn.Parameter(big[:2])])
     assert not kept([small, big]) and not kept(["not a tensor"])
     assert kept([torch.nn.Parameter(torch.ones(2))])
+
+
+def test_singletons_join_in_logarithmic_rounds_ranked_like_torch():
+    """torchrun's and plain srun's world (launch/bootstrap.py::merge_rounds), its
+    control flow run without MPI: ceil(log2 p) rounds up to 16,384 ranks, every rank
+    in at most one merge a round, each merge of two adjacent blocks, and the last
+    block holds every rank in torch's order (before: p - 1 rounds of one newcomer)."""
+    import math
+
+    from ringcomm.launch.bootstrap import merge_rounds
+
+    for p in [*range(1, 70), 127, 128, 129, 1000, 1024, 4097, 16384]:
+        blocks = {r: [r] for r in range(p)}  # each block by its first rank
+        rounds = merge_rounds(p)
+        assert len(rounds) == (math.ceil(math.log2(p)) if p > 1 else 0), p
+        for merges in rounds:
+            seen = set()
+            for left, right, end in merges:
+                assert left < right < end <= p
+                assert blocks[left] == list(range(left, right)), (p, left)
+                assert blocks[right] == list(range(right, end)), (p, right)
+                assert not seen & set(range(left, end))
+                seen |= set(range(left, end))
+                blocks[left] = blocks[left] + blocks.pop(right)  # accepting side first
+        assert blocks == ({0: list(range(p))} if p else {}), p

@@ -7,10 +7,11 @@ Three ways to start a job, one script:
   MASTER_ADDR / MASTER_PORT agreed over MPI, so ``init_process_group("ringcomm")``
   needs no arguments and torch ranks equal MPI ranks.
 * ``torchrun`` (or any env:// launch without mpiexec): each process is an MPI
-  singleton. Rank 0 opens an MPI port and publishes its name in the c10d store;
-  ranks 1..N-1 connect one at a time, in rank order, and each new
-  intercommunicator is merged, giving one intracommunicator whose ranks equal
-  torch's.
+  singleton. They join in a binary tree of merges (:func:`merge_rounds`): in each
+  round neighbouring blocks of ranks connect through an MPI port whose name the
+  left block's first rank publishes in the c10d store, and each intercommunicator
+  is merged left block first, so after ``ceil(log2 N)`` rounds one
+  intracommunicator's ranks equal torch's.
 
 * ``srun`` without an MPI plugin: the job's SLURM_* variables are read as
   torchrun's (:mod:`ringcomm.launch.slurm`), then as under torchrun.
@@ -317,9 +318,29 @@ def _joined(inter, high: bool, limit_s: float):
         mpi_serial.locked(inter.Free)
 
 
-def _connect_world(store, rank: int, size: int, timeout: timedelta):
-    """Join ``size`` MPI singletons into one intracommunicator ranked like torch.
+def merge_rounds(size: int) -> list[list[tuple[int, int, int]]]:
+    """How :func:`_connect_world` joins ``size`` singletons: a binary tree, one list of
+    merges per round. A merge ``(left, right, end)`` joins the block of ranks
+    ``[left, right)`` (which accepts) and ``[right, end)`` (which connects) into
+    ``[left, end)``, in that order, so the final communicator is ranked like torch
+    with no renumbering. The merges of a round run at once: ``ceil(log2(size))``
+    rounds, where admitting one rank at a time took ``size - 1``."""
+    rounds, width = [], 1
+    while width < size:
+        rounds.append([(lo, lo + width, min(lo + 2 * width, size))
+                       for lo in range(0, size, 2 * width) if lo + width < size])
+        width *= 2
+    return rounds
 
+
+def _connect_world(store, rank: int, size: int, timeout: timedelta):
+    """Join ``size`` MPI singletons into one intracommunicator ranked like torch, in
+    the rounds of :func:`merge_rounds`.
+
+    In each merge the accepting block's first rank publishes its port in the store
+    for that round only (``ringcomm/port/<round>/<rank>``), when its block is ready
+    to accept: a block merged in an earlier round cannot connect to a port that
+    still accepts another. Store traffic: one key per merge, ``size - 1`` in all.
     Every rank has met the others in :func:`prepare_network`, so each MPI connect
     and accept below is bounded by ``RINGCOMM_CONNECT_TIMEOUT``. On failure the port
     is closed and the partial communicator freed, unless an MPI call still blocks on
@@ -332,28 +353,32 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
     port = comm = None
     stuck = False
     try:
-        if rank == 0:
-            port = mpi_serial.locked(MPI.Open_port)
-            comm = mpi_serial.dup(MPI.COMM_SELF, "rank 0's communicator", limit)
-            store.set("ringcomm/port", port)
-        else:
-            # Wait for our turn: members accept one newcomer at a time, and a connection
-            # arriving early would be accepted in another rank's place.
-            _store_wait(store, f"ringcomm/turn/{rank}", timeout)
-            port_name = _store_wait(store, "ringcomm/port", timeout).decode()
-            comm = _bounded(
-                lambda: _joined(MPI.COMM_SELF.Connect(port_name, root=0), True, limit),
-                f"rank {rank}'s MPI connect to rank 0", timeout, store, 0)
-        for newcomer in range(rank + 1, size):
-            if rank == 0:
-                store.set(f"ringcomm/turn/{newcomer}", b"1")
-            members = comm
-            merged = _bounded(  # members first: ranks 0..newcomer
-                lambda: _joined(members.Accept(port if rank == 0 else None, root=0), False,
-                                limit),
-                f"rank {rank}'s MPI accept of rank {newcomer}", timeout, store, newcomer)
+        comm = mpi_serial.dup(MPI.COMM_SELF, f"rank {rank}'s communicator", limit)
+        for k, merges in enumerate(merge_rounds(size)):
+            merge = next((m for m in merges if m[0] <= rank < m[2]), None)
+            if merge is None:
+                continue  # this rank's block has no partner this round
+            left, right, end = merge
+            block = comm
+            key = f"ringcomm/port/{k}/{left}"
+            if rank < right:  # the accepting side, first in the merged order
+                if rank == left:
+                    if port is None:
+                        port = mpi_serial.locked(MPI.Open_port)
+                    store.set(key, port)
+                merged = _bounded(
+                    lambda: _joined(block.Accept(port if rank == left else None, root=0),
+                                    False, limit),
+                    f"rank {rank}'s MPI accept of ranks {right}-{end - 1}", timeout, store,
+                    right)
+            else:
+                port_name = _store_wait(store, key, timeout).decode() if rank == right else None
+                merged = _bounded(
+                    lambda: _joined(block.Connect(port_name, root=0), True, limit),
+                    f"rank {rank}'s MPI connect to ranks {left}-{right - 1}", timeout, store,
+                    left)
             comm = None  # freed once, even if Free raises
-            mpi_serial.locked(members.Free)
+            mpi_serial.locked(block.Free)
             comm = merged
         if comm.Get_rank() != rank or comm.Get_size() != size:
             raise RuntimeError(f"ringcomm bootstrap: built a communicator with rank "

@@ -1,0 +1,23 @@
+"""Per-rank program of scripts/bench_world.py: prints ``timing: {rank, imported,
+first}`` (wall-clock seconds): when this rank had imported torch and ringcomm, and
+when its first allreduce returned (the world formed), then checks the allreduce."""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+import ringcomm  # noqa: F401
+
+imported = time.time()
+
+dist.init_process_group("ringcomm")
+x = torch.ones(4)
+dist.all_reduce(x)
+first = time.time()
+assert x[0].item() == dist.get_world_size(), x
+print("timing: " + json.dumps({"rank": dist.get_rank(), "imported": imported, "first": first}),
+      flush=True)
+dist.destroy_process_group()
