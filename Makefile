@@ -48,8 +48,8 @@ test: install
 	$(call pytest,-m "not cluster and not frameworks and not ray and not parallel and not bench and not gpucheck and not wide")
 
 # the launches make test leaves out because another launch there covers them: the
-# other launcher, one rank, five oversubscribed ranks, the other ways a rank leaves
-# (about three minutes)
+# other launcher, one rank, five oversubscribed ranks, the other ways a rank leaves,
+# a timeout on the progress thread (about four minutes)
 test-wide: install
 	$(call pytest,-m wide)
 
