@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from ringcomm.launch.bootstrap import merge_rounds  # noqa: E402
 
 
-def launch(n: int, port: int) -> float:
+def launch(n: int) -> float:
     """Seconds from the last rank's import to the last rank's first allreduce."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -53,7 +53,7 @@ def main() -> int:
     a = ap.parse_args()
     runs = []
     for n in (int(x) for x in a.ranks.split(",")):
-        times = [launch(n, 29500 + i) for i in range(a.repeat)]
+        times = [launch(n) for _ in range(a.repeat)]
         runs.append({"ranks": n, "rounds": len(merge_rounds(n)), "seconds": round(min(times), 2),
                      "all_seconds": [round(t, 2) for t in times]})
         print(f"{n:6d} ranks: {len(merge_rounds(n))} rounds, {min(times):.2f} s "

@@ -380,7 +380,7 @@ def dump_for_failure(why: str) -> str | None:
         return None
     if rec.dumped_at is not None and time.monotonic() - rec.dumped_at < 1.0:
         return None
-    rec.dumped_at = time.monotonic()  # failures only: an earlier dump asked for counts not
+    rec.dumped_at = time.monotonic()  # set by failure dumps only: one asked for never skips one
     return rec.write(world_rank(), why)
 
 
