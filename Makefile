@@ -23,7 +23,7 @@ PIP_ENV := $(if $(OTHER_TORCH),PIP_CONFIG_FILE=/dev/null)
 # the newest and the oldest torch ringcomm supports (make test-compat)
 COMPAT_TORCH ?= torch==2.15.0 torch==2.7.1
 
-.PHONY: install demo test test-wide test-compat test-compat-one test-cluster test-parallel test-bench test-frameworks test-ray test-gpu-check check-nccl-api conformance bench clean
+.PHONY: install demo test test-wide test-scale test-compat test-compat-one test-cluster test-parallel test-bench test-frameworks test-ray test-gpu-check check-nccl-api conformance bench clean
 
 install: $(VENV)/.installed
 
@@ -45,13 +45,18 @@ define pytest
 endef
 
 test: install
-	$(call pytest,-m "not cluster and not frameworks and not ray and not parallel and not bench and not gpucheck and not wide")
+	$(call pytest,-m "not cluster and not frameworks and not ray and not parallel and not bench and not gpucheck and not wide and not scale")
 
 # the launches make test leaves out because another launch there covers them: the
 # other launcher, one rank, five oversubscribed ranks, the other ways a rank leaves,
 # a timeout on the progress thread (about four minutes)
 test-wide: install
 	$(call pytest,-m wide)
+
+# the checker's proofs at 1,024 and 4,096 ranks, and every built-in collective run
+# on 256 to 1,024 in-process ranks (executor="events"), in one process (minutes)
+test-scale: install
+	$(call pytest,-m scale)
 
 # torch's backend contract, the collectives, DDP, batch p2p and the init idioms
 # on the newest and the oldest supported torch (COMPAT_TORCH), each in its own

@@ -210,7 +210,7 @@ def binomial_tree(rank: int, size: int, root: int = 0) -> tuple[int | None, list
 
 
 def _region(r) -> Region:
-    if isinstance(r, Region):
+    if type(r) is Region:
         return r
     buf, off, n = r
     return Region(int(buf), int(off), int(n))
@@ -219,9 +219,15 @@ def _region(r) -> Region:
 def _placed(op, region):
     """Local op ``op`` with its regions passed through ``region`` (its other fields
     kept); anything else rebuilt as it came, for the checker to refuse by name."""
+    if type(op) in _LOCAL_OPS and region is _region and type(op.dst) is Region \
+            and type(op.src) is Region:
+        return op  # already as built
     if isinstance(op, (Reduce, Copy)):
         return op._replace(dst=region(op.dst), src=region(op.src))
     return type(op)(region(op.dst), region(op.src))
+
+
+_LOCAL_OPS = (Reduce, Copy)
 
 
 class Builder:
@@ -245,9 +251,9 @@ class Builder:
         """Append a step. ``sends``/``recvs`` hold ``(peer, region)`` pairs; ``local``
         holds :class:`Reduce`/:class:`Copy` ops run after the messages complete.
         A step with nothing in it is dropped."""
-        s = tuple(Xfer(int(p), _region(r)) for p, r in sends)
-        r = tuple(Xfer(int(p), _region(x)) for p, x in recvs)
-        loc = tuple(_placed(op, _region) for op in local)
+        s = tuple([Xfer(int(p), _region(r)) for p, r in sends])
+        r = tuple([Xfer(int(p), _region(x)) for p, x in recvs])
+        loc = tuple([_placed(op, _region) for op in local])
         if s or r or loc:
             self._steps.append(Step(s, r, loc))
 

@@ -164,6 +164,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("RINGCOMM_DEBUG", "level", "OFF",
             "`INFO` logs each `auto` choice; `DETAIL` also compares every collective's "
             "kind and sizes across ranks before it runs"),
+    Setting("RINGCOMM_CHECK_BUDGET_S", "float", 60.0,
+            "seconds a user's algorithm's first-use proof may take on each rank: its "
+            "structure (sizes, matching, no deadlock) is always checked at the group's "
+            "size, its contents there when that fits, else at the largest size that "
+            "fits, with a warning naming it", minimum=0),
     Setting("RINGCOMM_WATCH_S", "float", 1.0,
             "how often, in seconds, each rank reads its groups' store for a failure "
             "elsewhere in the group (a timeout, a mismatch, a rank that raised), so a "

@@ -139,7 +139,7 @@ def _inputs(collective: str, p: int, layout, seed: int):
             [[None] * p + [sent[i][r] for i in range(p)] for r in range(p)])
 
 
-@pytest.mark.parametrize("executor", ["threads", "nccl-sim"])
+@pytest.mark.parametrize("executor", ["threads", "nccl-sim", "events"])
 @pytest.mark.parametrize("collective,name", NAMES, ids=ids(NAMES))
 def test_runs_match_single_process(collective, name, executor):
     build = ALGORITHMS[collective, name]
@@ -164,7 +164,7 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
 
 
-@pytest.mark.parametrize("executor", ["threads", "nccl-sim"])
+@pytest.mark.parametrize("executor", ["threads", "nccl-sim", "events"])
 @pytest.mark.parametrize("name", ALLREDUCE)
 def test_every_reduce_op_and_dtype(name, executor):
     # 5 ranks: rabenseifner folds one rank, double_tree's second tree is shifted;

@@ -103,7 +103,7 @@ def _inputs(collective: str, p: int, layout, root: int, seed: int):
     return bufs, want
 
 
-@pytest.mark.parametrize("executor", ["threads", "nccl-sim"])
+@pytest.mark.parametrize("executor", ["threads", "nccl-sim", "events"])
 @pytest.mark.parametrize("collective,name", BUILTIN, ids=ids(BUILTIN))
 def test_runs_match_single_process(collective, name, executor):
     build = REGISTRY[collective][name]
@@ -124,7 +124,7 @@ def test_runs_match_single_process(collective, name, executor):
     assert runs >= 32
 
 
-@pytest.mark.parametrize("executor", ["threads", "nccl-sim"])
+@pytest.mark.parametrize("executor", ["threads", "nccl-sim", "events"])
 @pytest.mark.parametrize("op", [ops.MAX, ops.MIN, ops.PRODUCT, ops.BXOR])
 def test_reduce_ops(op, executor):
     p = 5

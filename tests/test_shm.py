@@ -73,7 +73,7 @@ def test_shared_memory_inside_hosts_mpi_between():
     ("mpiexec", "40000,45000"),  # both over shared memory
     ("torchrun", "40000,45000"),
     ("mpiexec", "32000,33500"),  # 128000 B over MPI, 134000 B over shared memory
-    ("mpiexec", "33500,32000"),
+    pytest.param("mpiexec", "33500,32000", marks=pytest.mark.wide),  # the same, turned
     ("mpiexec", "100,200"),  # both over MPI
 ])
 def test_mismatched_sizes_fail_at_once(launcher, sizes):
@@ -108,7 +108,8 @@ def test_shm_direct_mismatches_fail_at_once(launcher, sizes, algos):
     ("mpiexec", "broadcast:shm_direct:0,broadcast:shm_direct:1", 1000),  # roots differ
     ("torchrun", "allgather:shm_direct,reduce_scatter:shm_direct", 1000),  # collectives
     ("mpiexec", "broadcast:shm_direct:0,broadcast:tree:0", 40000),  # against a schedule
-    ("mpiexec", "allgather:ring,allgather:shm_direct", 40000),
+    pytest.param("mpiexec", "allgather:ring,allgather:shm_direct", 40000,
+                 marks=pytest.mark.wide),  # the same with another collective
 ])
 def test_shm_direct_collectives_mismatches_fail_at_once(launcher, calls, n):
     """shm_direct's broadcast, allgather and reduce_scatter: ranks that make different

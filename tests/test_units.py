@@ -387,3 +387,22 @@ def test_singletons_join_in_logarithmic_rounds_ranked_like_torch():
                 seen |= set(range(left, end))
                 blocks[left] = blocks[left] + blocks.pop(right)  # accepting side first
         assert blocks == ({0: list(range(p))} if p else {}), p
+
+
+def test_the_plan_cache_holds_a_bounded_weight_of_plans(monkeypatch):
+    """Plans are evicted oldest first once their weight (steps, messages, local
+    operations) exceeds PLAN_CACHE_WEIGHT; the newest stays whatever its size."""
+    from ringcomm.front.algorithm_choice import Planner
+    from ringcomm.front import algorithm_choice
+    from ringcomm.algorithms import ring as ring_algo
+    monkeypatch.setattr(algorithm_choice, "PLAN_CACHE_WEIGHT", 300)
+    planner = Planner(0, 16, ringcomm.Options().resolve())
+    plans = [planner.plan("allreduce", "ring", ring_algo.allreduce, (16 * k,), 0, torch.float32)
+             for k in range(1, 6)]  # 30 steps each
+    assert [pl.weight for pl in plans] == [30 + 60 + 15] * 5  # steps, messages, reductions
+    assert len(planner._plans) == 2 and planner._plan_weight == 210
+    again = planner.plan("allreduce", "ring", ring_algo.allreduce, (16 * 5,), 0, torch.float32)
+    assert again is plans[-1]
+    monkeypatch.setattr(algorithm_choice, "PLAN_CACHE_WEIGHT", 10)
+    big = planner.plan("allreduce", "ring", ring_algo.allreduce, (16 * 9,), 0, torch.float32)
+    assert list(planner._plans.values()) == [big] and planner._plan_weight == 105

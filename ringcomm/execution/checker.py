@@ -19,18 +19,23 @@ which carries the same facts as data (:class:`Finding`, :func:`finding_of`).
 """
 from __future__ import annotations
 
+import bisect
+import contextlib
 import dataclasses
+import gc
+import logging
 from typing import Callable, Sequence
 
 import numpy as np
 
+from ringcomm.execution.plan import COPY, compile_steps
+from ringcomm.execution.world import SEND, Batch, Memory, World
 from ringcomm.schedule import (REDUCING, BuildFn, Context, Copy, Reduce, Region, Schedule,
                                ScheduleError, ShapeNotServed, buffer_lengths)
-from ringcomm.execution.nccl_rules import Rules
 
 _UNDEF = -1
-_BIG = 1 << 40  # element ids: logical part * _BIG + element index
-MAX_RANKS = 62  # contributions are a bitmask in an int64
+_NOT_CHECKED = -2
+_BIG = 1 << 32  # element ids: logical part * _BIG + element index
 
 
 @dataclasses.dataclass
@@ -127,16 +132,6 @@ def _refusal(message: str, finding: Finding | None) -> ScheduleError:
     return err
 
 
-class _StepLabel(str):
-    """A step's label for NCCL's rules (``step 3``), keeping the step's index: the
-    rules' refusals name their steps by label, and the finding reads it back."""
-
-    def __new__(cls, step: int) -> _StepLabel:
-        self = super().__new__(cls, f"step {step}")
-        self.step = step
-        return self
-
-
 def local_layout(collective: str, layout: tuple, rank: int, root: int) -> tuple:
     """What ``rank`` knows of a global ``layout`` (gather and scatter non-roots know
     only their own count)."""
@@ -152,16 +147,17 @@ def schedules(build: BuildFn, collective: str, size: int, layout: tuple, root: i
               seg: int = 1 << 30, hosts: tuple = ()) -> list[Schedule]:
     """Every rank's schedule for a global ``layout`` (``hosts``: see
     :class:`ringcomm.schedule.Context`)."""
-    out = []
-    for r in range(size):
-        ctx = Context(collective, size, r, local_layout(collective, layout, r, root), root, seg,
-                      tuple(hosts))
-        s = build(ctx)
-        if not isinstance(s, Schedule):
-            raise _refusal(f"{collective} builder returned {type(s).__name__} on rank {r}, "
-                           "expected a ringcomm.schedule.Schedule", Finding("builder", rank=r))
-        out.append(s)
-    return out
+    return [_built(build, Context(collective, size, r, local_layout(collective, layout, r, root),
+                                  root, seg, tuple(hosts))) for r in range(size)]
+
+
+def _built(build: BuildFn, ctx: Context) -> Schedule:
+    s = build(ctx)
+    if not isinstance(s, Schedule):
+        raise _refusal(f"{ctx.collective} builder returned {type(s).__name__} on rank "
+                       f"{ctx.rank}, expected a ringcomm.schedule.Schedule",
+                       Finding("builder", rank=ctx.rank))
+    return s
 
 
 def validate(s: Schedule) -> None:
@@ -210,17 +206,30 @@ def validate(s: Schedule) -> None:
             if _overlap(op.dst, op.src):  # torch refuses or is undefined for these
                 raise refuse(i, f"{name} destination {tuple(op.dst)} overlaps its source "
                                 f"{tuple(op.src)}")
-        written = [x.region for x in st.recvs]
-        for a in range(len(written)):
-            for b in range(a + 1, len(written)):
-                if _overlap(written[a], written[b]):
-                    raise refuse(i, f"two receives write region {tuple(written[a])} and "
-                                    f"{tuple(written[b])}")
-        for x in st.sends:
-            for w in written:
-                if _overlap(x.region, w):
-                    raise refuse(i, f"sends region {tuple(x.region)} while receiving into "
-                                    f"{tuple(w)} in the same step")
+        if st.recvs:
+            _disjoint_writes(st, lambda what: refuse(i, what))
+
+
+def _disjoint_writes(st, refuse) -> None:
+    """A step's receives write disjoint memory, none of which its sends read: the
+    regions sorted once, each checked against its neighbours (a step of one_shot on
+    1,024 ranks has 1,023 receives)."""
+    written = sorted((x.region for x in st.recvs if x.region.n > 0),
+                     key=lambda rg: (rg.buf, rg.off))
+    for a, b in zip(written, written[1:]):
+        if _overlap(a, b):
+            raise refuse(f"two receives write region {tuple(a)} and {tuple(b)}")
+    keys = [(rg.buf, rg.off) for rg in written]
+    for x in st.sends:
+        rg = x.region
+        if rg.n <= 0:
+            continue
+        # the last write starting before the send's end is the only one that can
+        # overlap it (the writes are disjoint and sorted)
+        k = bisect.bisect_left(keys, (rg.buf, rg.off + rg.n)) - 1
+        if k >= 0 and _overlap(rg, written[k]):
+            raise refuse(f"sends region {tuple(rg)} while receiving into "
+                         f"{tuple(written[k])} in the same step")
 
 
 def _overlap(a: Region, b: Region) -> bool:
@@ -228,77 +237,209 @@ def _overlap(a: Region, b: Region) -> bool:
 
 
 # -- symbolic contents --------------------------------------------------------------
-def _initial(collective: str, p: int, layout: tuple, r: int, root: int, lens: list):
-    """Per caller buffer of rank ``r``: (ids, masks) before the call, and the expected
-    (ids, masks) after it (None: not checked)."""
-    me = np.int64(1) << np.int64(r)
-    everyone = np.int64((1 << p) - 1)
-    init, want = [], []
+class RankSets:
+    """Sets of ranks, each stored once and named by a number (0: the empty set), so
+    that an element's contributors cost one integer at any world size: a set is a
+    Python integer's bits; unions are computed once per distinct pair of operands."""
 
-    def ids(logical: int, n: int) -> np.ndarray:
-        return np.arange(n, dtype=np.int64) + logical * _BIG
+    def __init__(self) -> None:
+        self.masks: list[int] = [0]
+        # keyed by the mask's bytes: Python hashes an int modulo 2**61 - 1, so runs
+        # of ranks 61 apart (a ring's partial sums) share a hash, and a dict keyed
+        # by the ints themselves slowed a 1,024-rank ring's proof tenfold
+        self._index: dict[bytes, int] = {b"": 0}
+        self._unions: dict[int, int] = {}
 
-    def undef(n: int):
-        return (np.full(n, _UNDEF, np.int64), np.zeros(n, np.int64))
+    def of(self, mask: int) -> int:
+        """The number of the set whose bits are ``mask``."""
+        key = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
+        i = self._index.get(key)
+        if i is None:
+            i = self._index[key] = len(self.masks)
+            self.masks.append(mask)
+        return i
 
-    def val(logical: int, n: int, mask) -> tuple:
-        return (ids(logical, n), np.full(n, mask, np.int64))
+    def single(self, rank: int) -> int:
+        return self.of(1 << rank)
 
-    for b, n in enumerate(lens):
-        n = n or 0
-        c = collective
-        if c == "allreduce":
-            init.append(val(0, n, me))
-            want.append(val(0, n, everyone))
-        elif c == "broadcast":
-            init.append(val(0, n, me) if r == root else undef(n))
-            want.append(val(0, n, np.int64(1) << np.int64(root)))
-        elif c == "reduce":
-            init.append(val(0, n, me))
-            want.append(val(0, n, everyone) if r == root else None)
-        elif c == "allgather":
-            if b < p:
-                init.append(undef(n))
-                want.append(val(b, n, np.int64(1) << np.int64(b)))
-            else:  # the caller's input: read only
-                init.append(val(r, n, me))
-                want.append(val(r, n, me))
-        elif c == "reduce_scatter":
-            if b < p:
-                init.append(val(b, n, me))
-                want.append(None)
+    def union(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Elementwise union of sets ``a`` and ``b`` (numbers), and where they share a
+        rank (bool)."""
+        if not len(a):
+            return a.copy(), np.zeros(0, bool)
+        pairs, inverse = np.unique(a.astype(np.int64) << 32 | b, return_inverse=True)
+        out = np.empty(len(pairs), np.int64)
+        shared = np.zeros(len(pairs), bool)
+        for k, code in enumerate(pairs.tolist()):
+            u = self._unions.get(code)
+            if u is None:
+                x, y = self.masks[code >> 32], self.masks[code & 0xFFFFFFFF]
+                u = self._unions[code] = -1 if x & y else self.of(x | y)
+            shared[k] = u < 0
+            out[k] = u
+        return out[inverse], shared[inverse]
+
+    def words(self, i: int) -> str:
+        """``{0, 1, 2}``; above 16 ranks, runs of consecutive ranks as ``0..1023``."""
+        mask = self.masks[int(i)]
+        ranks = [r for r in range(mask.bit_length()) if mask >> r & 1]
+        if len(ranks) <= 16:
+            return "{" + ", ".join(map(str, ranks)) + "}"
+        runs: list[list[int]] = []
+        for r in ranks:
+            if runs and runs[-1][1] == r - 1:
+                runs[-1][1] = r
             else:
-                init.append(undef(n))
-                want.append(val(r, n, everyone))
-        elif c == "gather":
-            if b < p:
-                init.append(undef(n))
-                want.append(val(b, n, np.int64(1) << np.int64(b)) if r == root else None)
-            else:  # the caller's input: read only
-                init.append(val(r, n, me))
-                want.append(val(r, n, me))
-        elif c == "scatter":
-            rootm = np.int64(1) << np.int64(root)
-            if b < p:  # the root's inputs: read only
-                init.append(val(b, n, rootm))
-                want.append(val(b, n, rootm))
+                runs.append([r, r])
+        return "{" + ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs) + "}"
+
+
+class _Contents:
+    """Every rank's buffers as one array of element identities and one of contributor
+    sets (:class:`RankSets` numbers), moved by the world's rounds
+    (:meth:`ringcomm.execution.world.World.run`)."""
+
+    def __init__(self, world: World, shapes: Sequence[tuple[list, list]], collective: str,
+                 layout: tuple, root: int):
+        self.world, self.collective, self.size = world, collective, len(shapes)
+        self.sets = RankSets()
+        self.memory = Memory(world, [[*lens, *scratch] for lens, scratch in shapes])
+        ids, sets, want_ids, want_sets = [], [], [], []
+        for r, (lens, scratch) in enumerate(shapes):
+            for b, (init, want) in enumerate(self._initial(r, lens, root, layout)):
+                ids.append(init[0])
+                sets.append(init[1])
+                want_ids.append(want[0] if want else np.full(lens[b], _NOT_CHECKED, np.int64))
+                want_sets.append(want[1] if want else np.zeros(lens[b], np.int64))
+            for n in scratch:
+                ids.append(np.full(n, _UNDEF, np.int64))
+                sets.append(np.zeros(n, np.int64))
+                want_ids.append(np.full(n, _NOT_CHECKED, np.int64))
+                want_sets.append(np.zeros(n, np.int64))
+        cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
+        self.ids, self.set_of = cat(ids), cat(sets)
+        self.want_ids, self.want_sets = cat(want_ids), cat(want_sets)
+
+    def _initial(self, r: int, lens: list[int], root: int, layout: tuple):
+        """Per caller buffer of rank ``r``: ((ids, sets) before the call, (ids, sets)
+        expected after it, None: not checked)."""
+        c, p, one = self.collective, self.size, self.sets.single
+        everyone = self.sets.of((1 << p) - 1)
+
+        def val(logical: int, n: int, s: int) -> tuple:
+            return (np.arange(n, dtype=np.int64) + logical * _BIG, np.full(n, s, np.int64))
+
+        def undef(n: int) -> tuple:
+            return (np.full(n, _UNDEF, np.int64), np.zeros(n, np.int64))
+
+        for b, n in enumerate(lens):
+            if c == "allreduce":
+                yield val(0, n, one(r)), val(0, n, everyone)
+            elif c == "broadcast":
+                yield (val(0, n, one(r)) if r == root else undef(n)), val(0, n, one(root))
+            elif c == "reduce":
+                yield val(0, n, one(r)), (val(0, n, everyone) if r == root else None)
+            elif c == "allgather":
+                yield ((undef(n), val(b, n, one(b))) if b < p  # the caller's input: read only
+                       else (val(r, n, one(r)), val(r, n, one(r))))
+            elif c == "reduce_scatter":
+                yield ((val(b, n, one(r)), None) if b < p
+                       else (undef(n), val(r, n, everyone)))
+            elif c == "gather":
+                yield ((undef(n), val(b, n, one(b)) if r == root else None) if b < p
+                       else (val(r, n, one(r)), val(r, n, one(r))))
+            elif c == "scatter":  # the root's inputs are read only
+                yield ((val(b, n, one(root)), val(b, n, one(root))) if b < p
+                       else (undef(n), val(r, n, one(root))))
+            elif c == "barrier":
+                yield val(0, n, one(r)), None
+            elif c == "alltoall":
+                if b < p:  # send chunk for rank b: read only
+                    yield val(r * p + b, n, one(r)), val(r * p + b, n, one(r))
+                else:  # receive chunk from rank b - p
+                    yield undef(n), val((b - p) * p + r, n, one(b - p))
             else:
-                init.append(undef(n))
-                want.append(val(r, n, rootm))
-        elif c == "barrier":
-            init.append(val(0, n, me))
-            want.append(None)
-        elif c == "alltoall":
-            if b < p:  # send chunk for rank b: read only
-                init.append(val(r * p + b, n, me))
-                want.append(val(r * p + b, n, me))
-            else:  # receive chunk from rank b - p
-                src = b - p
-                init.append(undef(n))
-                want.append(val(src * p + r, n, np.int64(1) << np.int64(src)))
+                raise _refusal(f"checker: no symbolic model for {c!r}", Finding("model"))
+
+    def messages(self, batch: Batch) -> None:
+        src, dst = self.memory.elements(batch.src), self.memory.elements(batch.dst)
+        self.ids[dst] = self.ids[src]
+        self.set_of[dst] = self.set_of[src]
+
+    def local(self, batch: Batch) -> None:
+        copy = batch.kind == COPY
+        if copy.any():
+            self.messages(Batch(src=batch.src[copy], dst=batch.dst[copy]))
+        red = ~copy
+        if not red.any():
+            return
+        dreg, sreg = batch.dst[red], batch.src[red]
+        dst, src = self.memory.elements(dreg), self.memory.elements(sreg)
+        di, si = self.ids[dst], self.ids[src]
+        union, shared = self.sets.union(self.set_of[dst], self.set_of[src])
+        bad = (di == _UNDEF) | (si == _UNDEF) | (di != si) | shared
+        if bad.any():
+            self._refuse_reduce(int(np.argmax(bad)), dreg, sreg, batch.rank[red],
+                                batch.step[red], di, si, dst, src)
+        self.set_of[dst] = union
+
+    def _refuse_reduce(self, e: int, dreg, sreg, ranks, steps, di, si, dst, src) -> None:
+        """The first wrong element ``e`` of a batch of reductions, named."""
+        k = int(np.searchsorted(np.cumsum(self.memory.sizes(dreg)), e, side="right"))
+        r, step = int(ranks[k]), int(steps[k])
+        (_, dbuf, da, _), (_, sbuf, sa, _) = self.world.regions[dreg[k]], \
+            self.world.regions[sreg[k]]
+        first = int(self.memory.elements(dreg[k:k + 1])[0])
+        off = int(dst[e]) - first
+        where = Finding("reduce", rank=r, step=step, buffer=int(dbuf), element=int(da) + off)
+        c, p = self.collective, self.size
+        if di[e] == _UNDEF or si[e] == _UNDEF:
+            what = (f"reduces undefined data (buffer {dbuf} element {da + off} with buffer "
+                    f"{sbuf} element {sa + off})")
+        elif di[e] != si[e]:
+            what = f"reduces {_describe_id(c, p, di[e])} with {_describe_id(c, p, si[e])}"
         else:
-            raise _refusal(f"checker: no symbolic model for {collective!r}", Finding("model"))
-    return init, want
+            both = self.sets.of(self.sets.masks[self.set_of[dst[e]]] &
+                                self.sets.masks[self.set_of[src[e]]])
+            what = (f"{_describe_id(c, p, di[e])} would count ranks {self.sets.words(both)} "
+                    "twice")
+        raise _refusal(f"{c} rank {r} step {step}: {what}", where)
+
+    def check_barrier(self) -> None:
+        """A rank may leave only once it holds data (so: causally after) every rank's
+        entry token; only data dependencies order the steps on every executor."""
+        base = self.memory.base
+        for r in range(self.size):
+            end = base[r + 1][0] if r + 1 < self.size else len(self.ids)
+            know = 0
+            for s in np.unique(self.set_of[base[r][0]:end]).tolist() if base[r] else []:
+                know |= self.sets.masks[s]
+            if know != (1 << self.size) - 1:
+                missing = [i for i in range(self.size) if not know >> i & 1]
+                raise _refusal(f"barrier on {self.size} ranks: rank {r} leaves without having "
+                               f"heard (directly or not) from ranks {missing}",
+                               Finding("barrier", rank=r))
+
+    def check_results(self, layout: tuple) -> None:
+        """Every checked buffer ends as expected, or the first wrong element is named."""
+        checked = self.want_ids != _NOT_CHECKED
+        bad = np.nonzero(checked & ((self.ids != self.want_ids) |
+                                    (self.set_of != self.want_sets)))[0]
+        if not bad.size:
+            return
+        g = int(bad[0])
+        r, b, e = self.memory.locate(g)
+        start = g - e
+        ends = [*self.memory.base[r][1:], *(self.memory.base[r + 1][:1] if r + 1 < self.size
+                                            else [len(self.ids)])]
+        in_buffer = int(np.searchsorted(bad, ends[b]) - np.searchsorted(bad, start))
+        c, p, w = self.collective, self.size, self.sets.words
+        found = Finding("wrong result", rank=r, buffer=b, element=e)
+        raise _refusal(
+            f"{c} on {p} ranks, layout {_short(layout)}: {found.element_words()} ends as "
+            f"{_describe_id(c, p, self.ids[g])} from ranks {w(self.set_of[g])}, expected "
+            f"{_describe_id(c, p, self.want_ids[g])} from ranks {w(self.want_sets[g])} "
+            f"({in_buffer} wrong elements)", found)
 
 
 def _describe_id(collective: str, p: int, ident: int) -> str:
@@ -312,224 +453,103 @@ def _describe_id(collective: str, p: int, ident: int) -> str:
     return f"element {e} of chunk {logical}"
 
 
-def _ranks(mask: int) -> str:
-    return "{" + ", ".join(str(i) for i in range(64) if (int(mask) >> i) & 1) + "}"
-
-
 def check(build: BuildFn, collective: str, size: int, layout: tuple, *, root: int = 0,
           seg: int = 1 << 30, symbolic: bool = True,
-          built: Sequence[Schedule] | None = None, hosts: tuple = ()) -> Stats:
+          on_built: Callable[[Schedule], None] | None = None, hosts: tuple = ()) -> Stats:
     """Prove ``build`` right for one call shape, and count its cost.
+
+    Every rank's schedule is built, checked and compiled in turn, then dropped, so
+    memory holds arrays of every rank's steps, not their Python objects.
 
     Args:
         build: the schedule builder.
         collective: which collective it implements.
-        size: world size (at most 62 with ``symbolic``).
+        size: world size (any: contributions are sets of ranks of any size).
         layout: the global layout: as :data:`ringcomm.schedule.BUFFERS` says, except
             alltoall, which takes the matrix ``layout[i][j]`` = elements rank i sends to j.
         root: root rank of rooted collectives.
         seg: elements per pipeline segment.
         symbolic: also track contents (False: structure, matching and counts only).
-        built: every rank's schedule, already built with ``build`` for this shape (so
-            that what is checked is exactly what will run).
+        on_built: called with each rank's schedule as it is built (so that a caller
+            keeps exactly what was checked).
         hosts: the host of every rank (:class:`ringcomm.schedule.Context`); empty: one host.
     Raises:
         ScheduleError: the schedule is malformed, deadlocks, or computes a wrong result;
             the message names the rank, step and element, and the error carries them
             as data (:func:`finding_of`).
     """
-    if symbolic and size > MAX_RANKS:
-        raise ValueError(f"checker: symbolic runs support at most {MAX_RANKS} ranks")
-    scheds = list(built) if built is not None else schedules(build, collective, size, layout,
-                                                              root, seg, hosts)
-    for s in scheds:
-        validate(s)
-    rules, state, wants, reduced = _streams(scheds, collective, layout, root, symbolic)
+    with _paused_gc():
+        return _check(build, collective, size, layout, root, seg, symbolic, on_built, hosts)
+
+
+@contextlib.contextmanager
+def _paused_gc():
+    """Python's cycle collector paused: a proof allocates millions of small tuples
+    that reference counting frees, and each collection rescans them all (it tripled
+    a 512-rank ring's build time)."""
+    was = gc.isenabled()
+    gc.disable()
     try:
-        _drain(rules)
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _check(build, collective, size, layout, root, seg, symbolic, on_built, hosts) -> Stats:
+    shapes: list[tuple[list, list]] = []  # per rank: caller buffer lengths, scratch
+
+    def compiled():
+        for r in range(size):
+            s = _built(build, Context(collective, size, r,
+                                      local_layout(collective, layout, r, root), root, seg,
+                                      tuple(hosts)))
+            validate(s)
+            if on_built is not None:
+                on_built(s)
+            lens = buffer_lengths(s.ctx)
+            shapes.append(([n or 0 for n in lens], list(s.scratch)))
+            yield compile_steps(s, [*lens, *s.scratch])
+
+    try:
+        world = World(compiled(), size)
     except ScheduleError as e:
-        raise _refusal(f"{collective} on {size} ranks, layout {_short(layout)}: {e}",
-                       finding_of(e)) from None
-    if symbolic and collective == "barrier":
-        _check_barrier(state, size)
-    if symbolic:
-        _check_results(state, wants, collective, size, layout)
-    return Stats(rounds=rules.rounds, busiest=rules.busiest_bytes, sent_max=max(rules.sent),
-                 reduced_max=max(reduced), steps_max=max(len(s.steps) for s in scheds),
-                 messages=sum(len(st.sends) for s in scheds for st in s.steps))
-
-
-def _streams(scheds: Sequence[Schedule], collective: str, layout: tuple, root: int,
-             symbolic: bool) -> tuple[Rules, list, list, list[int]]:
-    """NCCL's rules loaded with every rank's steps: per step a group of its messages,
-    then its local work (run on the symbolic contents when ``symbolic``). Gives the
-    rules, every rank's contents (per buffer: ids, masks), the contents expected at
-    the end (None: not checked), and the elements each rank reduces."""
-    size = len(scheds)
-    rules = Rules(size)
-    reduced = [0] * size
-    state: list[list] = []
-    wants: list[list] = []
-    for r, s in enumerate(scheds):
-        lens = buffer_lengths(s.ctx)
-        if symbolic:
-            init, want = _initial(collective, size, layout, r, root, lens)
-            for n in s.scratch:
-                init.append((np.full(n, _UNDEF, np.int64), np.zeros(n, np.int64)))
-            state.append(init)
-            wants.append(want)
-        for i, st in enumerate(s.steps):
-            label = _StepLabel(i)
-            ops = []
-            for x in st.sends:
-                ops.append(("send", x.peer, x.region.n, _reader(state, r, x.region, symbolic)))
-            for x in st.recvs:
-                ops.append(("recv", x.peer, x.region.n, _writer(state, r, x.region, symbolic)))
-            try:
-                rules.add_group(r, ops, label)
-            except ScheduleError as e:  # a peer that is no other rank
-                e.finding = Finding("peer", rank=r, step=i, peer=next(
-                    o[1] for o in ops if not 0 <= o[1] < size or o[1] == r))
-                raise
-            for op in st.local:
-                if isinstance(op, Reduce):
-                    reduced[r] += op.dst.n
-                if symbolic:
-                    rules.add_local(r, _local_fn(state, r, op, collective, size, i), label)
-    return rules, state, wants, reduced
-
-
-def _drain(rules: Rules) -> None:
-    """:meth:`Rules.drain`, its refusals with their :class:`Finding`: a size mismatch
-    (raised in a round) or, when nothing can move, the rules' report of the messages
-    without partners or the wait cycle."""
-    while any(rules.queues):
-        try:
-            moved = rules.step_round()
-        except ScheduleError as e:
-            if finding_of(e) is None:  # the rules' own: a size mismatch
-                e.finding = _mismatch_finding(e)
+        if not hasattr(e, "bad_peer"):  # the builder's or validate's own
             raise
-        if not moved:
-            raise _refusal(rules.stuck_report(), _stall_finding(rules))
+        r, i, peer = e.bad_peer  # a peer that is no other rank
+        raise _refusal(str(e), Finding("peer", rank=r, step=i, peer=peer)) from None
+    contents = _Contents(world, shapes, collective, layout, root) if symbolic else None
+    try:
+        counts = world.run(contents and contents.local, contents and contents.messages)
+    except ScheduleError as e:  # the world's refusal, or the contents' (with its finding)
+        raise _refusal(f"{collective} on {size} ranks, layout {_short(layout)}: {e}",
+                       finding_of(e) or _world_finding(e)) from None
+    if symbolic and collective == "barrier":
+        contents.check_barrier()
+    if symbolic:
+        contents.check_results(layout)
+    return Stats(rounds=counts.rounds, busiest=counts.busiest, sent_max=int(counts.sent.max()),
+                 reduced_max=int(world.reduced.max()), steps_max=int(world.steps.max()),
+                 messages=int((world.m_kind == SEND).sum()))
 
 
-def _mismatch_finding(err: ScheduleError) -> Finding | None:
-    """The size mismatch a round of the rules stopped at, from the send the rules
-    attached to their error."""
-    where = getattr(err, "mismatch", None)
-    if where is None:
-        return None
-    label, op, peer_label = where
-    return Finding("size mismatch", rank=op.rank, step=label.step, peer=op.peer,
-                   peer_step=peer_label.step)
-
-
-def _stall_finding(rules: Rules) -> Finding:
-    """What :meth:`Rules.stuck` found when nothing can move, as a finding: its
-    messages without partners (at most 4), or else its cycle of waiting ranks."""
-    orphans, cycle = rules.stuck()
-    entries = ([Finding("unmatched", rank=op.rank, step=label.step, peer=op.peer)
-                for label, op in orphans[:4]]
-               or [Finding("deadlock", rank=op.rank, step=label.step, peer=op.peer,
-                           peer_step=where.step) for label, op, where in cycle])
+def _world_finding(err: ScheduleError) -> Finding | None:
+    """The finding of the world's refusal: a size mismatch, or, when nothing can
+    move, its messages without partners (at most 4) or else its cycle of waits."""
+    if getattr(err, "mismatch", None) is not None:
+        rank, step, peer, peer_step = err.mismatch
+        return Finding("size mismatch", rank=rank, step=step, peer=peer, peer_step=peer_step)
+    orphans, cycle = getattr(err, "stuck", ([], []))
+    entries = ([Finding("unmatched", rank=r, step=i, peer=q) for r, i, _, _, q in orphans[:4]]
+               or [Finding("deadlock", rank=r, step=i, peer=q, peer_step=j)
+                   for r, i, _, _, q, j in cycle])
     return dataclasses.replace(entries[0], more=tuple(entries[1:])) if entries else \
         Finding("deadlock")
-
-
-def _check_barrier(state: list, size: int) -> None:
-    """A rank may leave only once it holds data (so: causally after) every rank's
-    entry token; only data dependencies order the steps on every executor."""
-    for r in range(size):
-        know = 0
-        for _, masks in state[r]:
-            know |= int(np.bitwise_or.reduce(masks)) if masks.size else 0
-        if know != (1 << size) - 1:
-            missing = sorted(i for i in range(size) if not know >> i & 1)
-            raise _refusal(f"barrier on {size} ranks: rank {r} leaves without having heard "
-                           f"(directly or not) from ranks {missing}", Finding("barrier", rank=r))
-
-
-def _check_results(state: list, wants: list, collective: str, size: int,
-                   layout: tuple) -> None:
-    """Every checked buffer ends as expected, or the first wrong element is named."""
-    for r in range(size):
-        for b, want in enumerate(wants[r]):
-            if want is None:
-                continue
-            ids, masks = state[r][b]
-            bad = np.nonzero((ids != want[0]) | (masks != want[1]))[0]
-            if bad.size:
-                e = int(bad[0])
-                found = Finding("wrong result", rank=r, buffer=b, element=e)
-                raise _refusal(
-                    f"{collective} on {size} ranks, layout {_short(layout)}: "
-                    f"{found.element_words()} ends as {_describe_id(collective, size, ids[e])}"
-                    f" from ranks {_ranks(masks[e])}, expected "
-                    f"{_describe_id(collective, size, want[0][e])} from ranks "
-                    f"{_ranks(want[1][e])} ({bad.size} wrong elements)", found)
 
 
 def _short(layout) -> str:
     text = str(layout)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _reader(state, r: int, rg: Region, symbolic: bool):
-    if not symbolic:
-        return lambda: None
-    ids, masks = state[r][rg.buf]
-    a, b = rg.off, rg.off + rg.n
-    return lambda: (ids[a:b].copy(), masks[a:b].copy())
-
-
-def _writer(state, r: int, rg: Region, symbolic: bool):
-    if not symbolic:
-        return lambda data: None
-    ids, masks = state[r][rg.buf]
-    a, b = rg.off, rg.off + rg.n
-
-    def put(data):
-        ids[a:b], masks[a:b] = data
-    return put
-
-
-def _local_fn(state, r: int, op, collective: str, p: int, step: int):
-    dids, dmasks = state[r][op.dst.buf]
-    sids, smasks = state[r][op.src.buf]
-    da, db = op.dst.off, op.dst.off + op.dst.n
-    sa, sb = op.src.off, op.src.off + op.src.n
-    where = f"{collective} rank {r} step {step}"
-
-    if isinstance(op, Copy):
-        def copy():
-            src = (sids[sa:sb].copy(), smasks[sa:sb].copy())
-            dids[da:db], dmasks[da:db] = src
-        return copy
-
-    def refuse(e: int, what: str) -> ScheduleError:
-        return _refusal(f"{where}: {what}", Finding("reduce", rank=r, step=step,
-                                                    buffer=op.dst.buf, element=da + e))
-
-    def reduce():
-        di, dm, si, sm = dids[da:db], dmasks[da:db], sids[sa:sb], smasks[sa:sb]
-        undef = np.nonzero((di == _UNDEF) | (si == _UNDEF))[0]
-        if undef.size:
-            e = int(undef[0])
-            raise refuse(e, f"reduces undefined data (buffer {op.dst.buf} element {da + e} "
-                            f"with buffer {op.src.buf} element {sa + e})")
-        mixed = np.nonzero(di != si)[0]
-        if mixed.size:
-            e = int(mixed[0])
-            raise refuse(e, f"reduces {_describe_id(collective, p, di[e])} with "
-                            f"{_describe_id(collective, p, si[e])}")
-        twice = np.nonzero(dm & sm)[0]
-        if twice.size:
-            e = int(twice[0])
-            raise refuse(e, f"{_describe_id(collective, p, di[e])} would count ranks "
-                            f"{_ranks(dm[e] & sm[e])} twice")
-        dmasks[da:db] = dm | sm
-    return reduce
 
 
 ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
@@ -558,53 +578,159 @@ def shapes(collective: str, p: int, k: int):
 #: a user's schedule is checked symbolically at its real shape up to this many
 #: elements over all ranks, at a proportionally smaller shape above it
 CHECK_ELEMENTS = 1 << 18
+#: up to this many ranks the first-use check is one proof, structure and contents
+#: together; above, the structure first, which also times what a proof costs
+ONE_PASS_RANKS = 64
+#: a proof of the contents costs about this many times the structural check of the
+#: same size (it builds every rank's schedule again, then moves contents)
+CONTENTS_COST = 1.5
+#: the smallest size a budget's fallback proves, whatever its cost
+LADDER_FLOOR = 8
+
+log = logging.getLogger("ringcomm")
 
 
 class AlgorithmFailed(RuntimeError):
     """A user's schedule builder raised (not a wrong schedule: an exception)."""
 
 
-def check_user_schedule(build: Callable, ctx: Context, name: str):
+@dataclasses.dataclass(frozen=True)
+class Proof:
+    """What a first-use check proved: the structure at the group's ``size``, the
+    contents at ``proven`` ranks (``size`` unless the budget ran out; 0: at none)."""
+    size: int
+    proven: int
+    seconds: float
+
+
+def check_user_schedule(build: Callable, ctx: Context, name: str,
+                        budget_s: float | None = None) -> Schedule:
     """Check a user's builder for this call shape and return this rank's schedule,
     the very one that was checked (every rank checks the same, so every rank
     refuses a wrong schedule alike).
 
-    At the real shape: bounds, matching and freedom from deadlock always, contents
-    too up to ``CHECK_ELEMENTS`` elements over all ranks (and 62 ranks); above that
-    the contents are checked at a proportionally smaller shape with the same
-    number of segments per chunk.
+    At the group's size: bounds, matching and freedom from deadlock always; the
+    contents too when the proof fits ``budget_s`` (``RINGCOMM_CHECK_BUDGET_S``), up to
+    ``CHECK_ELEMENTS`` elements over all ranks at the real shape, at a proportionally
+    smaller shape with the same number of segments per chunk above it. When it does
+    not fit (a 4,096-rank ring's would take minutes), the contents are proven at the
+    largest size of ``p/2, p/4, ...`` (down to 8 ranks, proven whatever the budget)
+    whose estimated cost fits, and rank 0 warns naming that size. :data:`LAST_PROOF`
+    keeps what was proven.
 
     Raises:
         ScheduleError: (a ValueError) naming the algorithm, step and element at fault.
         AlgorithmFailed: the builder raised, for some rank's view of this call (every
             rank builds every rank's schedule, so every rank raises alike).
     """
+    import time
+
+    from ringcomm import settings
+    budget = settings.get("RINGCOMM_CHECK_BUDGET_S") if budget_s is None else budget_s
+    start = time.monotonic()
+    coll, p, r = ctx.collective, ctx.size, ctx.rank
+    layout = _global_layout(ctx)
+    mine: list[Schedule] = []
+    keep = (lambda s: mine.append(s) if s.ctx.rank == r else None)
+    with _named(name, coll, p, layout):
+        if p <= ONE_PASS_RANKS:
+            _prove(build, ctx, layout, p, keep, structure=True)
+            proven = p
+        else:
+            check(build, coll, p, layout, root=ctx.root, seg=ctx.seg, symbolic=False,
+                  on_built=keep, hosts=ctx.hosts)
+            structure_s = time.monotonic() - start
+            proven = _prove_within(build, ctx, layout, structure_s,
+                                   budget - structure_s)
+    LAST_PROOF[(name, coll, p)] = proof = Proof(p, proven, time.monotonic() - start)
+    if proven < p and r == 0:
+        log.warning("ringcomm: algorithm %r (%s on %d ranks): its contents were proven at "
+                    "%d ranks, not at %d: a proof at %d ranks would not fit "
+                    "RINGCOMM_CHECK_BUDGET_S=%g s; its structure (sizes, matching, no "
+                    "deadlock) was checked at %d ranks (%.1f s in all)", name, coll, p,
+                    proven, p, p, budget, p, proof.seconds)
+    return mine[0]
+
+
+#: (algorithm, collective, size) -> the :class:`Proof` of its latest first-use check
+LAST_PROOF: dict[tuple[str, str, int], Proof] = {}
+
+
+def _global_layout(ctx: Context) -> tuple:
+    """The global layout the checker needs: every rank's view. Where a rank knows only
+    its own sizes (gather/scatter non-roots, alltoall) a consistent global layout
+    stands in; this rank's part of it is exactly its own layout."""
     coll, p, r, lay = ctx.collective, ctx.size, ctx.rank, ctx.layout
-    # The checker needs every rank's view; where a rank knows only its own sizes
-    # (gather/scatter non-roots, alltoall) a consistent global layout stands in;
-    # this rank's part of it is exactly its own layout.
     if coll in ("gather", "scatter"):
         own = lay[r]
-        layout = tuple(own if c is None else c for c in lay)
-    elif coll == "alltoall":
+        return tuple(own if c is None else c for c in lay)
+    if coll == "alltoall":
         sends, recvs = lay
         if len(set(sends) | set(recvs)) == 1:  # even splits: every rank's are (all_to_all_single)
-            layout = tuple((sends[0],) * p for _ in range(p))
-        else:
-            layout = tuple(tuple(sends[j] if i == r else recvs[i] if j == r else 1
-                                 for j in range(p)) for i in range(p))
-    else:
-        layout = lay
-    total = sum(_leaves(layout)) * max(p, 1)
-    small = total <= CHECK_ELEMENTS and p <= MAX_RANKS
+            return tuple((sends[0],) * p for _ in range(p))
+        return tuple(tuple(sends[j] if i == r else recvs[i] if j == r else 1
+                           for j in range(p)) for i in range(p))
+    return lay
+
+
+def _prove(build: Callable, ctx: Context, layout: tuple, q: int,
+           on_built: Callable | None = None, structure: bool = False) -> None:
+    """The contents proof at ``q`` ranks (fewer than ``ctx.size``: the call shape cut
+    down to ``q`` ranks), at the real shape up to ``CHECK_ELEMENTS`` elements, scaled
+    down above; with ``structure``, also the structure at the real shape."""
+    coll, p = ctx.collective, ctx.size
+    if q < p:
+        layout = _cut(coll, layout, q, p)
+    root, hosts = (ctx.root if ctx.root < q else q - 1), tuple(ctx.hosts[:q])
+    total = sum(_leaves(layout)) * max(q, 1)
+    small = total <= CHECK_ELEMENTS
+    if structure or small:
+        check(build, coll, q, layout, root=root, seg=ctx.seg, symbolic=small,
+              on_built=on_built, hosts=hosts)
+    if not small:  # same segments per chunk, fewer elements
+        f = -(-total // CHECK_ELEMENTS)
+        check(build, coll, q, _scaled(layout, f), root=root, seg=max(1, ctx.seg // f),
+              hosts=hosts)
+
+
+def _prove_within(build: Callable, ctx: Context, layout: tuple, structure_s: float,
+                  left_s: float) -> int:
+    """Prove the contents at the group's size if its estimated cost fits ``left_s``,
+    else at the largest of p/2, p/4, ... that fits (cost taken as linear in the
+    ranks, which over-estimates the smaller sizes of algorithms whose steps grow
+    with p); returns the size proven (0: none served)."""
+    p = ctx.size
+    sizes = [p]
+    while sizes[-1] // 2 >= LADDER_FLOOR:
+        sizes.append(sizes[-1] // 2)
+    for q in sizes:
+        if q > LADDER_FLOOR and CONTENTS_COST * structure_s * q / p > left_s:
+            continue
+        try:
+            _prove(build, ctx, layout, q)
+        except ShapeNotServed:
+            if q == p:
+                raise
+            continue  # the builder serves some sizes only: try a smaller one
+        return q
+    return 0
+
+
+def _cut(collective: str, layout: tuple, q: int, p: int) -> tuple:
+    """A ``p``-rank call shape cut down to ``q`` ranks: per-rank sizes of the first
+    ``q`` ranks; a whole-buffer size scaled to keep the elements per rank."""
+    if collective == "alltoall":
+        return tuple(tuple(row[:q]) for row in layout[:q])
+    if collective in ("allreduce", "broadcast", "reduce", "barrier"):
+        return (max(1, -(-layout[0] * q // p)),) if layout[0] else layout
+    return tuple(layout[:q])
+
+
+@contextlib.contextmanager
+def _named(name: str, coll: str, p: int, layout: tuple):
+    """A refusal or a builder's error, named with the algorithm and the call."""
     try:
-        scheds = schedules(build, coll, p, layout, ctx.root, ctx.seg, ctx.hosts)
-        check(build, coll, p, layout, root=ctx.root, seg=ctx.seg, symbolic=small,
-                      built=scheds, hosts=ctx.hosts)
-        if not small and p <= MAX_RANKS:  # same segments per chunk, fewer elements
-            f = -(-total // CHECK_ELEMENTS)
-            check(build, coll, p, _scaled(layout, f), root=ctx.root,
-                          seg=max(1, ctx.seg // f), hosts=ctx.hosts)
+        yield
     except ShapeNotServed as e:
         raise ShapeNotServed(f"ringcomm: algorithm {name!r} does not serve this call "
                              f"({coll} on {p} ranks, layout {_short(layout)}): {e}") from None
@@ -614,7 +740,6 @@ def check_user_schedule(build: Callable, ctx: Context, name: str):
         raise AlgorithmFailed(f"algorithm {name!r} raised {type(e).__name__}: {e} while "
                               f"building its {coll} schedule for {p} ranks, layout "
                               f"{layout}") from e
-    return scheds[r]
 
 
 def _leaves(layout) -> list[int]:

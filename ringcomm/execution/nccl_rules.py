@@ -26,17 +26,43 @@ from typing import Any, Callable
 from ringcomm.schedule import ScheduleError
 
 
+def message_words(kind: str, n: int, unit: str, peer: int) -> str:
+    """``send of 4 elements to rank 1`` / ``receive of 4 elements from rank 0``."""
+    if kind == "send":
+        return f"send of {n} {unit} to rank {peer}"
+    return f"receive of {n} {unit} from rank {peer}"
+
+
+def mismatch_words(rank: int, label: str, n: int, unit: str, peer: int, peer_label: str,
+                   peer_n: int) -> str:
+    """A send and its matching receive disagree on the size."""
+    return (f"size mismatch: rank {rank} {label} sends {n} {unit} to rank {peer}, whose "
+            f"matching receive ({peer_label}) takes {peer_n}")
+
+
+def unmatched_words(orphans: list[tuple[int, str, str, int, int]], unit: str) -> str:
+    """Messages without a partner: ``(rank, label, kind, n, peer)`` each (the first 4
+    are named)."""
+    return "unmatched message: " + "; ".join(
+        f"rank {rank} {label}: {message_words(kind, n, unit, peer)} has no matching "
+        f"{'receive' if kind == 'send' else 'send'} on rank {peer}"
+        for rank, label, kind, n, peer in orphans[:4])
+
+
+def deadlock_words(cycle: list[tuple[int, str, str, int, int, str]], unit: str) -> str:
+    """A cycle of waits: ``(rank, label, kind, n, peer, label of the match's group)``
+    each, every entry waiting for the next one's rank."""
+    return "deadlock under NCCL's group rules: " + "; ".join(
+        f"rank {rank} {label} ({message_words(kind, n, unit, peer)}) waits for rank {peer}, "
+        f"whose match is in its {where}" for rank, label, kind, n, peer, where in cycle)
+
+
 class _Op:
     __slots__ = ("kind", "rank", "peer", "seq", "n", "payload", "done", "group")
 
     def __init__(self, kind, rank, peer, seq, n, payload, group):
         self.kind, self.rank, self.peer, self.seq = kind, rank, peer, seq
         self.n, self.payload, self.done, self.group = n, payload, False, group
-
-    def describe(self, unit: str) -> str:
-        if self.kind == "send":
-            return f"send of {self.n} {unit} to rank {self.peer}"
-        return f"receive of {self.n} {unit} from rank {self.peer}"
 
 
 class _Group:
@@ -128,10 +154,8 @@ class Rules:
                 if rv is None:
                     continue
                 if rv.n != op.n:
-                    err = ScheduleError(
-                        f"size mismatch: rank {op.rank} {g.label} sends {op.n} {self.unit} to "
-                        f"rank {op.peer}, whose matching receive ({peer_head.label}) takes "
-                        f"{rv.n}")
+                    err = ScheduleError(mismatch_words(op.rank, g.label, op.n, self.unit,
+                                                       op.peer, peer_head.label, rv.n))
                     err.mismatch = (g.label, op, peer_head.label)  # the send, as data
                     raise err
                 rv.payload(op.payload())
@@ -207,10 +231,7 @@ class Rules:
         """Why nothing can move (:meth:`stuck`), in words."""
         orphans, cycle = self.stuck()
         if orphans:
-            return "unmatched message: " + "; ".join(
-                f"rank {op.rank} {label}: {op.describe(self.unit)} has no matching "
-                f"{'receive' if op.kind == 'send' else 'send'} on rank {op.peer}"
-                for label, op in orphans[:4])
-        return "deadlock under NCCL's group rules: " + "; ".join(
-            f"rank {op.rank} {label} ({op.describe(self.unit)}) waits for rank {op.peer}, "
-            f"whose match is in its {where}" for label, op, where in cycle)
+            return unmatched_words([(op.rank, label, op.kind, op.n, op.peer)
+                                    for label, op in orphans], self.unit)
+        return deadlock_words([(op.rank, label, op.kind, op.n, op.peer, where)
+                               for label, op, where in cycle], self.unit)

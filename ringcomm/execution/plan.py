@@ -55,41 +55,61 @@ def local_kind(op) -> int:
     return COPY
 
 
+def compile_steps(schedule: Schedule, lengths: list) -> tuple[list, list]:
+    """``(regions, steps)`` of :class:`Plan`: the schedule's distinct regions as
+    ``(buffer, start, end, whole)`` (``lengths``: every buffer's element count, caller
+    buffers then scratch), and its steps over their numbers. What the executors and
+    :class:`ringcomm.execution.world.World` read; one pass over the steps."""
+    index: dict[Region, int] = {}
+    regions: list[tuple[int, int, int, bool]] = []
+    get = index.get
+
+    def new(rg: Region) -> int:
+        i = index[rg] = len(regions)
+        whole = rg.off == 0 and rg.n == (lengths[rg.buf] or 0)
+        regions.append((rg.buf, rg.off, rg.off + rg.n, whole))
+        return i
+
+    steps = []
+    for sends, recvs, local in schedule.steps:
+        # tuples, and one empty tuple for every empty part: a 16,384-rank ring's plan
+        # holds 32,766 steps
+        a = tuple([(x.peer, get(x.region) if x.region in index else new(x.region))
+                   for x in sends]) or ()
+        b = tuple([(x.peer, get(x.region) if x.region in index else new(x.region))
+                   for x in recvs]) or ()
+        c = tuple([(REDUCE_SRC_FIRST if type(op) is Reduce and op.src_first else
+                    REDUCE if type(op) is Reduce else local_kind(op),
+                    get(op.dst) if op.dst in index else new(op.dst),
+                    get(op.src) if op.src in index else new(op.src)) for op in local]) or ()
+        steps.append((a, b, c))
+    return regions, steps
+
+
 class Plan:
     """A schedule compiled for execution (built once per call shape, then cached).
 
+    It keeps what the executors read, not the schedule: a cached plan of a
+    16,384-rank ring costs what its own 32,766 steps take (docs/architecture.md).
+
     Attributes:
-        schedule: the schedule.
-        regions: the distinct regions, indexed by the per-step lists below.
-        steps: per step ``(sends, recvs, local)``: ``[(peer, region index)]`` twice and
-            ``[(kind, dst index, src index)]``, ``kind`` one of :data:`COPY`,
+        ctx: the schedule's context.
+        regions: the distinct regions, indexed by the per-step tuples below.
+        steps: per step ``(sends, recvs, local)``: ``((peer, region index), ...)`` twice
+            and ``((kind, dst index, src index), ...)``, ``kind`` one of :data:`COPY`,
             :data:`REDUCE` and :data:`REDUCE_SRC_FIRST` (true for both reduces).
     """
 
     def __init__(self, schedule: Schedule):
-        self.schedule = schedule
-        ctx = schedule.ctx
+        self.ctx = ctx = schedule.ctx
         lens = buffer_lengths(ctx)
         self.lengths = [*lens, *schedule.scratch]
         self.nbuffers = schedule.nbuffers
         self.scratch = schedule.scratch
-        index: dict[Region, int] = {}
-        self.regions: list[tuple[int, int, int, bool]] = []
-
-        def ridx(rg: Region) -> int:
-            i = index.get(rg)
-            if i is None:
-                i = index[rg] = len(self.regions)
-                whole = rg.off == 0 and rg.n == (self.lengths[rg.buf] or 0)
-                self.regions.append((rg.buf, rg.off, rg.off + rg.n, whole))
-            return i
-
-        self.steps = []
-        for st in schedule.steps:
-            self.steps.append((
-                [(x.peer, ridx(x.region)) for x in st.sends],
-                [(x.peer, ridx(x.region)) for x in st.recvs],
-                [(local_kind(op), ridx(op.dst), ridx(op.src)) for op in st.local]))
+        self.regions, self.steps = compile_steps(schedule, self.lengths)
+        #: what the plan holds, in entries: steps, messages and local operations (the
+        #: plan cache's measure of a plan: it holds 100-250 bytes an entry)
+        self.weight = sum(1 + len(a) + len(b) + len(c) for a, b, c in self.steps)
         self._dependencies()
         self._held: dict[int, tuple[int, int]] | None = None  # see held_receives
 
@@ -103,7 +123,8 @@ class Plan:
         self.step_recvs = []
         self.send_list, self.recv_list = [], []
         for i, (sends, recvs, local) in enumerate(self.steps):
-            for peer, v in sends:
+            for x in sends:
+                peer, v = x
                 buf, a, e, _ = self.regions[v]
                 j = len(self.send_list)
                 ready = 0
@@ -111,9 +132,10 @@ class Plan:
                     ready = max(ready, sp[2] + 1)
                     sp[4].append(j)
                 send_ready.append(ready)
-                self.send_list.append((peer, v))
+                self.send_list.append(x)
             mine = []
-            for peer, v in recvs:
+            for x in recvs:
+                peer, v = x
                 buf, a, e, _ = self.regions[v]
                 ready, waits = 0, set()
                 for sp in spans[buf].cover(a, e):
@@ -122,9 +144,9 @@ class Plan:
                     sp[2], sp[3], sp[4] = i, -1, []
                 mine.append(len(self.recv_list))
                 recv_ready.append(ready)
-                recv_waits.append(sorted(waits))
-                self.recv_list.append((peer, v))
-            self.step_recvs.append(mine)
+                recv_waits.append(tuple(sorted(waits)) or ())
+                self.recv_list.append(x)
+            self.step_recvs.append(tuple(mine) or ())
             waits = set()
             for _, d, s in local:
                 sbuf, sa, se, _ = self.regions[s]
@@ -134,7 +156,7 @@ class Plan:
                 for sp in spans[dbuf].cover(da, de):
                     waits.update(sp[4])
                     sp[2], sp[3], sp[4] = i, -1, []
-            self.step_send_waits.append(sorted(waits))
+            self.step_send_waits.append(tuple(sorted(waits)) or ())
         self.recv_waits = recv_waits
         n = len(self.steps)
         # Sends go out in order: before retiring step i, every send of the longest

@@ -6,7 +6,7 @@ on that path). :mod:`ringcomm.testing` hands these names on."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -15,13 +15,13 @@ from ringcomm.execution.checker import local_layout
 from ringcomm.execution.executors import GroupProgram, P2PProgram
 from ringcomm.execution.plan import Plan
 from ringcomm.execution.simulator import SimFabric
-from ringcomm.schedule import Context
+from ringcomm.schedule import Context, Schedule
 from ringcomm.testing.fake_nccl import FakeNccl
 from ringcomm.testing.local import LocalFabric
 from ringcomm.transport.base import Transport
 
 
-EXECUTORS = ("threads", "nccl-sim")
+EXECUTORS = ("threads", "nccl-sim", "events")
 
 
 def run_ranks(size: int, fn: Callable[[Transport], Any], timeout_s: float = 30.0,
@@ -87,15 +87,22 @@ def run_schedule(build: Callable, collective: str, size: int, layout: tuple,
             (``ringcomm.schedule.BUFFERS``); results are written into them.
         op: the reduce op (a ``ReduceOp.RedOpType``) of reducing collectives.
         seg: elements per pipeline segment.
-        executor: ``"threads"`` (point-to-point, as on MPI) or ``"nccl-sim"`` (one
-            group per step under NCCL's rules, as on NCCL).
+        executor: ``"threads"`` (point-to-point, as on MPI, a thread per rank),
+            ``"nccl-sim"`` (one group per step under NCCL's rules, as on NCCL) or
+            ``"events"`` (every rank in this thread, in NCCL's rounds:
+            :func:`run_events`; the one that reaches thousands of ranks).
         hosts: the host of every rank (:class:`ringcomm.schedule.Context`); empty: one host.
     Raises:
         RuntimeError: a rank failed or timed out (threads).
         ringcomm.execution.simulator.SimulatorError: the schedule cannot complete under NCCL's rules.
     """
-    plans = [Plan(build(Context(collective, size, r, local_layout(collective, layout, r, root),
-                                root, seg, tuple(hosts)))) for r in range(size)]
+    def built(r: int):
+        return build(Context(collective, size, r, local_layout(collective, layout, r, root),
+                             root, seg, tuple(hosts)))
+
+    if executor == "events":
+        return run_events((built(r) for r in range(size)), size, bufs, op)
+    plans = [Plan(built(r)) for r in range(size)]
 
     def scratch(r: int) -> list[torch.Tensor]:
         dtype = next((b.dtype for b in bufs[r] if b is not None), torch.uint8)
@@ -111,6 +118,66 @@ def run_schedule(build: Callable, collective: str, size: int, layout: tuple,
             bufs[tp.rank]), timeout_s)
     else:
         raise ValueError(f"run_schedule: executor must be one of {EXECUTORS}, got {executor!r}")
+
+
+def run_events(schedules: Iterable[Schedule], size: int,
+               bufs: Sequence[Sequence[torch.Tensor | None]], op=ops.SUM) -> None:
+    """Every rank's schedule run in this thread, round by round in the order of
+    NCCL's rules (:class:`ringcomm.execution.world.World`), on one tensor holding
+    every rank's buffers end to end. Each schedule is compiled as a plan compiles it
+    (:func:`ringcomm.execution.plan.compile_steps`) and dropped, so memory holds
+    arrays, not every rank's plan. A round's messages are one gather and one scatter,
+    its local work one reduction per kind (:func:`ringcomm.ops.reducer`, the
+    executors' operator) over every rank at once; the results are copied back into
+    ``bufs``.
+
+    Raises:
+        ringcomm.schedule.ScheduleError: the schedules cannot complete under NCCL's
+            rules (a deadlock, a message without a partner, a size mismatch).
+    """
+    from ringcomm.execution.plan import COPY, REDUCE_SRC_FIRST, compile_steps
+    from ringcomm.execution.world import Memory, World
+
+    lengths: list[list[int]] = []
+
+    def compiled():
+        for r, s in enumerate(schedules):
+            lens = [0 if b is None else b.numel() for b in bufs[r]] + list(s.scratch)
+            lengths.append(lens)
+            yield compile_steps(s, lens)
+
+    world = World(compiled(), size)
+    memory = Memory(world, lengths)
+    dtype = next((b.dtype for row in bufs for b in row if b is not None), torch.float32)
+    flat = torch.zeros(memory.total, dtype=dtype)
+    for r, row in enumerate(bufs):
+        for b, t in enumerate(row):
+            if t is not None and t.numel():
+                flat[memory.base[r][b]:memory.base[r][b] + t.numel()] = t.reshape(-1)
+    reducers = {kind: ops.reducer(op, src_first=kind == REDUCE_SRC_FIRST) for kind in (1, 2)}
+
+    def at(regions) -> torch.Tensor:
+        return torch.from_numpy(memory.elements(regions))
+
+    def messages(batch) -> None:
+        flat[at(batch.dst)] = flat[at(batch.src)]
+
+    def local(batch) -> None:
+        for kind in set(batch.kind.tolist()):
+            mine = batch.kind == kind
+            dst, src = at(batch.dst[mine]), at(batch.src[mine])
+            if kind == COPY:
+                flat[dst] = flat[src]
+            else:
+                acc = flat[dst]
+                reducers[kind](acc, flat[src])
+                flat[dst] = acc
+
+    world.run(local, messages)
+    for r, row in enumerate(bufs):
+        for b, t in enumerate(row):
+            if t is not None and t.numel():
+                t.view(-1).copy_(flat[memory.base[r][b]:memory.base[r][b] + t.numel()])
 
 
 def nccl_groups(size: int, fn: Callable[[Any], Any], *, lib: FakeNccl | None = None,
