@@ -4,7 +4,8 @@ by the checker (contents included) at the given world sizes, each in a process o
 its own, timed, with its peak memory.
 
     python scripts/bench_proofs.py --ranks 1024 --json docs/data/proofs_1024.json
-    python scripts/bench_proofs.py --ranks 4096 --collective allreduce --json ...
+    python scripts/bench_proofs.py --ranks 4096 --collective allreduce --whole \
+        --algorithms tree,recursive_doubling,... --json docs/data/proofs_4096.json
 
 Per algorithm: every layout of ``ringcomm.execution.checker.shapes(collective, p, 1)``
 (even, uneven, with empty chunks), one segment per chunk (``--whole``: each
@@ -86,7 +87,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="1024")
     ap.add_argument("--collective")
-    ap.add_argument("--algorithm")
+    ap.add_argument("--algorithms", help="comma-separated names (default: every one)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--whole", action="store_true",
                     help="every message in one piece (no pipeline segments): the proofs "
@@ -103,7 +104,7 @@ def main() -> int:
     runs = []
     for p in (int(x) for x in a.ranks.split(",")):
         for c, n in algorithms(a.collective):
-            if a.algorithm not in (None, n):
+            if a.algorithms and n not in a.algorithms.split(","):
                 continue
             row = {"collective": c, "algorithm": n, "ranks": p, **measure(c, n, p, a.timeout, a.whole)}
             if "peak_kib" in row:

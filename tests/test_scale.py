@@ -13,8 +13,9 @@ import torch
 import ringcomm  # noqa: F401  (registers the library's algorithms)
 from ringcomm.algorithms import BUILTIN, REGISTRY, is_schedule
 from ringcomm.execution import checker
-from ringcomm.schedule import Builder, Reduce, ScheduleError
+from ringcomm.schedule import ScheduleError
 from ringcomm.testing import run_schedule
+from test_world import pairs_counting_twice
 
 pytestmark = pytest.mark.scale
 
@@ -51,16 +52,9 @@ def test_a_missing_contribution_is_refused_at_1024_ranks():
 
 
 def test_a_rank_counted_twice_is_refused_at_4096_ranks():
-    def twice(ctx):
-        b = Builder(ctx)
-        t = b.scratch(1)
-        peer = ctx.rank ^ 1
-        b.step(sends=[(peer, (0, 0, 1))], recvs=[(peer, (t, 0, 1))],
-               local=[Reduce((0, 0, 1), (t, 0, 1))] * (2 if ctx.rank == 4000 else 1))
-        return b.build()
     with pytest.raises(ScheduleError, match=r"rank 4000 step 0: element 0 would count ranks "
                                             r"\{4001\} twice"):
-        checker.check(twice, "allreduce", 4096, (1,))
+        checker.check(pairs_counting_twice(4000), "allreduce", 4096, (1,))
 
 
 ALLREDUCE = sorted(n for c, n in BUILTIN if c == "allreduce" and is_schedule(REGISTRY[c][n]))

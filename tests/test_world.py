@@ -111,17 +111,23 @@ def test_an_allreduce_without_steps_is_refused_at_any_size():
             checker.check(lambda ctx: Builder(ctx).build(), "allreduce", p, (1,))
 
 
-def test_a_rank_counted_twice_is_named_past_62_ranks():
-    def twice(ctx):
+def pairs_counting_twice(victim: int):
+    """Pairs of ranks swap and add one element; rank ``victim`` adds its partner's
+    twice."""
+    def build(ctx):
         b = Builder(ctx)
         t = b.scratch(1)
         peer = ctx.rank ^ 1
         b.step(sends=[(peer, (0, 0, 1))], recvs=[(peer, (t, 0, 1))],
-               local=[Reduce((0, 0, 1), (t, 0, 1))] * (2 if ctx.rank == 99 else 1))
+               local=[Reduce((0, 0, 1), (t, 0, 1))] * (2 if ctx.rank == victim else 1))
         return b.build()
+    return build
+
+
+def test_a_rank_counted_twice_is_named_past_62_ranks():
     with pytest.raises(ScheduleError, match=r"allreduce rank 99 step 0: element 0 would count "
                                             r"ranks \{98\} twice"):
-        checker.check(twice, "allreduce", 128, (1,))
+        checker.check(pairs_counting_twice(99), "allreduce", 128, (1,))
 
 
 def _ring_unless_large(ctx):

@@ -57,6 +57,19 @@ def deadlock_words(cycle: list[tuple[int, str, str, int, int, str]], unit: str) 
         f"whose match is in its {where}" for rank, label, kind, n, peer, where in cycle)
 
 
+def wait_cycle(waits: dict[int, Any], peer_of: Callable[[Any], int]) -> list:
+    """The cycle among ``waits`` (rank -> what it waits on, ``peer_of`` naming the rank
+    that holds the match), followed from the lowest waiting rank: its entries in
+    order, each waiting for the next one's rank; the path followed where it leaves
+    the waiting ranks instead."""
+    seen: list[int] = []
+    r = next(iter(waits), None)
+    while r is not None and r in waits and r not in seen:
+        seen.append(r)
+        r = peer_of(waits[r])
+    return [waits[x] for x in (seen[seen.index(r):] if r in seen else seen)]
+
+
 class _Op:
     __slots__ = ("kind", "rank", "peer", "seq", "n", "payload", "done", "group")
 
@@ -220,12 +233,7 @@ class Rules:
                     waits[r] = (g.label, op, where)
         if orphans:
             return orphans, []
-        seen: list[int] = []
-        r = next(iter(waits), None)
-        while r is not None and r in waits and r not in seen:
-            seen.append(r)
-            r = waits[r][1].peer
-        return [], [waits[x] for x in (seen[seen.index(r):] if r in seen else seen)]
+        return [], wait_cycle(waits, lambda w: w[1].peer)
 
     def stuck_report(self) -> str:
         """Why nothing can move (:meth:`stuck`), in words."""

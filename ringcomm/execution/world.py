@@ -26,7 +26,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ringcomm.execution.nccl_rules import deadlock_words, mismatch_words, unmatched_words
+from ringcomm.execution.nccl_rules import (deadlock_words, mismatch_words, unmatched_words,
+                                           wait_cycle)
 from ringcomm.schedule import ScheduleError
 
 SEND, RECV = 0, 1
@@ -334,12 +335,7 @@ class World:
                     waits[r] = (*entry, int(self.m_step[self.partner[m]]))
         if orphans:
             return orphans, []
-        seen: list[int] = []
-        r = next(iter(waits), None)
-        while r is not None and r in waits and r not in seen:
-            seen.append(r)
-            r = waits[r][4]
-        return [], [waits[x] for x in (seen[seen.index(r):] if r in seen else seen)]
+        return [], wait_cycle(waits, lambda w: w[4])
 
     def _stuck_error(self, head: np.ndarray, done: np.ndarray) -> ScheduleError:
         orphans, cycle = self.stuck(head, done)
