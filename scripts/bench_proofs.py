@@ -93,6 +93,8 @@ def main() -> int:
                     help="every message in one piece (no pipeline segments): the proofs "
                          "that reach 4,096 ranks")
     ap.add_argument("--json")
+    ap.add_argument("--merge", action="store_true",
+                    help="replace these runs' rows in --json, keep its others")
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
@@ -118,6 +120,17 @@ def main() -> int:
                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "cores": os.cpu_count(), "segments": "whole" if a.whole else "one a chunk",
                "runs": runs}
+        if a.merge and Path(a.json).exists():
+            old = json.loads(Path(a.json).read_text())
+            if old.get("segments", "one a chunk") != doc["segments"]:
+                raise SystemExit(f"bench_proofs: {a.json} holds other segments")
+            key = (lambda r: (r["collective"], r["algorithm"], r["ranks"]))
+            new = {key(r): r for r in runs}
+            doc["runs"] = [new.pop(key(r), r) for r in old["runs"]] + list(new.values())
+            doc["started"] = old["started"]
+            now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            doc["remeasured"] = {**old.get("remeasured", {}),
+                                 **{" ".join(map(str, key(r))): now for r in runs}}
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     return 0 if all(r["proved"] for r in runs) else 1
 

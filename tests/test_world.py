@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from ringcomm.algorithms import ring
+from ringcomm.algorithms import REGISTRY, ring
 from ringcomm.execution import checker
 from ringcomm.execution.nccl_rules import Rules
 from ringcomm.execution.world import World
@@ -173,3 +173,22 @@ def test_a_broken_structure_is_refused_at_the_groups_size_whatever_the_budget():
     with pytest.raises(ScheduleError, match="on 128 ranks.*(unmatched|size mismatch|deadlock)"):
         check_user_schedule(unmatched_above_64, Context("allreduce", 128, 0, (256,)), "u",
                             budget_s=0)
+
+
+def test_proofs_in_slices_prove_and_refuse_alike(monkeypatch):
+    """The contents move in parts of SLICE_ELEMENTS elements: a round cut into
+    parts of 3 proves what it proves whole, and refuses with the same words."""
+    whole = {}
+    for sliced in (False, True):
+        if sliced:
+            monkeypatch.setattr(checker, "SLICE_ELEMENTS", 3)
+        for name in ("ring", "tree"):
+            for layout, seg in checker.shapes("allreduce", 13, 2):
+                st = checker.check(REGISTRY["allreduce"][name], "allreduce", 13, layout,
+                                   seg=seg)
+                whole.setdefault((name, layout), st)
+                assert whole[(name, layout)] == st
+        with pytest.raises(ScheduleError) as e:
+            checker.check(_star_missing_one, "allreduce", 20, (5,))
+        whole.setdefault("refusal", str(e.value))
+        assert whole["refusal"] == str(e.value)

@@ -33,8 +33,11 @@ from ringcomm.execution.world import SEND, Batch, Memory, World
 from ringcomm.schedule import (REDUCING, BuildFn, Context, Copy, Reduce, Region, Schedule,
                                ScheduleError, ShapeNotServed, buffer_lengths)
 
+_LOCAL_OPS = (Reduce, Copy)
+
 _UNDEF = -1
-_NOT_CHECKED = -2
+#: the most elements the contents move in one array operation
+SLICE_ELEMENTS = 1 << 20
 _BIG = 1 << 32  # element ids: logical part * _BIG + element index
 
 
@@ -176,35 +179,45 @@ def validate(s: Schedule) -> None:
         return _refusal(f"{ctx.collective} rank {ctx.rank} step {i}: {what}",
                         Finding("structure", rank=ctx.rank, step=i, peer=peer))
 
-    def inside(i: int, rg: Region, what: str, peer: int | None = None) -> None:
+    # every region is checked, so the words of a refusal are made only for one:
+    # formatting them for each of a 1,024-rank ring's 4 million regions took seconds
+    sizes = [s.buffer_len(b, lens) for b in range(nb)]
+
+    def fits(rg: Region) -> bool:
+        ln = sizes[rg.buf] if 0 <= rg.buf < nb else None
+        return ln is not None and 0 <= rg.off and 0 <= rg.n and rg.off + rg.n <= ln
+
+    def outside(i: int, rg: Region, what: str, peer: int | None = None) -> ScheduleError:
         if not 0 <= rg.buf < nb:
-            raise refuse(i, f"{what} uses buffer {rg.buf}, which does not exist "
-                            f"(buffers 0..{nb - 1})", peer)
-        ln = s.buffer_len(rg.buf, lens)
-        if ln is None:
-            raise refuse(i, f"{what} uses buffer {rg.buf}, which rank {ctx.rank} does not "
-                            "have", peer)
-        if rg.n < 0 or rg.off < 0 or rg.off + rg.n > ln:
-            raise refuse(i, f"{what} region {tuple(rg)} is outside buffer {rg.buf} of {ln} "
-                            "elements", peer)
+            return refuse(i, f"{what} uses buffer {rg.buf}, which does not exist "
+                             f"(buffers 0..{nb - 1})", peer)
+        if sizes[rg.buf] is None:
+            return refuse(i, f"{what} uses buffer {rg.buf}, which rank {ctx.rank} does not "
+                             "have", peer)
+        return refuse(i, f"{what} region {tuple(rg)} is outside buffer {rg.buf} of "
+                         f"{sizes[rg.buf]} elements", peer)
 
     for i, st in enumerate(s.steps):
         for x in st.sends:
-            inside(i, x.region, f"send to rank {x.peer}", x.peer)
+            if not fits(x.region):
+                raise outside(i, x.region, f"send to rank {x.peer}", x.peer)
         for x in st.recvs:
-            inside(i, x.region, f"receive from rank {x.peer}", x.peer)
+            if not fits(x.region):
+                raise outside(i, x.region, f"receive from rank {x.peer}", x.peer)
         for op in st.local:
-            name = type(op).__name__.lower()
-            if not isinstance(op, (Reduce, Copy)):
+            if type(op) not in _LOCAL_OPS and not isinstance(op, _LOCAL_OPS):
                 raise refuse(i, f"unknown local op {op!r}")
-            if isinstance(op, Reduce) and not reducing:
+            if not reducing and isinstance(op, Reduce):
                 raise refuse(i, f"{ctx.collective} does not reduce, but the step has a reduce")
-            inside(i, op.dst, f"{name} destination")
-            inside(i, op.src, f"{name} source")
+            if not fits(op.dst):
+                raise outside(i, op.dst, f"{type(op).__name__.lower()} destination")
+            if not fits(op.src):
+                raise outside(i, op.src, f"{type(op).__name__.lower()} source")
+            name = type(op).__name__.lower
             if op.dst.n != op.src.n:
-                raise refuse(i, f"{name} of {op.src.n} elements into {op.dst.n}")
+                raise refuse(i, f"{name()} of {op.src.n} elements into {op.dst.n}")
             if _overlap(op.dst, op.src):  # torch refuses or is undefined for these
-                raise refuse(i, f"{name} destination {tuple(op.dst)} overlaps its source "
+                raise refuse(i, f"{name()} destination {tuple(op.dst)} overlaps its source "
                                 f"{tuple(op.src)}")
         if st.recvs:
             _disjoint_writes(st, lambda what: refuse(i, what))
@@ -267,7 +280,16 @@ class RankSets:
         rank (bool)."""
         if not len(a):
             return a.copy(), np.zeros(0, bool)
-        pairs, inverse = np.unique(a.astype(np.int64) << 32 | b, return_inverse=True)
+        # a region's elements mostly carry the same pair of sets: runs of one pair are
+        # found in one pass and only their heads sorted (recursive doubling on 4,096
+        # ranks had spent most of its proof sorting every element's pair)
+        code = a.astype(np.int64) << 32 | b
+        change = np.empty(len(code), bool)
+        change[0] = True
+        np.not_equal(code[1:], code[:-1], out=change[1:])
+        run = np.cumsum(change) - 1
+        pairs, inverse = np.unique(code[change], return_inverse=True)
+        inverse = inverse.reshape(-1)[run]
         out = np.empty(len(pairs), np.int64)
         shared = np.zeros(len(pairs), bool)
         for k, code in enumerate(pairs.tolist()):
@@ -302,23 +324,18 @@ class _Contents:
     def __init__(self, world: World, shapes: Sequence[tuple[list, list]], collective: str,
                  layout: tuple, root: int):
         self.world, self.collective, self.size = world, collective, len(shapes)
+        self.shapes, self.root, self.layout = shapes, root, layout
         self.sets = RankSets()
         self.memory = Memory(world, [[*lens, *scratch] for lens, scratch in shapes])
-        ids, sets, want_ids, want_sets = [], [], [], []
-        for r, (lens, scratch) in enumerate(shapes):
-            for b, (init, want) in enumerate(self._initial(r, lens, root, layout)):
-                ids.append(init[0])
-                sets.append(init[1])
-                want_ids.append(want[0] if want else np.full(lens[b], _NOT_CHECKED, np.int64))
-                want_sets.append(want[1] if want else np.zeros(lens[b], np.int64))
-            for n in scratch:
-                ids.append(np.full(n, _UNDEF, np.int64))
-                sets.append(np.zeros(n, np.int64))
-                want_ids.append(np.full(n, _NOT_CHECKED, np.int64))
-                want_sets.append(np.zeros(n, np.int64))
-        cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
-        self.ids, self.set_of = cat(ids), cat(sets)
-        self.want_ids, self.want_sets = cat(want_ids), cat(want_sets)
+        # 12 bytes an element (a 4,096-rank tree of 12,288 elements a rank holds 100
+        # million); what each should end as is made per rank at the end
+        self.ids = np.full(self.memory.total, _UNDEF, np.int64)
+        self.set_of = np.zeros(self.memory.total, np.int32)
+        for r, (lens, _) in enumerate(shapes):
+            for b, ((ids, sets), _) in enumerate(self._initial(r, lens, root, layout)):
+                at = self.memory.base[r][b]
+                self.ids[at:at + lens[b]] = ids
+                self.set_of[at:at + lens[b]] = sets
 
     def _initial(self, r: int, lens: list[int], root: int, layout: tuple):
         """Per caller buffer of rank ``r``: ((ids, sets) before the call, (ids, sets)
@@ -361,15 +378,36 @@ class _Contents:
             else:
                 raise _refusal(f"checker: no symbolic model for {c!r}", Finding("model"))
 
+    def _sliced(self, batch: Batch, fn) -> None:
+        """``fn`` over ``batch`` in parts of at most :data:`SLICE_ELEMENTS` elements (one
+        message or local operation at least), so that its temporary arrays stay
+        bounded whatever the round moves; a round's entries touch disjoint memory, so
+        the parts may run one after another."""
+        sizes = np.cumsum(self.memory.sizes(batch.dst))
+        if not len(sizes) or sizes[-1] <= SLICE_ELEMENTS:
+            return fn(batch)
+        cuts = np.searchsorted(sizes, np.arange(SLICE_ELEMENTS, sizes[-1], SLICE_ELEMENTS),
+                               "right")
+        for part in np.split(np.arange(len(sizes)), np.unique(np.maximum(cuts, 1))):
+            if len(part):
+                fn(Batch(**{k: None if getattr(batch, k) is None else getattr(batch, k)[part]
+                            for k in Batch.__slots__}))
+
     def messages(self, batch: Batch) -> None:
+        self._sliced(batch, self._messages)
+
+    def _messages(self, batch: Batch) -> None:
         src, dst = self.memory.elements(batch.src), self.memory.elements(batch.dst)
         self.ids[dst] = self.ids[src]
         self.set_of[dst] = self.set_of[src]
 
     def local(self, batch: Batch) -> None:
+        self._sliced(batch, self._local)
+
+    def _local(self, batch: Batch) -> None:
         copy = batch.kind == COPY
         if copy.any():
-            self.messages(Batch(src=batch.src[copy], dst=batch.dst[copy]))
+            self._messages(Batch(src=batch.src[copy], dst=batch.dst[copy]))
         red = ~copy
         if not red.any():
             return
@@ -422,24 +460,24 @@ class _Contents:
 
     def check_results(self, layout: tuple) -> None:
         """Every checked buffer ends as expected, or the first wrong element is named."""
-        checked = self.want_ids != _NOT_CHECKED
-        bad = np.nonzero(checked & ((self.ids != self.want_ids) |
-                                    (self.set_of != self.want_sets)))[0]
-        if not bad.size:
-            return
-        g = int(bad[0])
-        r, b, e = self.memory.locate(g)
-        start = g - e
-        ends = [*self.memory.base[r][1:], *(self.memory.base[r + 1][:1] if r + 1 < self.size
-                                            else [len(self.ids)])]
-        in_buffer = int(np.searchsorted(bad, ends[b]) - np.searchsorted(bad, start))
+        for r, (lens, _) in enumerate(self.shapes):
+            for b, (_, want) in enumerate(self._initial(r, lens, self.root, self.layout)):
+                if want is None:
+                    continue
+                at = self.memory.base[r][b]
+                ids, sets = self.ids[at:at + lens[b]], self.set_of[at:at + lens[b]]
+                bad = np.nonzero((ids != want[0]) | (sets != want[1]))[0]
+                if bad.size:
+                    self._refuse_result(r, b, int(bad[0]), bad.size, ids, sets, want)
+
+    def _refuse_result(self, r: int, b: int, e: int, count: int, ids, sets, want) -> None:
         c, p, w = self.collective, self.size, self.sets.words
         found = Finding("wrong result", rank=r, buffer=b, element=e)
         raise _refusal(
-            f"{c} on {p} ranks, layout {_short(layout)}: {found.element_words()} ends as "
-            f"{_describe_id(c, p, self.ids[g])} from ranks {w(self.set_of[g])}, expected "
-            f"{_describe_id(c, p, self.want_ids[g])} from ranks {w(self.want_sets[g])} "
-            f"({in_buffer} wrong elements)", found)
+            f"{c} on {p} ranks, layout {_short(self.layout)}: {found.element_words()} ends as "
+            f"{_describe_id(c, p, ids[e])} from ranks {w(sets[e])}, expected "
+            f"{_describe_id(c, p, want[0][e])} from ranks {w(want[1][e])} "
+            f"({count} wrong elements)", found)
 
 
 def _describe_id(collective: str, p: int, ident: int) -> str:

@@ -74,14 +74,14 @@ def compile_steps(schedule: Schedule, lengths: list) -> tuple[list, list]:
     for sends, recvs, local in schedule.steps:
         # tuples, and one empty tuple for every empty part: a 16,384-rank ring's plan
         # holds 32,766 steps
-        a = tuple([(x.peer, get(x.region) if x.region in index else new(x.region))
+        a = tuple([(x.peer, new(x.region) if (v := get(x.region)) is None else v)
                    for x in sends]) or ()
-        b = tuple([(x.peer, get(x.region) if x.region in index else new(x.region))
+        b = tuple([(x.peer, new(x.region) if (v := get(x.region)) is None else v)
                    for x in recvs]) or ()
         c = tuple([(REDUCE_SRC_FIRST if type(op) is Reduce and op.src_first else
                     REDUCE if type(op) is Reduce else local_kind(op),
-                    get(op.dst) if op.dst in index else new(op.dst),
-                    get(op.src) if op.src in index else new(op.src)) for op in local]) or ()
+                    new(op.dst) if (d := get(op.dst)) is None else d,
+                    new(op.src) if (v := get(op.src)) is None else v) for op in local]) or ()
         steps.append((a, b, c))
     return regions, steps
 

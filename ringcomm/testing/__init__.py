@@ -1,9 +1,10 @@
 """Run algorithms on in-process ranks, for developing and testing them: no MPI, no
 launcher, any world size.
 
-* :func:`run_schedule` runs a schedule builder with either executor: the
-  point-to-point one over threads (as on MPI) or the grouped one under the
-  NCCL-rules simulator (as on NCCL)::
+* :func:`run_schedule` runs a schedule builder with any executor: the
+  point-to-point one over threads (as on MPI), the grouped one under the
+  NCCL-rules simulator (as on NCCL), or ``"events"``: every rank in this thread,
+  in NCCL's rounds, to thousands of ranks (:func:`run_events`)::
 
       from ringcomm.testing import run_schedule
       bufs = [[torch.arange(10.0)] for _ in range(4)]          # per rank, per buffer
@@ -21,8 +22,8 @@ from __future__ import annotations
 
 from ringcomm.testing.collectives import CHECK_OPS, check_collectives
 from ringcomm.testing.fake_nccl import FakeNccl
-from ringcomm.testing.in_process import (EXECUTORS, nccl_groups, nccl_world, run_ranks,
-                                        run_schedule)
+from ringcomm.testing.in_process import (EXECUTORS, nccl_groups, nccl_world, run_events,
+                                        run_ranks, run_schedule)
 
 __all__ = ["CHECK_OPS", "EXECUTORS", "FakeNccl", "check_collectives", "nccl_groups",
-           "nccl_world", "run_ranks", "run_schedule"]
+           "nccl_world", "run_events", "run_ranks", "run_schedule"]
