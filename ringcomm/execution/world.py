@@ -108,13 +108,6 @@ class Memory:
     def sizes(self, regions: np.ndarray) -> np.ndarray:
         return self._n[regions]
 
-    def locate(self, g: int) -> tuple[int, int, int]:
-        """``(rank, buffer, element)`` of position ``g``."""
-        r = next(r for r in range(len(self.base) - 1, -1, -1)
-                 if self.base[r] and self.base[r][0] <= g)
-        b = max(i for i, at in enumerate(self.base[r]) if at <= g)
-        return r, b, g - self.base[r][b]
-
 
 class World:
     """Every rank's steps under NCCL's rules.
