@@ -38,6 +38,7 @@ _LOCAL_OPS = (Reduce, Copy)
 _UNDEF = -1
 #: the most elements the contents move in one array operation
 SLICE_ELEMENTS = 1 << 20
+_MAX_SETS = (1 << 31) - 1
 _BIG = 1 << 32  # element ids: logical part * _BIG + element index
 
 
@@ -268,6 +269,9 @@ class RankSets:
         key = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
         i = self._index.get(key)
         if i is None:
+            if len(self.masks) >= _MAX_SETS:  # numbers are kept in int32 and paired in int64
+                raise ValueError(f"checker: more than {_MAX_SETS} distinct sets of ranks; "
+                                 "prove this at fewer ranks or elements")
             i = self._index[key] = len(self.masks)
             self.masks.append(mask)
         return i
