@@ -192,3 +192,20 @@ def test_proofs_in_slices_prove_and_refuse_alike(monkeypatch):
             checker.check(_star_missing_one, "allreduce", 20, (5,))
         whole.setdefault("refusal", str(e.value))
         assert whole["refusal"] == str(e.value)
+
+
+def test_the_events_executor_refuses_a_region_past_its_buffer():
+    """One tensor holds every rank's buffers: a region past its own would read or
+    write a neighbour's, so it is refused before anything runs."""
+    import torch
+
+    from ringcomm.testing import run_schedule
+
+    def past_the_end(ctx):
+        b = Builder(ctx)
+        peer = 1 - ctx.rank
+        b.step(sends=[(peer, (0, 0, 4))], recvs=[(peer, (0, 2, 4))])  # [2, 6) of 4
+        return b.build()
+    bufs = [[torch.zeros(4)] for _ in range(2)]
+    with pytest.raises(ValueError, match=r"rank 0's region \[2, 6\) of buffer 0 is outside"):
+        run_schedule(past_the_end, "allreduce", 2, (4,), bufs, executor="events")

@@ -24,10 +24,12 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import time
 from typing import Callable, Sequence
 
 import numpy as np
 
+from ringcomm import settings
 from ringcomm.execution.plan import COPY, compile_steps
 from ringcomm.execution.world import SEND, Batch, Memory, World
 from ringcomm.schedule import (REDUCING, BuildFn, Context, Copy, Reduce, Region, Schedule,
@@ -656,18 +658,15 @@ def check_user_schedule(build: Callable, ctx: Context, name: str,
     ``CHECK_ELEMENTS`` elements over all ranks at the real shape, at a proportionally
     smaller shape with the same number of segments per chunk above it. When it does
     not fit (a 4,096-rank ring's would take minutes), the contents are proven at the
-    largest size of ``p/2, p/4, ...`` (down to 8 ranks, proven whatever the budget)
-    whose estimated cost fits, and rank 0 warns naming that size. :data:`LAST_PROOF`
-    keeps what was proven.
+    largest of ``p/2, p/4, ...`` down to 8 ranks whose estimated cost fits (the
+    smallest, 8 to 15 ranks, whatever its cost), and rank 0 warns naming that size.
+    :data:`LAST_PROOF` keeps what was proven.
 
     Raises:
         ScheduleError: (a ValueError) naming the algorithm, step and element at fault.
         AlgorithmFailed: the builder raised, for some rank's view of this call (every
             rank builds every rank's schedule, so every rank raises alike).
     """
-    import time
-
-    from ringcomm import settings
     budget = settings.get("RINGCOMM_CHECK_BUDGET_S") if budget_s is None else budget_s
     start = time.monotonic()
     coll, p, r = ctx.collective, ctx.size, ctx.rank
@@ -686,11 +685,12 @@ def check_user_schedule(build: Callable, ctx: Context, name: str,
                                    budget - structure_s)
     LAST_PROOF[(name, coll, p)] = proof = Proof(p, proven, time.monotonic() - start)
     if proven < p and r == 0:
-        log.warning("ringcomm: algorithm %r (%s on %d ranks): its contents were proven at "
-                    "%d ranks, not at %d: a proof at %d ranks would not fit "
+        log.warning("ringcomm: algorithm %r (%s on %d ranks): its contents were proven %s, "
+                    "not at %d: a proof at %d ranks would not fit "
                     "RINGCOMM_CHECK_BUDGET_S=%g s; its structure (sizes, matching, no "
                     "deadlock) was checked at %d ranks (%.1f s in all)", name, coll, p,
-                    proven, p, p, budget, p, proof.seconds)
+                    f"at {proven} ranks" if proven else "at no size (it serves no smaller "
+                    "one)", p, p, budget, p, proof.seconds)
     return mine[0]
 
 
@@ -746,8 +746,8 @@ def _prove_within(build: Callable, ctx: Context, layout: tuple, structure_s: flo
     while sizes[-1] // 2 >= LADDER_FLOOR:
         sizes.append(sizes[-1] // 2)
     for q in sizes:
-        if q > LADDER_FLOOR and CONTENTS_COST * structure_s * q / p > left_s:
-            continue
+        if q != sizes[-1] and CONTENTS_COST * structure_s * q / p > left_s:
+            continue  # the last rung (8 to 15 ranks) is proven whatever the budget
         try:
             _prove(build, ctx, layout, q)
         except ShapeNotServed:

@@ -97,7 +97,18 @@ class Memory:
         first = np.cumsum([0, *(len(lens) for lens in lengths)])
         self.base = [starts[first[r]:first[r + 1]].tolist() for r in range(len(lengths))]
         reg = world.regions
-        self._start = starts[first[reg[:, 0]] + reg[:, 1]] + reg[:, 2]
+        count = np.diff(first)[reg[:, 0]]
+        sizes = np.asarray(sizes + [0], np.int64)
+        at = np.where(reg[:, 1] < count, first[reg[:, 0]] + reg[:, 1], len(sizes) - 1)
+        bad = np.nonzero((reg[:, 1] < 0) | (reg[:, 1] >= count) | (reg[:, 2] < 0)
+                         | (reg[:, 3] < reg[:, 2]) | (reg[:, 3] > sizes[at]))[0]
+        if len(bad):  # raw positions have no bounds of their own: a neighbour's memory
+            r, b, a, e = reg[bad[0]].tolist()
+            raise ValueError(f"ringcomm: rank {r}'s region [{a}, {e}) of buffer {b} is "
+                             f"outside its buffers ({count[bad[0]]} buffers, this one of "
+                             f"{sizes[at[bad[0]]] if b < count[bad[0]] else 'none'} "
+                             "elements): a malformed schedule")
+        self._start = starts[at] + reg[:, 2]
         self._n = reg[:, 3] - reg[:, 2]
 
     def elements(self, regions: np.ndarray) -> np.ndarray:
@@ -274,11 +285,10 @@ class World:
             ranks = self.s_rank[retired]
             head[ranks] += 1
             entering = head[ranks]
-            if not len(retired):
-                if np.all(head == last) and not len(snd):
+            if not len(retired) and not len(snd):  # nothing moved
+                if np.all(head == last):
                     break
-                if not len(snd):
-                    raise self._stuck_error(head, done)
+                raise self._stuck_error(head, done)
         return Counts(rounds, busiest, sent)
 
     def _locals(self, entering: np.ndarray, on_local) -> None:
