@@ -135,7 +135,7 @@ def rows(pg, calls: int, rounds: int) -> list[tuple[str, object, object]]:
             untraced_run(program, [buf])
             tp.end()
 
-        out.append((f"program loop, {what} ({len(program.plan.steps)} steps)", as_written,
+        out.append((f"program loop, {what} ({program.plan.nsteps} steps)", as_written,
                     untraced))
     return out
 

@@ -2,7 +2,8 @@
 """What one rank's plan costs at scale: for every allreduce schedule (built-in and
 library) at p ranks, the time to build the schedule and compile it into a Plan,
 and the bytes the cached Plan holds; and what the plan cache holds at most
-(``PLAN_CACHE_WEIGHT`` entries: steps, messages and local operations).
+(``PLAN_CACHE_SIZE`` plans and ``PLAN_CACHE_BYTES`` of them, as ``Plan.nbytes``
+counts them).
 
     python scripts/bench_plans.py --ranks 64,1024,16384 --json docs/data/plans.json
 
@@ -54,9 +55,10 @@ def measure(name: str, p: int, repeat: int) -> dict:
     gc.collect()
     held, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    messages, weight = len(plan.send_list) + len(plan.recv_list), plan.weight
+    messages, nbytes = plan.nmessages, plan.nbytes
     del plan
-    return {"algorithm": name, "ranks": p, "steps": steps, "messages": messages, "weight": weight,
+    return {"algorithm": name, "ranks": p, "steps": steps, "messages": messages,
+            "nbytes": nbytes,
             "build_s": round(best_build, 4), "plan_s": round(best_plan, 4),
             "bytes": held, "peak_bytes": peak}
 
@@ -69,7 +71,7 @@ def main() -> int:
     a = ap.parse_args()
     import ringcomm
     from ringcomm.algorithms import is_schedule
-    from ringcomm.front.algorithm_choice import PLAN_CACHE_SIZE, PLAN_CACHE_WEIGHT
+    from ringcomm.front.algorithm_choice import PLAN_CACHE_BYTES, PLAN_CACHE_SIZE
     names = [n for n, b in ringcomm.REGISTRY["allreduce"].items() if is_schedule(b)]
     runs = []
     for p in (int(x) for x in a.ranks.split(",")):
@@ -79,15 +81,14 @@ def main() -> int:
             print(f"{name:20s} {p:6d} ranks: {row['steps']:6d} steps, build "
                   f"{row['build_s'] * 1e3:8.1f} ms, plan {row['plan_s'] * 1e3:8.1f} ms, "
                   f"{row['bytes'] / 2**20:7.2f} MiB held", flush=True)
-    # the plans of any size (a small plan's fixed part is no guide to a large one's)
-    per = max(r["bytes"] / r["weight"] for r in runs if r["weight"] >= 1000)
-    cache = {"plans_at_most": PLAN_CACHE_SIZE, "weight_at_most": PLAN_CACHE_WEIGHT,
-             "bytes_per_entry_at_most": round(per),
-             "bytes_at_most": round(per * PLAN_CACHE_WEIGHT)}
-    print(f"plan cache: at most {PLAN_CACHE_SIZE} plans and {PLAN_CACHE_WEIGHT} entries a "
-          f"group: about {cache['bytes_at_most'] / 2**20:.0f} MiB at {per:.0f} bytes an entry")
+    # the cache counts Plan.nbytes; what tracemalloc saw held, as a share of it
+    worst = max(r["bytes"] / r["nbytes"] for r in runs)
+    cache = {"plans_at_most": PLAN_CACHE_SIZE, "bytes_at_most": PLAN_CACHE_BYTES,
+             "held_per_counted_at_most": round(worst, 3)}
+    print(f"plan cache: at most {PLAN_CACHE_SIZE} plans and {PLAN_CACHE_BYTES / 2**20:.0f} MiB "
+          f"a group, as Plan.nbytes counts; what a plan holds is at most {worst:.3f}x that")
     if a.json:
-        doc = {"schema": "ringcomm.bench_plans/1",
+        doc = {"schema": "ringcomm.bench_plans/2",
                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cores": os.cpu_count(),
                "elements": ELEMENTS, "seg": SEG, "runs": runs, "cache": cache}
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")

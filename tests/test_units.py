@@ -389,20 +389,52 @@ def test_singletons_join_in_logarithmic_rounds_ranked_like_torch():
         assert blocks == ({0: list(range(p))} if p else {}), p
 
 
-def test_the_plan_cache_holds_a_bounded_weight_of_plans(monkeypatch):
-    """Plans are evicted oldest first once their weight (steps, messages, local
-    operations) exceeds PLAN_CACHE_WEIGHT; the newest stays whatever its size."""
+def test_the_plan_cache_holds_a_bounded_number_of_bytes(monkeypatch):
+    """Plans are evicted oldest first once the bytes they hold exceed
+    PLAN_CACHE_BYTES; the newest stays whatever its size."""
     from ringcomm.front.algorithm_choice import Planner
     from ringcomm.front import algorithm_choice
     from ringcomm.algorithms import ring as ring_algo
-    monkeypatch.setattr(algorithm_choice, "PLAN_CACHE_WEIGHT", 300)
     planner = Planner(0, 16, ringcomm.Options().resolve())
-    plans = [planner.plan("allreduce", "ring", ring_algo.allreduce, (16 * k,), 0, torch.float32)
-             for k in range(1, 6)]  # 30 steps each
-    assert [pl.weight for pl in plans] == [30 + 60 + 15] * 5  # steps, messages, reductions
-    assert len(planner._plans) == 2 and planner._plan_weight == 210
-    again = planner.plan("allreduce", "ring", ring_algo.allreduce, (16 * 5,), 0, torch.float32)
-    assert again is plans[-1]
-    monkeypatch.setattr(algorithm_choice, "PLAN_CACHE_WEIGHT", 10)
-    big = planner.plan("allreduce", "ring", ring_algo.allreduce, (16 * 9,), 0, torch.float32)
-    assert list(planner._plans.values()) == [big] and planner._plan_weight == 105
+
+    def plan(n):
+        return planner.plan("allreduce", "ring", ring_algo.allreduce, (n,), 0, torch.float32)
+
+    one = plan(16).nbytes  # every 16-rank ring of whole chunks: 30 steps, 60 messages
+    monkeypatch.setattr(algorithm_choice, "PLAN_CACHE_BYTES", int(2.5 * one))
+    plans = [plan(16 * k) for k in range(2, 7)]
+    assert [pl.nbytes for pl in plans] == [one] * 5
+    assert list(planner._plans.values()) == plans[-2:] and planner._plan_bytes == 2 * one
+    assert plan(16 * 6) is plans[-1]
+    monkeypatch.setattr(algorithm_choice, "PLAN_CACHE_BYTES", 10)
+    big = plan(16 * 9)
+    assert list(planner._plans.values()) == [big] and planner._plan_bytes == one
+
+
+@pytest.mark.parametrize("name,p", [("ring", 2), ("ring", 1024), ("tree", 64),
+                                    ("one_shot", 256), ("two_shot", 1024)])
+def test_a_plan_counts_at_least_the_bytes_it_holds(name, p):
+    """Plan.nbytes (the cache's measure) against what tracemalloc sees a built plan
+    hold: never less, and not far above; and the plan unpacks to exactly what
+    compile_steps made of its schedule."""
+    import gc
+    import tracemalloc
+    from ringcomm.execution.plan import Plan, compile_steps
+    from ringcomm.schedule import Context, buffer_lengths
+    build = ringcomm.REGISTRY["allreduce"][name]
+    ctx = Context("allreduce", p, p // 3, (1 << 20,), 0, 1 << 16)
+    gc.collect()
+    tracemalloc.start()
+    plan = Plan(build(ctx))
+    gc.collect()
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert held <= plan.nbytes <= 1.1 * held + 2048, (held, plan.nbytes)
+    schedule = build(ctx)
+    regions, steps = compile_steps(schedule, [*buffer_lengths(ctx), *schedule.scratch])
+    u = plan.unpack()
+    assert (u.regions, u.steps) == (regions, steps)
+    assert u.send_list == [x for s, _, _ in steps for x in s]
+    assert u.recv_list == [x for _, r, _ in steps for x in r]
+    assert plan.nsteps == len(steps) and plan.nmessages == len(u.send_list) + len(u.recv_list)
+

@@ -97,11 +97,11 @@ class _Program:
         self.scratch = list(scratch)  # held: persistent requests point into it
         self._bindings: collections.OrderedDict = collections.OrderedDict()
 
-    def _views(self, bufs: Sequence) -> list:
-        """A view of every region (to bind messages)."""
+    def _views(self, bufs: Sequence, regions: list) -> list:
+        """A view of every region (``regions``: the plan's, unpacked), to bind
+        messages."""
         full = [*bufs, *self.scratch]
-        return [full[buf] if whole else full[buf][a:e]
-                for buf, a, e, whole in self.plan.regions]
+        return [full[buf] if whole else full[buf][a:e] for buf, a, e, whole in regions]
 
     def _binding(self, bufs: Sequence) -> Any:
         key = _key(bufs)
@@ -156,8 +156,8 @@ class P2PProgram(_Program):
     def _bind(self, bufs: Sequence) -> tuple:
         """Persistent requests for every message, and per step the batches to start
         and wait for, in the order :class:`Plan` worked out."""
-        plan = self.plan
-        views = self._views(bufs)
+        plan = self.plan.unpack()
+        views = self._views(bufs, plan.regions)
         lay = self._layout = TagLayout(self.tp.tag_limit)
         self.tp.number_bits = lay.number_bits  # a transport with two paths tells messages apart
         # the messages go through the transport that carries them all (a wrapper's
@@ -172,13 +172,14 @@ class P2PProgram(_Program):
             counts[kind, peer] = k + 1
             return base + k % span
 
-        work_of, held_of = self._local_work(bufs, tp)  # first: it may refuse the binding
+        # first: it may refuse the binding
+        work_of, held_of = self._local_work(bufs, tp, plan.regions)
         work = [[work_of(*w) for w in local] for *_, local in plan.p2p_steps]
         sreq = [tp.send_init(views[v], peer, tag("s", peer)) for peer, v in plan.send_list]
         # a receive whose data only one local step reads stays where the sender put it,
         # on a transport that can leave it there (shared memory): that step reads it
         # from the sender's memory instead of a copy in scratch
-        held = plan.held_receives() if hasattr(tp, "recv_held_init") else {}
+        held = self.plan.held_receives(plan) if hasattr(tp, "recv_held_init") else {}
         rreq = []
         for j, (peer, v) in enumerate(plan.recv_list):
             t = tag("r", peer)
@@ -222,10 +223,10 @@ class P2PProgram(_Program):
             steps.append(([(True, batch(tail))], []))
         return steps, sreq + rreq, tp
 
-    def _local_work(self, bufs: Sequence, tp):
+    def _local_work(self, bufs: Sequence, tp, regions: list):
         """``work_of(kind, dst, src)``: one local step (a :data:`plan.COPY
         <ringcomm.execution.plan.COPY>` or one of the reduces) bound to the memory of
-        this binding's regions (numbers of ``plan.regions``), as ``(fn, dst, src)``
+        this binding's regions (numbers of ``regions``, the plan's), as ``(fn, dst, src)``
         for ``fn(dst, src)``: operands over raw addresses (:func:`ringcomm.ops.memory`),
         made once, holding no reference to the caller's tensors; and
         ``held_of(kind, dst, handle)``: the same step reading held receive
@@ -236,7 +237,7 @@ class P2PProgram(_Program):
         def mem(v: int) -> tuple:
             # checked here, once per binding: raw memory has no bounds of its own, and
             # an unchecked schedule's region past its buffer would write past it
-            buf, a, e, _ = self.plan.regions[v]
+            buf, a, e, _ = regions[v]
             t = full[buf]
             if t is not None and t.device.type != "cpu":
                 raise ValueError(f"ringcomm: the point-to-point executor works on CPU "
@@ -296,7 +297,7 @@ class P2PProgram(_Program):
         start, wait = tp.start, tp.wait
         traced = trace.active()
         if traced:
-            trace.annotate(peers=plan.peers, steps=len(plan.steps))
+            trace.annotate(peers=plan.peers, steps=plan.nsteps)
             t0, k = trace.now(), 0
         try:
             for actions, work in steps:
@@ -307,7 +308,7 @@ class P2PProgram(_Program):
                         start(b)
                 for fn, d, s in work:
                     fn(d, s)
-                if traced and k < len(plan.steps):
+                if traced and k < plan.nsteps:
                     t0, k = plan.trace_step(k, t0), k + 1
         except BaseException as e:
             raise self._failed(key, bd, bufs, e)
@@ -389,14 +390,15 @@ class GroupProgram(_Program):
     def __init__(self, plan: Plan, comm: GroupComm, scratch: Sequence[torch.Tensor], op):
         super().__init__(plan, scratch)
         nbuf = plan.nbuffers
+        u = plan.unpack()
         # the regions local work touches, numbered in the order of the steps' lists;
         # scratch ones are sliced once, caller ones when the caller's tensors change
         # (see _local_views)
-        used = sorted({v for _, _, local in plan.steps for _, d, s in local for v in (d, s)})
+        used = sorted({v for _, _, local in u.steps for _, d, s in local for v in (d, s)})
         self._lpos = {v: i for i, v in enumerate(used)}
         self._recipe = []
         for v in self._lpos:
-            buf, a, e, whole = plan.regions[v]
+            buf, a, e, whole = u.regions[v]
             if buf >= nbuf:
                 t = self.scratch[buf - nbuf]
                 self._recipe.append((_SCRATCH, t if whole else t[a:e], a, e))
@@ -427,7 +429,7 @@ class GroupProgram(_Program):
 
         self.comm = comm
         self.op = op
-        self._labels = [f"step {i}" for i in range(len(plan.steps))]
+        self._labels = [f"step {i}" for i in range(plan.nsteps)]
         # a communicator whose local work is plain torch ops on the current stream (the
         # CUDA transport) gets them called directly; a simulator gets its own methods
         # (copy, reduce, reduce with the source first): indexed by plan.COPY and the rest
@@ -465,10 +467,11 @@ class GroupProgram(_Program):
         return out
 
     def _bind(self, bufs: Sequence) -> list:
-        comm, views, lpos = self.comm, self._views(bufs), self._lpos
+        u = self.plan.unpack()
+        comm, views, lpos = self.comm, self._views(bufs, u.regions), self._lpos
         message = getattr(comm, "message", None)
         steps = []
-        for i, (sends, recvs, local) in enumerate(self.plan.steps):
+        for i, (sends, recvs, local) in enumerate(u.steps):
             msgs = []
             for kind, xfers in (("send", sends), ("recv", recvs)):
                 for peer, v in xfers:
@@ -521,7 +524,7 @@ class GroupProgram(_Program):
             return self.run(bufs)
         lv = self._local_views(bufs)
         comm = self.comm
-        trace.annotate(peers=self.plan.peers, steps=len(self.plan.steps))
+        trace.annotate(peers=self.plan.peers, steps=self.plan.nsteps)
         t0 = trace.now()
         try:
             for i, (grouped, msgs, work, label) in enumerate(steps):

@@ -6,6 +6,10 @@ as soon as data is final, in schedule order.
 from __future__ import annotations
 
 import bisect
+from itertools import chain
+from typing import NamedTuple
+
+import numpy as np
 
 from ringcomm import trace
 from ringcomm.schedule import Reduce, Region, Schedule, buffer_lengths
@@ -86,18 +90,51 @@ def compile_steps(schedule: Schedule, lengths: list) -> tuple[list, list]:
     return regions, steps
 
 
+class Unpacked(NamedTuple):
+    """A :class:`Plan` as Python tuples, for an executor to bind once (see
+    :meth:`Plan.unpack`; none of it is kept in the plan cache)."""
+
+    #: per region ``(buffer, start, end, whole)``
+    regions: list
+    #: per step ``(sends, recvs, local)``: ``((peer, region), ...)`` twice and
+    #: ``((kind, dst, src), ...)``, ``kind`` one of :data:`COPY`, :data:`REDUCE` and
+    #: :data:`REDUCE_SRC_FIRST` (true for both reduces)
+    steps: list
+    #: every send and every receive in schedule order, ``(peer, region)``
+    send_list: list
+    recv_list: list
+    #: per receive, the sends (numbers in ``send_list``) that must complete before it
+    #: is posted (they read what it overwrites)
+    recv_waits: list
+    #: per step, what :class:`ringcomm.execution.executors.P2PProgram` binds:
+    #: ``(sends started by then, receives posted by then, this step's receives, sends
+    #: to complete before its local work, its local work)``
+    p2p_steps: list
+    #: sends no step waits for (waited for at the end)
+    tail_sends: list
+
+
+#: what a plan holds beyond its arrays (its Python objects, measured with tracemalloc
+#: in tests/test_schedules.py): part of :attr:`Plan.nbytes`
+PLAN_FIXED_BYTES = 4096
+
+
 class Plan:
     """A schedule compiled for execution (built once per call shape, then cached).
 
-    It keeps what the executors read, not the schedule: a cached plan of a
-    16,384-rank ring costs what its own 32,766 steps take (docs/architecture.md).
+    It keeps what the executors read, not the schedule, and keeps it as arrays (of
+    steps, messages, local operations, regions and dependencies): a cached plan costs
+    about 30 bytes a step and message, a 16,384-rank ring's (32,766 steps) about
+    2 MiB (docs/architecture.md). An executor takes it as tuples once per binding
+    (:meth:`unpack`).
 
     Attributes:
         ctx: the schedule's context.
-        regions: the distinct regions, indexed by the per-step tuples below.
-        steps: per step ``(sends, recvs, local)``: ``((peer, region index), ...)`` twice
-            and ``((kind, dst index, src index), ...)``, ``kind`` one of :data:`COPY`,
-            :data:`REDUCE` and :data:`REDUCE_SRC_FIRST` (true for both reduces).
+        lengths: every buffer's element count, caller buffers then scratch.
+        nbuffers: the caller's buffers (``ringcomm.schedule.BUFFERS``).
+        scratch: the scratch buffers' element counts.
+        nsteps: the number of steps.
+        nbytes: what the plan holds, in bytes (the plan cache's measure).
     """
 
     def __init__(self, schedule: Schedule):
@@ -106,93 +143,53 @@ class Plan:
         self.lengths = [*lens, *schedule.scratch]
         self.nbuffers = schedule.nbuffers
         self.scratch = schedule.scratch
-        self.regions, self.steps = compile_steps(schedule, self.lengths)
-        #: what the plan holds, in entries: steps, messages and local operations (the
-        #: plan cache's measure of a plan: it holds 100-250 bytes an entry)
-        self.weight = sum(1 + len(a) + len(b) + len(c) for a, b, c in self.steps)
-        self._dependencies()
+        regions, steps = compile_steps(schedule, self.lengths)
+        self.nsteps = len(steps)
+        self._pack(regions, steps, _dependencies(regions, steps, self.lengths))
         self._held: dict[int, tuple[int, int]] | None = None  # see held_receives
 
-    def _dependencies(self) -> None:
-        """For the point-to-point executor: when each send may go out and each
-        receive be posted (as a count of retired steps), and which sends must have
-        completed before a receive or a step's local work overwrites their data."""
-        spans = [_Spans(n or 0) for n in self.lengths]
-        send_ready, recv_ready, recv_waits = [], [], []
-        self.step_send_waits = []
-        self.step_recvs = []
-        self.send_list, self.recv_list = [], []
-        for i, (sends, recvs, local) in enumerate(self.steps):
-            for x in sends:
-                peer, v = x
-                buf, a, e, _ = self.regions[v]
-                j = len(self.send_list)
-                ready = 0
-                for sp in spans[buf].cover(a, e):
-                    ready = max(ready, sp[2] + 1)
-                    sp[4].append(j)
-                send_ready.append(ready)
-                self.send_list.append(x)
-            mine = []
-            for x in recvs:
-                peer, v = x
-                buf, a, e, _ = self.regions[v]
-                ready, waits = 0, set()
-                for sp in spans[buf].cover(a, e):
-                    ready = max(ready, sp[2] + 1, sp[3] + 1)
-                    waits.update(sp[4])
-                    sp[2], sp[3], sp[4] = i, -1, []
-                mine.append(len(self.recv_list))
-                recv_ready.append(ready)
-                recv_waits.append(tuple(sorted(waits)) or ())
-                self.recv_list.append(x)
-            self.step_recvs.append(tuple(mine) or ())
-            waits = set()
-            for _, d, s in local:
-                sbuf, sa, se, _ = self.regions[s]
-                for sp in spans[sbuf].cover(sa, se):
-                    sp[3] = max(sp[3], i)
-                dbuf, da, de, _ = self.regions[d]
-                for sp in spans[dbuf].cover(da, de):
-                    waits.update(sp[4])
-                    sp[2], sp[3], sp[4] = i, -1, []
-            self.step_send_waits.append(tuple(sorted(waits)) or ())
-        self.recv_waits = recv_waits
-        n = len(self.steps)
-        # Sends go out in order: before retiring step i, every send of the longest
-        # prefix whose data is final by then.
-        self.send_upto = _prefix_upto(send_ready, n)
-        # Receives are posted in order, at most RECV_AHEAD beyond the current step's,
-        # and never ahead where they would first have to wait for a send.
-        first_of_step = []
-        k = 0
-        for i in range(n):
-            first_of_step.append(k)
-            k += len(self.step_recvs[i])
-        recv_step = [i for i in range(n) for _ in self.step_recvs[i]]
-        upto, best, j = [], 0, 0
-        for i in range(n):
-            must = first_of_step[i] + len(self.step_recvs[i])
-            while (j < len(recv_ready) and recv_ready[j] <= i
-                   and j < first_of_step[i] + RECV_AHEAD
-                   and (not recv_waits[j] or recv_step[j] <= i)):
-                j += 1
-            best = max(best, j, must)
-            upto.append(best)
-        self.recv_upto = upto
-        #: sends no step waits for: P2PProgram.run waits for them at the end
-        waited = {k for ws in self.step_send_waits for k in ws}
-        waited.update(k for ws in self.recv_waits for k in ws)
-        self.tail_sends = [k for k in range(len(self.send_list)) if k not in waited]
-        #: per step, what P2PProgram.run needs, in one tuple
-        self.p2p_steps = [(self.send_upto[i], self.recv_upto[i], self.step_recvs[i],
-                           self.step_send_waits[i], st[2]) for i, st in enumerate(self.steps)]
+    def _pack(self, regions: list, steps: list, deps: dict) -> None:
+        self._regions = np.array(regions, dtype=np.int64).reshape(-1, 4)
+        self._sends, self._send_at = _ragged([s for s, _, _ in steps], 2)
+        self._recvs, self._recv_at = _ragged([r for _, r, _ in steps], 2)
+        self._local, self._local_at = _ragged([w for _, _, w in steps], 3)
+        self._recv_waits, self._recv_waits_at = _ragged(deps["recv_waits"], 0)
+        self._step_waits, self._step_waits_at = _ragged(deps["step_send_waits"], 0)
+        self._send_upto = np.array(deps["send_upto"], dtype=np.int32)
+        self._recv_upto = np.array(deps["recv_upto"], dtype=np.int32)
+        self._tail_sends = np.array(deps["tail_sends"], dtype=np.int32)
+        self.nbytes = PLAN_FIXED_BYTES + sum(
+            a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
 
-    def held_receives(self) -> dict[int, tuple[int, int]]:
+    @property
+    def nmessages(self) -> int:
+        """Sends and receives."""
+        return len(self._sends) + len(self._recvs)
+
+    def unpack(self) -> Unpacked:
+        """The plan as tuples (see :class:`Unpacked`), built anew at each call: for an
+        executor binding it, once."""
+        regions = [(b, a, e, bool(w)) for b, a, e, w in self._regions.tolist()]
+        send_list = [tuple(x) for x in self._sends.tolist()]
+        recv_list = [tuple(x) for x in self._recvs.tolist()]
+        sends = _split(send_list, self._send_at)
+        recvs = _split(recv_list, self._recv_at)
+        local = _split([tuple(x) for x in self._local.tolist()], self._local_at)
+        steps = list(zip(sends, recvs, local))
+        recv_waits = _split(self._recv_waits.tolist(), self._recv_waits_at)
+        step_waits = _split(self._step_waits.tolist(), self._step_waits_at)
+        at = self._recv_at.tolist()
+        p2p = list(zip(self._send_upto.tolist(), self._recv_upto.tolist(),
+                       [tuple(range(at[i], at[i + 1])) for i in range(self.nsteps)],
+                       step_waits, local))
+        return Unpacked(regions, steps, send_list, recv_list, recv_waits, p2p,
+                        self._tail_sends.tolist())
+
+    def held_receives(self, u: Unpacked | None = None) -> dict[int, tuple[int, int]]:
         """Receives whose data a transport may leave in the sender's memory until the
         one local step that reads it (a reduction or copy straight from there, no copy
         into scratch first): ``{receive number: (step, index in the step's local
-        work)}``.
+        work)}`` (``u``: this plan unpacked, if the caller has it).
 
         A receive qualifies when it lands in scratch and exactly one local step reads
         what it brought: the first local step of the step that waits for it to touch
@@ -204,81 +201,163 @@ class Plan:
         data occupies."""
         if self._held is not None:
             return self._held
+        u = u or self.unpack()
         out: dict[int, tuple[int, int]] = {}
-        self._held = out
-        for i, mine in enumerate(self.step_recvs):
-            last_of_peer = {self.recv_list[j][0]: j for j in mine}
+        for i, (_, _, mine, _, _) in enumerate(u.p2p_steps):
+            last_of_peer = {u.recv_list[j][0]: j for j in mine}
             for peer, j in last_of_peer.items():
-                v = self.recv_list[j][1]
-                if self.regions[v][0] < self.nbuffers:
+                v = u.recv_list[j][1]
+                if u.regions[v][0] < self.nbuffers:
                     continue
-                li = self._sole_reader(i, j, v, mine)
+                li = _sole_reader(u, i, j, v, mine)
                 if li is not None:
                     out[j] = (i, li)
+        self._held = out
         return out
-
-    def _sole_reader(self, i: int, j: int, v: int, mine: list[int]) -> int | None:
-        """The index in step ``i``'s local work of the one step that reads receive
-        ``j``'s region ``v``, if that step is the only reader (see
-        :meth:`held_receives`)."""
-        buf, a, e, _ = self.regions[v]
-
-        def touches(u: int) -> bool:
-            b2, a2, e2, _ = self.regions[u]
-            return b2 == buf and a2 < e and a < e2 and e2 > a2
-
-        def covers(u: int) -> bool:
-            b2, a2, e2, _ = self.regions[u]
-            return b2 == buf and a2 <= a and e <= e2
-
-        if any(touches(self.recv_list[k][1]) for k in mine if k != j):
-            return None
-        local = self.steps[i][2]
-        li = next((k for k, (_, d, s) in enumerate(local) if touches(d) or touches(s)), None)
-        if li is None or local[li][2] != v or touches(local[li][1]):
-            return None
-        # what follows, in program order: the rest of step i's local work, then each
-        # later step's sends, receives and local work
-        later = [("local", op) for op in local[li + 1:]]
-        for sends, recvs, work in self.steps[i + 1:]:
-            later += [("send", u) for _, u in sends]
-            later += [("recv", u) for _, u in recvs]
-            later += [("local", op) for op in work]
-        for kind, x in later:
-            if kind == "send":
-                if touches(x):
-                    return None
-            elif kind == "recv":
-                if covers(x):
-                    return li
-                if touches(x):
-                    return None
-            else:
-                is_reduce, d, s = x
-                if touches(s) or (touches(d) and (is_reduce or not covers(d))):
-                    return None
-                if touches(d):
-                    return li
-        return li
 
     @property
     def peers(self) -> list[int]:
         """The ranks this rank exchanges messages with."""
-        return sorted({peer for peer, _ in self.send_list} | {peer for peer, _ in self.recv_list})
+        return np.union1d(self._sends[:, 0], self._recvs[:, 0]).tolist()
 
     def trace_step(self, i: int, start_us: float) -> float:
         """Record step ``i`` (from ``start_us`` to now) in the trace, with its
         messages as ``[peer, elements]``; return now."""
-        sends, recvs, _ = self.steps[i]
         end = trace.now()
         trace.complete(f"step {i}", "step", start_us, end,
-                       sends=[[p, self._elements(v)] for p, v in sends],
-                       recvs=[[p, self._elements(v)] for p, v in recvs])
+                       sends=self._messages(self._sends, self._send_at, i),
+                       recvs=self._messages(self._recvs, self._recv_at, i))
         return end
 
-    def _elements(self, v: int) -> int:
-        _, a, e, _ = self.regions[v]
-        return e - a
+    def _messages(self, msgs: np.ndarray, at: np.ndarray, i: int) -> list:
+        rg = self._regions
+        return [[p, int(rg[v, 2] - rg[v, 1])] for p, v in msgs[at[i]:at[i + 1]].tolist()]
+
+
+def _ragged(rows: list, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of tuples (of ``width`` ints each; 0: of plain ints) as one int32 array
+    and the offsets where each row starts (one more than the rows)."""
+    at = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(list(map(len, rows)), out=at[1:])
+    flat = chain.from_iterable(rows)
+    if width:
+        flat = chain.from_iterable(flat)
+    arr = np.fromiter(flat, dtype=np.int32, count=int(at[-1]) * max(width, 1))
+    return (arr.reshape(-1, width) if width else arr), at
+
+
+def _split(flat: list, at: np.ndarray) -> list:
+    """``flat`` cut at offsets ``at`` (see :func:`_ragged`) into tuples."""
+    a = at.tolist()
+    return [tuple(flat[a[i]:a[i + 1]]) for i in range(len(a) - 1)]
+
+
+def _dependencies(regions: list, steps: list, lengths: list) -> dict:
+    """For the point-to-point executor: when each send may go out and each receive be
+    posted (as a count of retired steps), and which sends must have completed before
+    a receive or a step's local work overwrites their data (the lists of
+    :class:`Unpacked`)."""
+    spans = [_Spans(n or 0) for n in lengths]
+    send_ready, recv_ready, recv_waits = [], [], []
+    step_send_waits, step_nrecv = [], []
+    for i, (sends, recvs, local) in enumerate(steps):
+        for _, v in sends:
+            buf, a, e, _ = regions[v]
+            j = len(send_ready)
+            ready = 0
+            for sp in spans[buf].cover(a, e):
+                ready = max(ready, sp[2] + 1)
+                sp[4].append(j)
+            send_ready.append(ready)
+        for _, v in recvs:
+            buf, a, e, _ = regions[v]
+            ready, waits = 0, set()
+            for sp in spans[buf].cover(a, e):
+                ready = max(ready, sp[2] + 1, sp[3] + 1)
+                waits.update(sp[4])
+                sp[2], sp[3], sp[4] = i, -1, []
+            recv_ready.append(ready)
+            recv_waits.append(tuple(sorted(waits)))
+        step_nrecv.append(len(recvs))
+        waits = set()
+        for _, d, s in local:
+            sbuf, sa, se, _ = regions[s]
+            for sp in spans[sbuf].cover(sa, se):
+                sp[3] = max(sp[3], i)
+            dbuf, da, de, _ = regions[d]
+            for sp in spans[dbuf].cover(da, de):
+                waits.update(sp[4])
+                sp[2], sp[3], sp[4] = i, -1, []
+        step_send_waits.append(tuple(sorted(waits)))
+    n = len(steps)
+    # Receives are posted in order, at most RECV_AHEAD beyond the current step's,
+    # and never ahead where they would first have to wait for a send.
+    first_of_step = []
+    k = 0
+    for i in range(n):
+        first_of_step.append(k)
+        k += step_nrecv[i]
+    recv_step = [i for i in range(n) for _ in range(step_nrecv[i])]
+    upto, best, j = [], 0, 0
+    for i in range(n):
+        must = first_of_step[i] + step_nrecv[i]
+        while (j < len(recv_ready) and recv_ready[j] <= i
+               and j < first_of_step[i] + RECV_AHEAD
+               and (not recv_waits[j] or recv_step[j] <= i)):
+            j += 1
+        best = max(best, j, must)
+        upto.append(best)
+    waited = {k for ws in step_send_waits for k in ws}
+    waited.update(k for ws in recv_waits for k in ws)
+    # Sends go out in order: before retiring step i, every send of the longest prefix
+    # whose data is final by then.
+    return {"send_upto": _prefix_upto(send_ready, n), "recv_upto": upto,
+            "recv_waits": recv_waits, "step_send_waits": step_send_waits,
+            "tail_sends": [k for k in range(len(send_ready)) if k not in waited]}
+
+
+def _sole_reader(u: Unpacked, i: int, j: int, v: int, mine: tuple) -> int | None:
+    """The index in step ``i``'s local work of the one step that reads receive ``j``'s
+    region ``v``, if that step is the only reader (see :meth:`Plan.held_receives`)."""
+    buf, a, e, _ = u.regions[v]
+
+    def touches(w: int) -> bool:
+        b2, a2, e2, _ = u.regions[w]
+        return b2 == buf and a2 < e and a < e2 and e2 > a2
+
+    def covers(w: int) -> bool:
+        b2, a2, e2, _ = u.regions[w]
+        return b2 == buf and a2 <= a and e <= e2
+
+    if any(touches(u.recv_list[k][1]) for k in mine if k != j):
+        return None
+    local = u.steps[i][2]
+    li = next((k for k, (_, d, s) in enumerate(local) if touches(d) or touches(s)), None)
+    if li is None or local[li][2] != v or touches(local[li][1]):
+        return None
+    # what follows, in program order: the rest of step i's local work, then each later
+    # step's sends, receives and local work
+    later = [("local", op) for op in local[li + 1:]]
+    for sends, recvs, work in u.steps[i + 1:]:
+        later += [("send", w) for _, w in sends]
+        later += [("recv", w) for _, w in recvs]
+        later += [("local", op) for op in work]
+    for kind, x in later:
+        if kind == "send":
+            if touches(x):
+                return None
+        elif kind == "recv":
+            if covers(x):
+                return li
+            if touches(x):
+                return None
+        else:
+            is_reduce, d, s = x
+            if touches(s) or (touches(d) and (is_reduce or not covers(d))):
+                return None
+            if touches(d):
+                return li
+    return li
 
 
 def _prefix_upto(ready: list[int], nsteps: int) -> list[int]:

@@ -36,12 +36,11 @@ _OWN_LAYOUT = ("alltoall", "gather", "scatter")
 _ROOTED = ("broadcast", "reduce", "gather", "scatter")
 #: compiled schedules kept per group (least recently used dropped first)
 PLAN_CACHE_SIZE = 512
-#: ... and at most this much :attr:`Plan.weight <ringcomm.execution.plan.Plan.weight>`
-#: (steps, messages and local operations) over all its cached plans; the newest plan
-#: stays whatever its size. An entry holds at most about 220 bytes
-#: (docs/data/plans.json), so a group's cache stays within about 220 MiB, where each
-#: plan may be a 16,384-rank ring's (114,681 entries, 24 MiB)
-PLAN_CACHE_WEIGHT = 1 << 20
+#: ... and at most this many bytes (:attr:`Plan.nbytes
+#: <ringcomm.execution.plan.Plan.nbytes>`) over all its cached plans; the newest plan
+#: stays whatever its size. A 16,384-rank ring's plan holds about 2 MiB
+#: (docs/data/plans.json), a 2-rank allreduce's about 4 KiB
+PLAN_CACHE_BYTES = 64 << 20
 #: what :meth:`Planner.prepare` returns: ``run(bufs)`` runs one collective on the
 #: caller's buffers, ordered as ``ringcomm.schedule.BUFFERS`` lists them
 Program = Any
@@ -64,7 +63,7 @@ class Planner:
         self.algos.update(expand_choices(options.algorithms))
         self._tuning = select.load_tuning(options.tuning_file)
         self._plans: collections.OrderedDict = collections.OrderedDict()
-        self._plan_weight = 0  # over all cached plans
+        self._plan_bytes = 0  # over all cached plans
         #: bumped by :meth:`refused`; part of every message tag
         self.epoch = 0
         #: this rank's call signatures, by hash (the newest PLAN_CACHE_SIZE)
@@ -187,11 +186,11 @@ class Planner:
         plan = Plan(schedule)
         with self._lock:
             replaced = self._plans.pop(key, None)  # another thread built it meanwhile
-            self._plan_weight += plan.weight - (replaced.weight if replaced else 0)
+            self._plan_bytes += plan.nbytes - (replaced.nbytes if replaced else 0)
             self._plans[key] = plan
             while len(self._plans) > 1 and (len(self._plans) > PLAN_CACHE_SIZE
-                                            or self._plan_weight > PLAN_CACHE_WEIGHT):
-                self._plan_weight -= self._plans.popitem(last=False)[1].weight
+                                            or self._plan_bytes > PLAN_CACHE_BYTES):
+                self._plan_bytes -= self._plans.popitem(last=False)[1].nbytes
         return plan
 
     def refused(self) -> None:
