@@ -110,6 +110,32 @@ def test_failures_and_lifecycle(case):
         assert "replacing WORLD_SIZE=3 with the MPI value 2" in proc.stderr
 
 
+@pytest.mark.wide  # standalone_check's stopping member covers a one-round tree
+@pytest.mark.parametrize("missing", [3, 0, 4])
+def test_a_member_missing_from_the_tree_of_merges_is_named_whatever_the_round(missing):
+    """5 ranks form a standalone group without rank ``missing`` (found in the first
+    round, missed by every round, found in the last): every other rank names it within
+    a few connect limits. A rank left in an MPI accept that cannot be cancelled ends
+    without MPI_Finalize, so mpiexec ends the job with a signal's code once every rank
+    has printed its checks; the test asserts that, not a hang."""
+    proc = mpirun(5, "merge_fault_check.py", str(missing), timeout=120, check=False)
+    assert_checks(proc.stdout, f"merge_fault_check {missing} n=5", 5)
+
+
+@pytest.mark.wide
+def test_two_jobs_forming_worlds_on_one_host_at_once_do_not_join():
+    """Two torchrun jobs of 3 ranks (two rounds of merges each) started together on one
+    host: each world holds its own job's ranks only."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(torchrun, 3, "world_check.py", "twin", str(tag), timeout=180)
+                for tag in (1, 2)]
+        outs = [j.result().stdout for j in jobs]
+    for out in outs:
+        assert_checks(out, "world_check twin torchrun n=3", 3)
+
+
 @pytest.mark.wide  # make test runs them under mpiexec
 def test_standalone_groups_under_torchrun():
     """The standalone-group checks where MPICH lost messages to concurrent threads

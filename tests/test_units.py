@@ -438,3 +438,28 @@ def test_a_plan_counts_at_least_the_bytes_it_holds(name, p):
     assert u.recv_list == [x for _, r, _ in steps for x in r]
     assert plan.nsteps == len(steps) and plan.nmessages == len(u.send_list) + len(u.recv_list)
 
+
+def test_a_merge_that_timed_out_names_whom_the_other_block_reported():
+    """bootstrap._absent, without MPI: a rank whose merge with block [lo, hi) timed out
+    names what that block's own ranks reported (they waited a round earlier), else
+    the whole block after the grace; a block of one is named at once; every call adds
+    its own report, so the names travel up the tree."""
+    import time as _time
+
+    import torch.distributed as dist
+    store = dist.HashStore()
+    began = _time.monotonic()
+    assert bootstrap._absent(store, 2, 0, 3, 4, 5.0) == ([3], "rank 2 in round 1")
+    assert _time.monotonic() - began < 1.0  # nobody else could report on rank 3
+    # rank 0 waited for block [2, 4) in round 2: rank 2's report names rank 3
+    assert bootstrap._absent(store, 0, 1, 2, 4, 5.0) == ([3], "rank 2 in round 1")
+    # rank 4 waited for [0, 4) in round 3: both reports there name rank 3
+    assert bootstrap._absent(store, 4, 2, 0, 4, 5.0) == ([3], "rank 2 in round 1")
+    assert [r["rank"] for r in bootstrap._reports(store)] == [2, 0, 4]
+    # no report from the block within the grace: the whole block
+    began = _time.monotonic()
+    assert bootstrap._absent(dist.HashStore(), 0, 2, 4, 8, 0.3) == ([4, 5, 6, 7],
+                                                                   "rank 0 in round 3")
+    assert _time.monotonic() - began >= 0.3
+    assert bootstrap._ranks([4, 5, 6, 7]) == "ranks 4-7" and bootstrap._ranks([3, 5]) == \
+        "ranks 3, 5"

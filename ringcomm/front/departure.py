@@ -144,6 +144,12 @@ def _leave(groups: Any) -> None:
         flight.dump_for_failure(f"this rank {how}")
     for g in members:
         g.lanes.announce_left(f"rank {g.rank()} (pid {pid}) on host {host}", how, code)
+    if bootstrap.stuck_calls():
+        # a failed set-up left an MPI call blocking in its thread (MPI cannot cancel
+        # it), and MPI_Finalize would wait for it forever: the process ends here, with
+        # its code, without finalizing (under mpiexec that ends the job)
+        _flush()
+        os._exit(code)
     if not members or (code == 0 and not under_mpi):
         return  # torchrun, plain srun: the process ends now
     if code == 0:
@@ -158,14 +164,18 @@ def _leave(groups: Any) -> None:
     if not under_mpi:
         return
     # MPI would hold this process in MPI_Finalize: end the job
+    _flush()
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(code)
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
             pass
-    from mpi4py import MPI
-
-    MPI.COMM_WORLD.Abort(code)
 
 
 def _exit_barrier() -> None:

@@ -32,6 +32,7 @@ one process, beside a ringcomm world group or without one.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -251,19 +252,32 @@ def setup_limit(timeout: timedelta) -> float:
     return min(timeout.total_seconds(), settings.get("RINGCOMM_CONNECT_TIMEOUT"))
 
 
+#: the MPI calls of failed set-ups still blocking in their threads (see _bounded)
+_stuck: list[str] = []
+
+
+def stuck_calls() -> list[str]:
+    """What MPI calls of failed set-ups still block in their threads: MPI cannot cancel
+    them, so this process cannot finalize MPI (:mod:`ringcomm.front.departure` ends it
+    without)."""
+    return list(_stuck)
+
+
 class _Stuck(Exception):
     """Marks an error raised while an MPI call still blocks in its thread: what that
     call uses (a port, a communicator) must not be freed under it."""
 
 
-def _bounded(call, what: str, timeout: timedelta, store=None, peer: int = -1):
-    """``call()``, which blocks in MPI with no timeout of its own, bounded by
-    :func:`setup_limit`: past it, raise ``DistBackendError`` caused by :class:`_Stuck`
-    (the call itself stays blocked in its thread: MPI cannot cancel it). With a
-    ``store``, a connection to ``peer``: the error names the hosts, interfaces and
-    variables to check. Runs outside :data:`ringcomm.mpi_serial.LOCK`, for the reason
+def _bounded(call, what: str, timeout: timedelta, store=None, peer: int = -1,
+             limit_s: float | None = None, give_up=None):
+    """``call()``, which blocks in MPI with no timeout of its own, bounded by ``limit_s``
+    (None: :func:`setup_limit`): past it, raise ``DistBackendError`` caused by
+    :class:`_Stuck` (the call itself stays blocked in its thread: MPI cannot cancel it).
+    With a ``store``, a connection to ``peer``: the error names the hosts, interfaces
+    and variables to check. ``give_up()``, asked every :data:`LOOK_S`, may end the wait
+    early (as if out of time). Runs outside :data:`ringcomm.mpi_serial.LOCK`, for the reason
     given there. A communicator the call returns after its caller gave up is freed."""
-    limit = setup_limit(timeout)
+    limit = setup_limit(timeout) if limit_s is None else limit_s
     result: list = []
     guard = threading.Lock()
     late = []  # set once the caller gave up
@@ -277,28 +291,39 @@ def _bounded(call, what: str, timeout: timedelta, store=None, peer: int = -1):
             if not late:
                 result.append(outcome)
                 return
+            _stuck.remove(what)  # it ended after all
         if outcome[0] and hasattr(outcome[1], "Free"):
             mpi_serial.locked(outcome[1].Free)
 
     t = threading.Thread(target=run, name=f"ringcomm-bootstrap-{what}", daemon=True)
     t.start()
-    t.join(limit)
+    began = time.monotonic()
+    gave_up = False
+    while t.is_alive() and (left := began + limit - time.monotonic()) > 0:
+        t.join(min(LOOK_S, left) if give_up else left)
+        if give_up and t.is_alive() and give_up():
+            gave_up = True
+            break
     with guard:
         if not result:
             late.append(True)
+            _stuck.append(what)
     if not result:
         import torch.distributed as dist
 
+        within = (f"did not complete: the ranks it waited for reported failing after "
+                  f"{time.monotonic() - began:.1f} s" if gave_up else
+                  f"did not complete within {round(limit, 1):g} s")
         if store is None:
             raise dist.DistBackendError(
-                f"ringcomm bootstrap: {what} did not complete within {limit:g} s: a member "
-                "of the group stopped, died, or is setting up another group first (raise "
-                "RINGCOMM_CONNECT_TIMEOUT for slow starts)") from _Stuck(what)
+                f"ringcomm bootstrap: {what} {within}: a member of the group stopped, died, "
+                "or is setting up another group first (raise RINGCOMM_CONNECT_TIMEOUT for "
+                "slow starts)") from _Stuck(what)
         path = network.last or network.Path()
         path.hosts.setdefault(peer, network.host_of(store, peer))
         raise dist.DistBackendError(
-            f"ringcomm bootstrap: {what} did not complete within {limit:g} s, so the MPI "
-            f"connection between the ranks' hosts does not work (or a rank stopped). "
+            f"ringcomm bootstrap: {what} {within}, so the MPI connection between the ranks' "
+            "hosts does not work (or a rank stopped). "
             f"{path.describe()}") from _Stuck(what)
     ok, value = result[0]
     if not ok:
@@ -333,6 +358,84 @@ def merge_rounds(size: int) -> list[list[tuple[int, int, int]]]:
     return rounds
 
 
+#: the store key where ranks whose merge timed out report whom they waited for (one
+#: line each, appended); written only on failure
+ABSENT_KEY = "ringcomm/absent"
+#: how long a rank whose merge timed out waits for the other block's own reports: its
+#: ranks that waited in an earlier round for a rank that never came time out first
+REPORT_GRACE_S = 2.0
+
+
+def _reports(store) -> list[dict]:
+    """The reports under :data:`ABSENT_KEY` so far."""
+    if not store.check([ABSENT_KEY]):
+        return []
+    return [json.loads(line) for line in store.get(ABSENT_KEY).decode().splitlines() if line]
+
+
+def _absent(store, rank: int, k: int, lo: int, hi: int, grace_s: float) -> tuple[list, str]:
+    """Rank ``rank``'s merge of round ``k`` with the block ``[lo, hi)`` timed out: the
+    ranks that never came, and who saw them first, as that block's own ranks reported
+    within ``grace_s`` (a rank that waited for another reports it, so the report
+    travels up the tree); else the whole block. This rank's report is added."""
+    # a block of one cannot report on itself: that rank is the one that never came
+    deadline = time.monotonic() + (grace_s if hi - lo > 1 else 0.0)
+    while True:
+        theirs = [r for r in _reports(store) if lo <= r["rank"] < hi]
+        if theirs or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    if theirs:
+        missing = sorted({q for r in theirs for q in r["missing"]})
+        seen = min(theirs, key=lambda r: r["round"])["seen"]
+    else:
+        missing = list(range(lo, hi))
+        seen = f"rank {rank} in round {k + 1}"
+    store.append(ABSENT_KEY, (json.dumps({"rank": rank, "round": k, "missing": missing,
+                                          "seen": seen}) + "\n").encode())
+    return missing, seen
+
+
+def _ranks(ranks: list) -> str:
+    """``rank 3``, ``ranks 3, 5`` or ``ranks 4-7``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _reported(store, lo: int, hi: int) -> bool:
+    """Whether a rank of ``[lo, hi)`` reported a failed merge (:func:`_absent`)."""
+    return any(lo <= r["rank"] < hi for r in _reports(store))
+
+
+#: how often a rank waiting for a merge looks for the other block's reports
+LOOK_S = 1.0
+
+
+def _wait_port(store, key: str, left: int, right: int, deadline: float) -> str:
+    """The port the block ``[left, right)`` publishes under ``key``, by ``deadline``
+    (monotonic): waited for in slices of :data:`LOOK_S`, in which a report from that
+    block (it failed) ends the wait early. Raises DistStoreError past the deadline or
+    on such a report."""
+    import torch.distributed as dist
+
+    began = time.monotonic()
+    while True:
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            raise dist.DistStoreError(f"Their MPI port did not appear within "
+                                      f"{time.monotonic() - began:.1f} s.")
+        try:
+            return _store_wait(store, key, timedelta(seconds=min(LOOK_S, left_s))).decode()
+        except dist.DistStoreError:
+            if _reported(store, left, right):
+                raise dist.DistStoreError(
+                    f"Their MPI port had not appeared after {time.monotonic() - began:.1f} "
+                    "s, when they reported failing.") from None
+
+
 def _connect_world(store, rank: int, size: int, timeout: timedelta):
     """Join ``size`` MPI singletons into one intracommunicator ranked like torch, in
     the rounds of :func:`merge_rounds`.
@@ -342,12 +445,18 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
     to accept: a block merged in an earlier round cannot connect to a port that
     still accepts another. Store traffic: one key per merge, ``size - 1`` in all.
     Every rank has met the others in :func:`prepare_network`, so each MPI connect
-    and accept below is bounded by ``RINGCOMM_CONNECT_TIMEOUT``. On failure the port
-    is closed and the partial communicator freed, unless an MPI call still blocks on
-    them."""
+    and accept below is bounded by ``RINGCOMM_CONNECT_TIMEOUT`` (a limit), and the
+    wait for round k's port by k + 1 limits from the start (the accepting block may
+    have had more rounds to go). A rank that never comes to its merge is named by
+    every rank that waited for it, whatever the round (:func:`_absent`). On failure
+    the port is closed and the partial communicator freed, unless an MPI call still
+    blocks on them."""
+    import torch.distributed as dist
+
     MPI = mpi()
 
     limit = setup_limit(timeout)
+    began = time.monotonic()
     if size == 1:
         return mpi_serial.dup(MPI.COMM_SELF, "a one-rank group's communicator", limit)
     port = comm = None
@@ -361,22 +470,39 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
             left, right, end = merge
             block = comm
             key = f"ringcomm/port/{k}/{left}"
-            if rank < right:  # the accepting side, first in the merged order
-                if rank == left:
-                    if port is None:
-                        port = mpi_serial.locked(MPI.Open_port)
-                    store.set(key, port)
-                merged = _bounded(
-                    lambda: _joined(block.Accept(port if rank == left else None, root=0),
-                                    False, limit),
-                    f"rank {rank}'s MPI accept of ranks {right}-{end - 1}", timeout, store,
-                    right)
-            else:
-                port_name = _store_wait(store, key, timeout).decode() if rank == right else None
-                merged = _bounded(
-                    lambda: _joined(block.Connect(port_name, root=0), True, limit),
-                    f"rank {rank}'s MPI connect to ranks {left}-{right - 1}", timeout, store,
-                    left)
+            other = (right, end) if rank < right else (left, right)
+            try:
+                if rank < right:  # the accepting side, first in the merged order
+                    if rank == left:
+                        if port is None:
+                            port = mpi_serial.locked(MPI.Open_port)
+                        store.set(key, port)
+                    merged = _bounded(
+                        lambda: _joined(block.Accept(port if rank == left else None, root=0),
+                                        False, limit),
+                        f"rank {rank}'s MPI accept of ranks {right}-{end - 1}", timeout,
+                        store, right, give_up=lambda: _reported(store, right, end))
+                else:
+                    port_name = (_wait_port(store, key, left, right, began + (k + 1) * limit)
+                                 if rank == right else None)
+                    # the port comes within k + 1 limits, the connection one more
+                    merged = _bounded(
+                        lambda: _joined(block.Connect(port_name, root=0), True, limit),
+                        f"rank {rank}'s MPI connect to ranks {left}-{right - 1}", timeout,
+                        store, left, max(limit, began + (k + 2) * limit - time.monotonic()),
+                        lambda: _reported(store, left, end))
+            except (dist.DistBackendError, dist.DistStoreError) as e:
+                if not isinstance(e, dist.DistStoreError) and not isinstance(e.__cause__,
+                                                                            _Stuck):
+                    raise
+                missing, seen = _absent(store, rank, k, *other, min(REPORT_GRACE_S, limit))
+                err = dist.DistBackendError(
+                    f"ringcomm bootstrap: forming a group of {size}, {_ranks(missing)} never "
+                    f"joined (first missed by {seen}); rank {rank} waited for "
+                    f"{_ranks(list(range(*other)))} in round {k + 1} of "
+                    f"{len(merge_rounds(size))}. "
+                    + str(e))
+                raise err from e.__cause__ if isinstance(e.__cause__, _Stuck) else None
             comm = None  # freed once, even if Free raises
             mpi_serial.locked(block.Free)
             comm = merged

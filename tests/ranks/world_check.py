@@ -8,6 +8,9 @@ Modes (run under ``mpiexec -n 2``):
   explicit  init_process_group(world_size=3) under two processes: every rank gets an
             error naming the disagreement (ringcomm's, or torch's rendezvous timeout)
             within the 5 s timeout.
+  twin TAG  (under torchrun, two jobs at once on one host) the world formed holds this
+            job's ranks only: their allreduce sums this job's values, and their
+            allgather sees only this job's tag.
 """
 from __future__ import annotations
 
@@ -48,6 +51,18 @@ def main(mode: str) -> None:
             c.check(any("does not belong to the given group" in str(w.message)
                         for w in seen), f"no warning: {[str(w.message) for w in seen]}")
         dist.barrier()
+        dist.destroy_process_group()
+    elif mode == "twin":
+        tag = float(sys.argv[2])
+        dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
+        p = dist.get_world_size()
+        t = torch.full((100,), tag * 1000 + rank + 1)
+        dist.all_reduce(t)
+        want = p * tag * 1000 + p * (p + 1) / 2
+        c.check(bool((t == want).all()), f"job {tag:g}: allreduce gave {t[0].item()}, want {want}")
+        tags = [torch.zeros(1) for _ in range(p)]
+        dist.all_gather(tags, torch.tensor([tag]))
+        c.check([x.item() for x in tags] == [tag] * p, f"job {tag:g}: tags {tags}")
         dist.destroy_process_group()
     else:
         t0 = time.monotonic()
