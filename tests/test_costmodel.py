@@ -357,3 +357,120 @@ def test_auto_falls_back_from_native_where_mpi_cannot_take_the_call(tmp_path):
     with pytest.raises(ValueError, match="bfloat16"):
         pg.planner.prepare(lane, "allreduce", (8,), torch.bfloat16, nbytes=16,
                            op=dist.ReduceOp.SUM)
+
+
+# ---------------------------------------------------------------------------
+# auto at scale (scripts/auto_at_scale.py, docs/data/auto_at_scale.json)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("p", [2, 3, 5, 8, 13, 16])
+def test_the_ring_in_closed_form_is_the_simulated_ring(p):
+    """model.ring_allreduce against the ring's schedules under NCCL's rules: rounds
+    and reduced bytes equal everywhere; the busiest bytes equal where the chunks are
+    equal or whole segments, and at most 25% above the closed form elsewhere (ranks a
+    step apart share a round)."""
+    from ringcomm.algorithms import REGISTRY
+    from ringcomm.execution import checker
+    for n in (1, 7, 16, 100, 1000, 4096, 4097):
+        for seg in (4, 64, 1 << 20):
+            st = checker.check(REGISTRY["allreduce"]["ring"], "allreduce", p, (n,), seg=seg,
+                               symbolic=False)
+            A, B, G = model.ring_allreduce(p, n, seg)
+            assert (A, G) == (st.rounds, st.reduced_max), (p, n, seg)
+            chunk = -(-n // p)
+            if n % p == 0 or chunk <= seg:
+                assert B == st.busiest, (p, n, seg)
+            else:
+                assert B <= st.busiest <= 1.25 * B, (p, n, seg, st.busiest, B)
+
+
+@pytest.mark.parametrize("name", sorted(model.PIPELINED))
+def test_the_pipelined_features_follow_their_line(name):
+    """features_at's straight line against the simulation, on 64 ranks, at 8 times
+    the line's end: rounds and reduced bytes equal, the busiest bytes within 4%."""
+    from ringcomm.algorithms import REGISTRY
+    from ringcomm.execution import checker
+    seg = 1 << 16
+    n = 16 * model.PIPELINED[name] * seg
+    st = checker.check(REGISTRY["allreduce"][name], "allreduce", 64, (n,), seg=seg,
+                       symbolic=False)
+    A, B, G = model.features_at(name, 64, n, seg)
+    assert (A, G) == (st.rounds, st.reduced_max)
+    assert B == pytest.approx(st.busiest, rel=0.04)
+
+
+def _auto_at_scale():
+    import importlib.util
+
+    from conftest import ROOT
+    spec = importlib.util.spec_from_file_location("auto_at_scale",
+                                                  ROOT / "scripts" / "auto_at_scale.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    doc = json.loads((ROOT / "docs" / "data" / "auto_at_scale.json").read_text())
+    return script, doc
+
+
+def test_auto_at_scale_is_the_models_cheapest_or_the_measured_row_for_hosts():
+    """Every cell of docs/data/auto_at_scale.json (8 to 16,384 ranks, 4 KiB to 1 GiB,
+    1 and 8 ranks a host), with auto's pick taken from the shipped tuning now: within
+    the margin of the model's cheapest, except where auto follows its row for several
+    hosts (hierarchical, measured across hosts; the model knows one kind of link);
+    and the committed picks are the shipped tuning's (the docs' table is current)."""
+    from ringcomm.algorithms import select
+    script, doc = _auto_at_scale()
+    committed = {(c["ranks"], c["per_host"], c["bytes"]): c["auto"] for c in doc["cells"]}
+    script.repick(doc, select.load_tuning(None))
+    assert len(doc["cells"]) == len(script.RANKS) * len(script.PER_HOST) * len(script.SIZES)
+    off = [c for c in doc["cells"] if c["ratio"] > 1 + doc["margin"]
+           and not (c["per_host"] > 1 and c["ranks"] > c["per_host"]
+                    and c["auto"] == "hierarchical")]
+    assert not off, off
+    assert {(c["ranks"], c["per_host"], c["bytes"]): c["auto"] for c in doc["cells"]} == \
+        committed
+
+
+def test_the_committed_cells_are_what_the_model_gives_now():
+    """Cells on 8, 16 and 64 ranks computed afresh equal the committed ones."""
+    from ringcomm.algorithms import select
+    script, doc = _auto_at_scale()
+    table = select.load_tuning(None)
+    at = {(c["ranks"], c["per_host"], c["bytes"]): c for c in doc["cells"]}
+    for p in (8, 16, 64):
+        for per_host in script.PER_HOST:
+            for n in script.SIZES:
+                assert script.cell(doc["params"], table, p, per_host, n) == \
+                    at[p, per_host, n], (p, per_host, n)
+
+
+@pytest.mark.parametrize("p", [8, 64, 256])
+def test_rabenseifner_in_closed_form_is_the_simulated_one(p):
+    """model.rabenseifner_allreduce against the schedules on a power-of-two world
+    dividing the size, in one segment and in many; refused elsewhere."""
+    from ringcomm.algorithms import REGISTRY
+    from ringcomm.execution import checker
+    for n, seg in ((p * 16, 1 << 20), (p * 1000, 4096), (p * 4096, 1 << 14)):
+        st = checker.check(REGISTRY["allreduce"]["rabenseifner"], "allreduce", p, (n,),
+                           seg=seg, symbolic=False)
+        assert model.rabenseifner_allreduce(p, n, seg) == (st.rounds, st.busiest,
+                                                           st.reduced_max), (p, n, seg)
+    with pytest.raises(ValueError, match="power-of-two p dividing n"):
+        model.rabenseifner_allreduce(p + 1, 4 * p, 64)
+
+
+@pytest.mark.parametrize("p,per_host", [(64, 8), (256, 8), (96, 4)])
+def test_hierarchical_by_phases_is_the_simulated_one(p, per_host):
+    """model.hierarchical_allreduce (its phases added) against the whole schedule
+    simulated with its hosts, from the leaders' recursive doubling to their ring:
+    equal on a power-of-two number of hosts; on 24, where the leaders' recursive
+    doubling folds, phases of different hosts share rounds and the bytes come out
+    within 15%."""
+    from ringcomm.algorithms import REGISTRY
+    from ringcomm.execution import checker
+    hosts = tuple(r // per_host for r in range(p))
+    for n in (4096, 65536, 1 << 20, 16 << 20):
+        st = checker.check(REGISTRY["allreduce"]["hierarchical"], "allreduce", p, (n,),
+                           seg=1 << 20, symbolic=False, hosts=hosts)
+        A, B, G = model.hierarchical_allreduce(p, n, 1 << 20, per_host)
+        assert (A, G) == (st.rounds, st.reduced_max), (p, n)
+        hosts_pow2 = not (p // per_host) & (p // per_host - 1)
+        assert B == st.busiest if hosts_pow2 else B == pytest.approx(st.busiest, rel=0.15)

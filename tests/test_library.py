@@ -329,6 +329,13 @@ def test_hierarchical_make_composes_any_registered_allreduce():
     big = hierarchical.allreduce(Context("allreduce", 4, 0, (hierarchical.SMALL_ELEMENTS + 1,),
                                          hosts=(0, 0, 1, 1)))
     assert len(small.steps) < len(big.steps)
+    # on more hosts the leaders run what auto's modelled rows give for that many ranks:
+    # not a ring of 256 leaders (510 steps) for 64 KiB
+    from ringcomm.algorithms import select
+    assert hierarchical.leaders_algorithm(2, 8) == "recursive_doubling"
+    assert hierarchical.leaders_algorithm(256, 16384) == select.choose(
+        select.MODELLED, "allreduce", 65536, 256, bands=False) != "ring"
+    assert hierarchical.leaders_algorithm(256, 1 << 28) == "ring"
 
 
 # -- the public helpers, and the library's use of the public API only ----------------------

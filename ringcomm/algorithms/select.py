@@ -71,6 +71,17 @@ DEFAULT_TUNING: dict[str, dict[str, list]] = {
                             [None, "ring"]],
                   ">=48": _allreduce_rows(5 * MiB, 16 * MiB),   # 48: -5.7 MiB; dt 6.7-19 MiB
                   ">=96": _allreduce_rows(6 * MiB, 64 * MiB),   # 96: -6.7 MiB; dt 8-90 MiB
+                  # From 512 ranks on, the model with every algorithm's features counted
+                  # at the world size itself (scripts/auto_at_scale.py,
+                  # docs/data/auto_at_scale.json; powers of two to 16,384): the tree
+                  # pays log2 p children at its root, double_tree 2x its bytes, and
+                  # the ring's 2(p-1) steps come to outweigh Rabenseifner's 2 log2 p
+                  # at ever larger sizes (at 8,192 ranks 2.5x at 256 MiB).
+                  ">=512": [[16384, "recursive_doubling"], [64 * MiB, "rabenseifner"],
+                            [None, "ring"]],
+                  ">=2048": [[16384, "recursive_doubling"], [256 * MiB, "rabenseifner"],
+                             [None, "ring"]],
+                  ">=8192": [[16384, "recursive_doubling"], [None, "rabenseifner"]],
                   # Several ranks per host on several hosts: reduce within hosts, only
                   # the hosts' first ranks talk across, so each inter-host link carries
                   # the buffer once per host, not once per rank. Measured across

@@ -72,8 +72,11 @@ builder itself, so that a replaced registration is counted afresh):
   about eight simulations.
 
 :func:`crossovers` scans a grid of a few points per octave and bisects only where
-the faster algorithm changes. The tuning rows that ringcomm's ``auto`` follows
-come from measured times, not from this model (:mod:`ringcomm.bench.tuning`).
+the faster algorithm changes. Of the tuning rows that ringcomm's ``auto`` follows,
+the 2-rank ones come from measured times (:mod:`ringcomm.bench.tuning`), the
+library's and those from 512 ranks on from this model (scripts/library_tuning.py,
+and scripts/auto_at_scale.py with :func:`features_at`, which counts the features at
+any world size without the anchors above).
 """
 from __future__ import annotations
 
@@ -230,6 +233,142 @@ def features_for(collective: str, algorithm: str | None) -> FeatureFn:
 
     fn.__name__ = f"features_{collective}_{algorithm}"
     return fn
+
+
+def ring_allreduce(p: int, n: int, seg: int) -> tuple[float, float, float]:
+    """The built-in ring allreduce's features in closed form: ``2(p-1)`` steps of
+    every chunk's ``k`` segments (``k`` = the longest chunk, ``ceil(n/p)``, in
+    segments) are the rounds; the busiest rank moves the longest chunk twice per
+    step; a rank reduces every chunk but the one left of it. Rounds and reduced bytes
+    equal the simulation's everywhere; the bytes do where the chunks are whole
+    segments or equal (every power-of-two size on a power-of-two world), and are up
+    to a few percent low elsewhere, where ranks a step apart share a round
+    (tests/test_costmodel.py)."""
+    if p == 1 or n == 0:
+        return 0.0, 0.0, 0.0
+    chunk = -(-n // p)
+    k = -(-chunk // seg)
+    return float(2 * (p - 1) * k), float(2 * (p - 1) * chunk), float(n - n // p)
+
+
+def rabenseifner_allreduce(p: int, n: int, seg: int) -> tuple[float, float, float]:
+    """The library's Rabenseifner allreduce in closed form, on a power-of-two ``p``
+    dividing ``n`` (every block whole): step k of the halving and of the doubling
+    moves ``n / 2^k`` in its segments; the busiest rank sends and receives all but
+    its own block twice; it reduces all but its own block. Equal to the simulation
+    there (tests/test_costmodel.py).
+
+    Raises:
+        ValueError: ``p`` is not a power of two or does not divide ``n``.
+    """
+    if p & (p - 1) or n % p:
+        raise ValueError(f"cost model: rabenseifner in closed form needs a power-of-two p "
+                         f"dividing n, got p={p}, n={n}")
+    if p == 1 or n == 0:
+        return 0.0, 0.0, 0.0
+    rounds = 2 * sum(-(-(n >> k) // seg) for k in range(1, p.bit_length()))
+    return float(rounds), float(2 * (n - n // p)), float(n - n // p)
+
+
+def hierarchical_allreduce(p: int, n: int, seg: int, per_host: int
+                           ) -> tuple[float, float, float]:
+    """The library's registered hierarchical allreduce on ``p / per_host`` hosts of
+    ``per_host`` ranks, by its phases one after another: a tree reduce within each
+    host, the leaders' allreduce (:func:`ringcomm.library.hierarchical.leaders_algorithm`),
+    a tree broadcast within each host. Their features add (each phase starts
+    once the one before has ended on every host): equal to the simulation on 64 to
+    1,024 ranks (tests/test_costmodel.py), in a fraction of its time: at 16,384 ranks
+    the leaders' ring alone holds 8.4 million steps."""
+    from ringcomm.library import hierarchical
+
+    hosts = p // per_host
+    reduce = _phase("reduce", "tree", per_host, n, seg)
+    bcast = _phase("broadcast", "tree", per_host, n, seg)
+    # the builder's elements are the model's bytes
+    inter = features_at(hierarchical.leaders_algorithm(hosts, n), hosts, n, seg)
+    return (reduce[0] + inter[0] + bcast[0], reduce[1] + inter[1] + bcast[1],
+            reduce[2] + inter[2])
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def _phase(collective: str, algorithm: str, p: int, n: int, seg: int
+           ) -> tuple[float, float, float]:
+    from ringcomm.algorithms import REGISTRY
+    from ringcomm.execution import checker
+
+    st = checker.check(REGISTRY[collective][algorithm], collective, p, (int(n),), seg=seg,
+                       symbolic=False)
+    return float(st.rounds), float(st.busiest), float(st.reduced_max)
+
+
+#: world sizes above which :func:`features_at` composes hierarchical's phases
+#: (:func:`hierarchical_allreduce`) instead of simulating it
+COMPOSED_FROM = 1024
+#: allreduce algorithms whose features :func:`features_at` extends in a straight line
+#: in the number of segments: one pipeline of segments through fixed trees, name ->
+#: ``k``: the line through ``k`` and ``2k`` segments, above ``2k``. A tree's pipeline
+#: fills for about its depth in segments before each adds the same (double_tree's
+#: bytes: 1.5 segments a segment from 2 to 4, 2.0 from 32 on); recursive doubling
+#: sends the whole buffer every step (tests/test_costmodel.py checks the lines
+#: against simulations). Not hierarchical: its leaders' ring adds a segment a chunk
+#: at every multiple of leaders x segment
+PIPELINED = {"tree": 32, "double_tree": 32, "recursive_doubling": 2}
+
+
+def features_at(algorithm: str, p: int, n: int, seg: int,
+                hosts: tuple = ()) -> tuple[float, float, float]:
+    """An allreduce algorithm's features ``(A, B, G)`` at any world size, for
+    ``auto``'s picks at scale (scripts/auto_at_scale.py), with the ranks on
+    ``hosts`` (:class:`ringcomm.schedule.Context`). Unlike :func:`features_for`,
+    whose anchors at ``p * segment`` bytes hold a ring's ``2p(p-1)`` steps and a
+    tree's ``p`` segments: the built-in ring in closed form
+    (:func:`ring_allreduce`); the algorithms of :data:`PIPELINED` simulated up to
+    their line's end and on the line above; any other (the
+    recursive halving of ``rabenseifner``, whose segments per step change at every
+    power of two) simulated at ``n`` itself. Simulations are cached as
+    :func:`features_for`'s are. Rabenseifner's on a power-of-two world dividing the
+    size, in closed form (:func:`rabenseifner_allreduce`); hierarchical's above
+    :data:`COMPOSED_FROM` ranks with equal hosts, by phases
+    (:func:`hierarchical_allreduce`).
+
+    Raises:
+        ValueError: an algorithm without registered allreduce schedules.
+    """
+    build = _builder("allreduce", algorithm)
+    if build is None:
+        raise ValueError(f"cost model: allreduce algorithm {algorithm!r} has no schedules")
+    from ringcomm.algorithms import ring
+
+    if build is ring.allreduce:
+        return ring_allreduce(p, n, seg)
+    from ringcomm.library import hierarchical, rabenseifner
+
+    if build is rabenseifner.allreduce and not p & (p - 1) and n % p == 0:
+        return rabenseifner_allreduce(p, n, seg)
+    hosts = tuple(hosts)
+    per_host = len(hosts) // len(set(hosts)) if hosts else p
+    if (build is hierarchical.allreduce and p > COMPOSED_FROM and hosts
+            and hosts == tuple(r // per_host for r in range(p))):
+        return hierarchical_allreduce(p, n, seg, per_host)
+
+    def sim(m: int) -> tuple[float, float, float]:
+        return _simulate_hosts(algorithm, p, m, seg, hosts, build)
+
+    k = PIPELINED.get(algorithm)
+    if k is not None and n > 2 * k * seg:
+        lo, hi = k * seg, 2 * k * seg
+        return _lerp(sim(lo), sim(hi), (n - lo) / (hi - lo))
+    return sim(n)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _simulate_hosts(algorithm: str, p: int, n: int, seg: int, hosts: tuple,
+                    build: Callable) -> tuple[float, float, float]:
+    from ringcomm.execution import checker
+
+    st = checker.check(build, "allreduce", p, (int(n),), seg=seg, symbolic=False,
+                       hosts=hosts)
+    return float(st.rounds), float(st.busiest), float(st.reduced_max)
 
 
 def has_model(collective: str, algorithm: str | None) -> bool:

@@ -15,8 +15,9 @@ The phases are other registered builders, composed with
 builder across them. Steps: ``2 ceil(log2 L)`` binomial steps per segment-pipeline
 within hosts of up to L ranks, plus the inter-host algorithm's steps on H hosts.
 
-The registered ``"hierarchical"`` uses :func:`by_size` across hosts: recursive
-doubling up to :data:`SMALL_ELEMENTS` elements, the ring above. Another
+The registered ``"hierarchical"`` uses :func:`by_size` across hosts: on two hosts
+recursive doubling up to :data:`SMALL_ELEMENTS` elements and the ring above, on more
+what ``auto``'s modelled rows pick for that many ranks. Another
 combination is one line::
 
     from ringcomm.library import hierarchical
@@ -62,10 +63,22 @@ def _lookup(collective: str, inter: "str | Build") -> Build:
     return build
 
 
+def leaders_algorithm(hosts: int, elements: int) -> str:
+    """The allreduce :func:`by_size` runs among ``hosts`` leaders on ``elements``
+    elements: on 2 hosts recursive doubling up to :data:`SMALL_ELEMENTS`, the ring
+    above (as measured across hosts); on more, what auto's modelled rows give for
+    that many ranks (``select.MODELLED``, float32 bytes: recursive doubling, tree,
+    Rabenseifner, double tree or ring by size), since a ring among 256 leaders would
+    take 510 steps for 64 KiB."""
+    if hosts <= 2:
+        return "recursive_doubling" if elements <= SMALL_ELEMENTS else "ring"
+    return select.choose(select.MODELLED, "allreduce", 4 * elements, hosts, bands=False)
+
+
 def by_size(ctx: Context) -> Schedule:
-    """Allreduce among the leaders: recursive doubling for small buffers, ring for large."""
-    name = "recursive_doubling" if ctx.layout[0] <= SMALL_ELEMENTS else "ring"
-    return _lookup("allreduce", name)(ctx)
+    """Allreduce among the leaders, by their number and the size
+    (:func:`leaders_algorithm`)."""
+    return _lookup("allreduce", leaders_algorithm(ctx.size, ctx.layout[0]))(ctx)
 
 
 def make(inter: "str | Build" = "ring", *, intra_reduce: "str | Build" = "tree",
