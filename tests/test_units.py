@@ -411,11 +411,12 @@ def test_the_plan_cache_holds_a_bounded_number_of_bytes(monkeypatch):
     assert list(planner._plans.values()) == [big] and planner._plan_bytes == one
 
 
-@pytest.mark.parametrize("name,p", [("ring", 2), ("ring", 1024), ("tree", 64),
+@pytest.mark.parametrize("name,p", [("ring", 2), ("ring", 256), ("tree", 64),
                                     ("one_shot", 256), ("two_shot", 1024)])
 def test_a_plan_counts_at_least_the_bytes_it_holds(name, p):
     """Plan.nbytes (the cache's measure) against what tracemalloc sees a built plan
-    hold: never less, and not far above; and the plan unpacks to exactly what
+    hold: never less, and not far above (it keeps room for the held receives a
+    shared-memory binding works out); and the plan unpacks to exactly what
     compile_steps made of its schedule."""
     import gc
     import tracemalloc
@@ -429,7 +430,14 @@ def test_a_plan_counts_at_least_the_bytes_it_holds(name, p):
     gc.collect()
     held, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert held <= plan.nbytes <= 1.1 * held + 2048, (held, plan.nbytes)
+    assert held <= plan.nbytes <= 1.4 * held + 2048, (held, plan.nbytes)
+    # with the held receives a shared-memory binding works out, still within nbytes
+    tracemalloc.start()
+    plan.held_receives()
+    gc.collect()
+    more, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert held + more <= plan.nbytes, (held, more, plan.nbytes)
     schedule = build(ctx)
     regions, steps = compile_steps(schedule, [*buffer_lengths(ctx), *schedule.scratch])
     u = plan.unpack()
@@ -440,26 +448,43 @@ def test_a_plan_counts_at_least_the_bytes_it_holds(name, p):
 
 
 def test_a_merge_that_timed_out_names_whom_the_other_block_reported():
-    """bootstrap._absent, without MPI: a rank whose merge with block [lo, hi) timed out
-    names what that block's own ranks reported (they waited a round earlier), else
-    the whole block after the grace; a block of one is named at once; every call adds
-    its own report, so the names travel up the tree."""
+    """bootstrap._Reports, without MPI, on 5 ranks (rounds (0+1, 2+3), (0-1 + 2-3),
+    (0-3 + 4)) without rank 3: rank 2 names it at once (a block of one cannot report);
+    ranks 0 and 4 name it from the reports on the spine of the block they waited for,
+    so the name travels up the tree; a report naming this rank's own block never
+    counts against the block it waits for; no report within the grace names the whole
+    block; a store that fails names the whole block and raises nothing."""
     import time as _time
 
     import torch.distributed as dist
     store = dist.HashStore()
+
+    def reports(rank):
+        return bootstrap._Reports(store, rank, 5)
+
     began = _time.monotonic()
-    assert bootstrap._absent(store, 2, 0, 3, 4, 5.0) == ([3], "rank 2 in round 1")
-    assert _time.monotonic() - began < 1.0  # nobody else could report on rank 3
-    # rank 0 waited for block [2, 4) in round 2: rank 2's report names rank 3
-    assert bootstrap._absent(store, 0, 1, 2, 4, 5.0) == ([3], "rank 2 in round 1")
-    # rank 4 waited for [0, 4) in round 3: both reports there name rank 3
-    assert bootstrap._absent(store, 4, 2, 0, 4, 5.0) == ([3], "rank 2 in round 1")
-    assert [r["rank"] for r in bootstrap._reports(store)] == [2, 0, 4]
-    # no report from the block within the grace: the whole block
+    assert reports(2).absent(0, 2, "a", 3, 4, 5.0) == ([3], "rank 2 in round 1")
+    assert _time.monotonic() - began < 1.0
+    watcher = reports(0)
+    assert watcher.changed(1, 2, 4) and not watcher.changed(1, 2, 4)  # once a new report
+    assert reports(0).absent(1, 0, "a", 2, 4, 5.0) == ([3], "rank 2 in round 1")
+    assert reports(4).absent(2, 0, "c", 0, 4, 5.0) == ([3], "rank 2 in round 1")
+    # rank 1 of a 2-rank group whose MPI cannot connect: rank 0 named rank 1, which
+    # is no report on rank 0's block
+    pair = dist.HashStore()
+    assert bootstrap._Reports(pair, 0, 2).absent(0, 0, "a", 1, 2, 5.0)[0] == [1]
+    assert not bootstrap._Reports(pair, 1, 2).changed(0, 0, 1, (0, 0, "c"))
+    assert bootstrap._Reports(pair, 1, 2).absent(0, 0, "c", 0, 1, 5.0)[0] == [0]
     began = _time.monotonic()
-    assert bootstrap._absent(dist.HashStore(), 0, 2, 4, 8, 0.3) == ([4, 5, 6, 7],
-                                                                   "rank 0 in round 3")
+    assert bootstrap._Reports(dist.HashStore(), 0, 8).absent(2, 0, "a", 4, 8, 0.3) == (
+        [4, 5, 6, 7], "rank 0 in round 3")
     assert _time.monotonic() - began >= 0.3
+
+    class Broken:
+        def __getattr__(self, name):
+            raise dist.DistNetworkError("the store is gone")
+
+    assert bootstrap._Reports(Broken(), 0, 8).absent(2, 0, "a", 4, 8, 0.0)[0] == [4, 5, 6, 7]
+    assert bootstrap._Reports(Broken(), 0, 8).changed(2, 4, 8) is False
     assert bootstrap._ranks([4, 5, 6, 7]) == "ranks 4-7" and bootstrap._ranks([3, 5]) == \
         "ranks 3, 5"

@@ -156,7 +156,7 @@ class P2PProgram(_Program):
     def _bind(self, bufs: Sequence) -> tuple:
         """Persistent requests for every message, and per step the batches to start
         and wait for, in the order :class:`Plan` worked out."""
-        plan = self.plan.unpack()
+        plan = self.plan.unpack()  # the plan as tuples, for this binding only
         views = self._views(bufs, plan.regions)
         lay = self._layout = TagLayout(self.tp.tag_limit)
         self.tp.number_bits = lay.number_bits  # a transport with two paths tells messages apart

@@ -115,8 +115,10 @@ class Unpacked(NamedTuple):
 
 
 #: what a plan holds beyond its arrays (its Python objects, measured with tracemalloc
-#: in tests/test_schedules.py): part of :attr:`Plan.nbytes`
+#: in tests/test_units.py): part of :attr:`Plan.nbytes`
 PLAN_FIXED_BYTES = 4096
+#: ... and per receive, for :meth:`Plan.held_receives` once worked out
+HELD_BYTES = 12
 
 
 class Plan:
@@ -146,7 +148,7 @@ class Plan:
         regions, steps = compile_steps(schedule, self.lengths)
         self.nsteps = len(steps)
         self._pack(regions, steps, _dependencies(regions, steps, self.lengths))
-        self._held: dict[int, tuple[int, int]] | None = None  # see held_receives
+        self._held: np.ndarray | None = None  # see held_receives
 
     def _pack(self, regions: list, steps: list, deps: dict) -> None:
         self._regions = np.array(regions, dtype=np.int64).reshape(-1, 4)
@@ -158,7 +160,9 @@ class Plan:
         self._send_upto = np.array(deps["send_upto"], dtype=np.int32)
         self._recv_upto = np.array(deps["recv_upto"], dtype=np.int32)
         self._tail_sends = np.array(deps["tail_sends"], dtype=np.int32)
-        self.nbytes = PLAN_FIXED_BYTES + sum(
+        # and room for the held receives a shared-memory binding may work out later
+        # (held_receives: at most one int32 triple a receive)
+        self.nbytes = PLAN_FIXED_BYTES + HELD_BYTES * len(self._recvs) + sum(
             a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
 
     @property
@@ -200,7 +204,7 @@ class Plan:
         order, and a later one the step awaits could need the sender's slots the held
         data occupies."""
         if self._held is not None:
-            return self._held
+            return {j: (i, li) for j, i, li in self._held.tolist()}
         u = u or self.unpack()
         out: dict[int, tuple[int, int]] = {}
         for i, (_, _, mine, _, _) in enumerate(u.p2p_steps):
@@ -212,7 +216,9 @@ class Plan:
                 li = _sole_reader(u, i, j, v, mine)
                 if li is not None:
                     out[j] = (i, li)
-        self._held = out
+        # kept as int32 triples, counted in nbytes from the start
+        self._held = np.array([(j, i, li) for j, (i, li) in out.items()],
+                              dtype=np.int32).reshape(-1, 3)
         return out
 
     @property

@@ -144,15 +144,15 @@ def _leave(groups: Any) -> None:
         flight.dump_for_failure(f"this rank {how}")
     for g in members:
         g.lanes.announce_left(f"rank {g.rank()} (pid {pid}) on host {host}", how, code)
-    if bootstrap.stuck_calls():
-        # a failed set-up left an MPI call blocking in its thread (MPI cannot cancel
-        # it), and MPI_Finalize would wait for it forever: the process ends here, with
-        # its code, without finalizing (under mpiexec that ends the job)
-        _flush()
-        os._exit(code)
+    # a failed set-up may have left an MPI call blocking in its thread (MPI cannot
+    # cancel it): MPI_Finalize, and the exit barrier, would wait for it forever, so
+    # such a process ends without them (under mpiexec that ends the job)
+    stuck = bool(bootstrap.stuck_calls())
     if not members or (code == 0 and not under_mpi):
-        return  # torchrun, plain srun: the process ends now
+        return _end_without_mpi(code) if stuck else None  # torchrun, plain srun: it ends
     if code == 0:
+        if stuck:
+            _end_without_mpi(code)
         _exit_barrier()
         return
     # wait until the ranks that wait on this one have read why (or at most
@@ -161,6 +161,8 @@ def _leave(groups: Any) -> None:
     deadline = time.monotonic() + ABORT_WAIT_S
     while time.monotonic() < deadline and not all(g.lanes.left_seen_by_all() for g in members):
         time.sleep(0.02)
+    if stuck:
+        _end_without_mpi(code)
     if not under_mpi:
         return
     # MPI would hold this process in MPI_Finalize: end the job
@@ -168,6 +170,12 @@ def _leave(groups: Any) -> None:
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(code)
+
+
+def _end_without_mpi(code: int) -> None:
+    """End the process now, with ``code``, without finalizing MPI."""
+    _flush()
+    os._exit(code)
 
 
 def _flush() -> None:

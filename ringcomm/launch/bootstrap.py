@@ -263,6 +263,14 @@ def stuck_calls() -> list[str]:
     return list(_stuck)
 
 
+def _asks(give_up) -> bool:
+    """``give_up()``, an error in it read as no."""
+    try:
+        return bool(give_up())
+    except Exception:  # noqa: BLE001 - the wait goes on to its limit
+        return False
+
+
 class _Stuck(Exception):
     """Marks an error raised while an MPI call still blocks in its thread: what that
     call uses (a port, a communicator) must not be freed under it."""
@@ -299,15 +307,17 @@ def _bounded(call, what: str, timeout: timedelta, store=None, peer: int = -1,
     t.start()
     began = time.monotonic()
     gave_up = False
-    while t.is_alive() and (left := began + limit - time.monotonic()) > 0:
-        t.join(min(LOOK_S, left) if give_up else left)
-        if give_up and t.is_alive() and give_up():
-            gave_up = True
-            break
-    with guard:
-        if not result:
-            late.append(True)
-            _stuck.append(what)
+    try:
+        while t.is_alive() and (left := began + limit - time.monotonic()) > 0:
+            t.join(min(LOOK_S, left) if give_up else left)
+            if give_up and t.is_alive() and _asks(give_up):
+                gave_up = True
+                break
+    finally:  # whatever ends the wait, a call still running is known to be stuck
+        with guard:
+            if not result:
+                late.append(True)
+                _stuck.append(what)
     if not result:
         import torch.distributed as dist
 
@@ -358,42 +368,94 @@ def merge_rounds(size: int) -> list[list[tuple[int, int, int]]]:
     return rounds
 
 
-#: the store key where ranks whose merge timed out report whom they waited for (one
-#: line each, appended); written only on failure
-ABSENT_KEY = "ringcomm/absent"
+#: where a side of a merge that failed reports whom it waited for: one key a side of
+#: a merge (``<prefix>/<round>/<left>/<side>``, side ``a`` accepting or ``c``
+#: connecting), and a count of reports, the one key a waiting rank polls; nothing is
+#: written while nothing fails
+REPORTS = "ringcomm/absent"
 #: how long a rank whose merge timed out waits for the other block's own reports: its
 #: ranks that waited in an earlier round for a rank that never came time out first
 REPORT_GRACE_S = 2.0
+#: how often a rank waiting for a merge looks at the count of reports
+LOOK_S = 1.0
 
 
-def _reports(store) -> list[dict]:
-    """The reports under :data:`ABSENT_KEY` so far."""
-    if not store.check([ABSENT_KEY]):
-        return []
-    return [json.loads(line) for line in store.get(ABSENT_KEY).decode().splitlines() if line]
+class _Reports:
+    """The failure reports of one rank's formation of a group (see :data:`REPORTS`).
 
+    A block of ranks reports through its spine: every merge that formed a block
+    ``[lo, hi)`` involved ``lo``'s side, so a failure anywhere inside it surfaces in a
+    report of a merge ``(round, lo)``, by ``lo``'s side (naming the block it waited
+    for) or by the other side (naming ``lo``'s). Reading one block's reports costs two
+    keys a round. Every store access is best effort: a store that fails leaves a
+    report unread or unwritten, never an error in place of the timeout's."""
 
-def _absent(store, rank: int, k: int, lo: int, hi: int, grace_s: float) -> tuple[list, str]:
-    """Rank ``rank``'s merge of round ``k`` with the block ``[lo, hi)`` timed out: the
-    ranks that never came, and who saw them first, as that block's own ranks reported
-    within ``grace_s`` (a rank that waited for another reports it, so the report
-    travels up the tree); else the whole block. This rank's report is added."""
-    # a block of one cannot report on itself: that rank is the one that never came
-    deadline = time.monotonic() + (grace_s if hi - lo > 1 else 0.0)
-    while True:
-        theirs = [r for r in _reports(store) if lo <= r["rank"] < hi]
-        if theirs or time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    if theirs:
-        missing = sorted({q for r in theirs for q in r["missing"]})
-        seen = min(theirs, key=lambda r: r["round"])["seen"]
-    else:
-        missing = list(range(lo, hi))
-        seen = f"rank {rank} in round {k + 1}"
-    store.append(ABSENT_KEY, (json.dumps({"rank": rank, "round": k, "missing": missing,
-                                          "seen": seen}) + "\n").encode())
-    return missing, seen
+    def __init__(self, store, rank: int, size: int):
+        self.store, self.rank, self.size = store, rank, size
+        self.seen = 0  # the count of reports at the last look
+
+    def _key(self, k: int, left: int, side: str) -> str:
+        return f"{REPORTS}/{k}/{left}/{side}"
+
+    def count(self) -> int:
+        try:
+            return int(self.store.add(f"{REPORTS}/n", 0))
+        except Exception:  # noqa: BLE001 - best effort (see the class)
+            return 0
+
+    def about(self, k: int, lo: int, hi: int, own: tuple | None = None) -> list[dict]:
+        """The reports that name ranks of ``[lo, hi)``, from the merges of rounds
+        before ``k`` on ``lo``'s spine and from ``own`` (``(round, left, side)``: this
+        rank's side of the current merge, where its first rank may have reported)."""
+        keys = [self._key(j, lo, side) for j in range(k) for side in "ac"]
+        if own is not None:
+            keys.append(self._key(*own))
+        out = []
+        for key in keys:
+            try:
+                if self.store.check([key]):
+                    r = json.loads(self.store.get(key))
+                    r["missing"] = [q for q in r["missing"] if lo <= q < hi]
+                    if r["missing"]:
+                        out.append(r)
+            except Exception:  # noqa: BLE001 - best effort (see the class)
+                continue
+        return out
+
+    def changed(self, k: int, lo: int, hi: int, own: tuple | None = None) -> bool:
+        """Whether reports name ranks of ``[lo, hi)`` (looked up only when the count of
+        reports grew since the last look: one store operation a look)."""
+        n = self.count()
+        if n == self.seen:
+            return False
+        self.seen = n
+        return bool(self.about(k, lo, hi, own))
+
+    def absent(self, k: int, left: int, side: str, lo: int, hi: int,
+               grace_s: float) -> tuple[list, str]:
+        """This rank's side of merge ``(k, left)`` timed out waiting for ``[lo, hi)``:
+        the ranks that never came, and who missed them first, as the block's own
+        reports name them within ``grace_s`` (a block of one cannot report on itself:
+        no wait), else the whole block. This side's report is written."""
+        deadline = time.monotonic() + (grace_s if hi - lo > 1 else 0.0)
+        while True:
+            theirs = self.about(k, lo, hi, (k, left, side))
+            if theirs or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        if theirs:
+            missing = sorted({q for r in theirs for q in r["missing"]})
+            seen = min(theirs, key=lambda r: r["round"])["seen"]
+        else:
+            missing = list(range(lo, hi))
+            seen = f"rank {self.rank} in round {k + 1}"
+        try:
+            self.store.set(self._key(k, left, side),
+                           json.dumps({"round": k, "missing": missing, "seen": seen}))
+            self.store.add(f"{REPORTS}/n", 1)
+        except Exception:  # noqa: BLE001 - best effort (see the class)
+            pass
+        return missing, seen
 
 
 def _ranks(ranks: list) -> str:
@@ -405,19 +467,10 @@ def _ranks(ranks: list) -> str:
     return "ranks " + ", ".join(map(str, ranks))
 
 
-def _reported(store, lo: int, hi: int) -> bool:
-    """Whether a rank of ``[lo, hi)`` reported a failed merge (:func:`_absent`)."""
-    return any(lo <= r["rank"] < hi for r in _reports(store))
-
-
-#: how often a rank waiting for a merge looks for the other block's reports
-LOOK_S = 1.0
-
-
-def _wait_port(store, key: str, left: int, right: int, deadline: float) -> str:
-    """The port the block ``[left, right)`` publishes under ``key``, by ``deadline``
-    (monotonic): waited for in slices of :data:`LOOK_S`, in which a report from that
-    block (it failed) ends the wait early. Raises DistStoreError past the deadline or
+def _wait_port(store, key: str, deadline: float, failed) -> str:
+    """The port published under ``key``, by ``deadline`` (monotonic): waited for in
+    slices of :data:`LOOK_S`, in which ``failed()`` (the block that would publish it
+    reported failing) ends the wait early. Raises DistStoreError past the deadline or
     on such a report."""
     import torch.distributed as dist
 
@@ -430,7 +483,7 @@ def _wait_port(store, key: str, left: int, right: int, deadline: float) -> str:
         try:
             return _store_wait(store, key, timedelta(seconds=min(LOOK_S, left_s))).decode()
         except dist.DistStoreError:
-            if _reported(store, left, right):
+            if failed():
                 raise dist.DistStoreError(
                     f"Their MPI port had not appeared after {time.monotonic() - began:.1f} "
                     "s, when they reported failing.") from None
@@ -448,7 +501,7 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
     and accept below is bounded by ``RINGCOMM_CONNECT_TIMEOUT`` (a limit), and the
     wait for round k's port by k + 1 limits from the start (the accepting block may
     have had more rounds to go). A rank that never comes to its merge is named by
-    every rank that waited for it, whatever the round (:func:`_absent`). On failure
+    every rank that waited for it, whatever the round (:class:`_Reports`). On failure
     the port is closed and the partial communicator freed, unless an MPI call still
     blocks on them."""
     import torch.distributed as dist
@@ -457,6 +510,7 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
 
     limit = setup_limit(timeout)
     began = time.monotonic()
+    reports = _Reports(store, rank, size)
     if size == 1:
         return mpi_serial.dup(MPI.COMM_SELF, "a one-rank group's communicator", limit)
     port = comm = None
@@ -471,6 +525,13 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
             block = comm
             key = f"ringcomm/port/{k}/{left}"
             other = (right, end) if rank < right else (left, right)
+            side = "a" if rank < right else "c"
+
+            def failed(k=k, other=other, own=(k, left, side)) -> bool:
+                # the block this side waits for reported failing, or this side's first
+                # rank did (it waited for that block's port)
+                return reports.changed(k, *other, own)
+
             try:
                 if rank < right:  # the accepting side, first in the merged order
                     if rank == left:
@@ -481,28 +542,33 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
                         lambda: _joined(block.Accept(port if rank == left else None, root=0),
                                         False, limit),
                         f"rank {rank}'s MPI accept of ranks {right}-{end - 1}", timeout,
-                        store, right, give_up=lambda: _reported(store, right, end))
+                        store, right, give_up=failed)
                 else:
-                    port_name = (_wait_port(store, key, left, right, began + (k + 1) * limit)
+                    port_name = (_wait_port(store, key, began + (k + 1) * limit, failed)
                                  if rank == right else None)
-                    # the port comes within k + 1 limits, the connection one more
+                    # the first rank has the port: one limit to connect; the others wait
+                    # for it too (it comes within k + 1 limits), then one more
                     merged = _bounded(
                         lambda: _joined(block.Connect(port_name, root=0), True, limit),
                         f"rank {rank}'s MPI connect to ranks {left}-{right - 1}", timeout,
-                        store, left, max(limit, began + (k + 2) * limit - time.monotonic()),
-                        lambda: _reported(store, left, end))
+                        store, left,
+                        limit if rank == right else
+                        max(limit, began + (k + 2) * limit - time.monotonic()), failed)
             except (dist.DistBackendError, dist.DistStoreError) as e:
-                if not isinstance(e, dist.DistStoreError) and not isinstance(e.__cause__,
-                                                                            _Stuck):
+                stuck_call = isinstance(e.__cause__, _Stuck)
+                if not isinstance(e, dist.DistStoreError) and not stuck_call:
                     raise
-                missing, seen = _absent(store, rank, k, *other, min(REPORT_GRACE_S, limit))
+                missing, seen = reports.absent(k, left, side, *other,
+                                               min(REPORT_GRACE_S, limit))
+                detail = str(e).removeprefix("ringcomm bootstrap: ")
                 err = dist.DistBackendError(
-                    f"ringcomm bootstrap: forming a group of {size}, {_ranks(missing)} never "
-                    f"joined (first missed by {seen}); rank {rank} waited for "
+                    f"ringcomm bootstrap: forming a group of {size}, {_ranks(missing)} did "
+                    f"not join: stopped before {'its' if len(missing) == 1 else 'their'} "
+                    f"merge, or MPI cannot connect to {'it' if len(missing) == 1 else 'them'} "
+                    f"(first missed by {seen}); rank {rank} waited for "
                     f"{_ranks(list(range(*other)))} in round {k + 1} of "
-                    f"{len(merge_rounds(size))}. "
-                    + str(e))
-                raise err from e.__cause__ if isinstance(e.__cause__, _Stuck) else None
+                    f"{len(merge_rounds(size))}. {detail[:1].upper()}{detail[1:]}")
+                raise err from e.__cause__ if stuck_call else None
             comm = None  # freed once, even if Free raises
             mpi_serial.locked(block.Free)
             comm = merged

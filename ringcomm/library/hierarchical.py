@@ -69,7 +69,8 @@ def leaders_algorithm(hosts: int, elements: int) -> str:
     above (as measured across hosts); on more, what auto's modelled rows give for
     that many ranks (``select.MODELLED``, float32 bytes: recursive doubling, tree,
     Rabenseifner, double tree or ring by size), since a ring among 256 leaders would
-    take 510 steps for 64 KiB."""
+    take 510 steps for 64 KiB. Like :data:`SMALL_ELEMENTS`, it counts 4 bytes an
+    element (float32): the builder does not know the dtype."""
     if hosts <= 2:
         return "recursive_doubling" if elements <= SMALL_ELEMENTS else "ring"
     return select.choose(select.MODELLED, "allreduce", 4 * elements, hosts, bands=False)

@@ -56,7 +56,7 @@ def main() -> None:
         if rank == missing:
             c.check("never came" in str(e), f"the missing member: {e}")
         else:
-            c.check(f"rank {missing} never joined" in str(e) and f"of {rounds}." in str(e),
+            c.check(f"rank {missing} did not join" in str(e) and f"of {rounds}." in str(e),
                     f"without rank {missing}: {type(e).__name__}: {e}")
             # the longest wait is for a round's port, k + 1 limits at most
             c.check(took < (rounds + 1) * LIMIT_S + 2 * bootstrap.REPORT_GRACE_S,
