@@ -460,7 +460,7 @@ def test_a_merge_that_timed_out_names_whom_the_other_block_reported():
     store = dist.HashStore()
 
     def reports(rank):
-        return bootstrap._Reports(store, rank, 5)
+        return bootstrap._Reports(store, rank)
 
     began = _time.monotonic()
     assert reports(2).absent(0, 2, "a", 3, 4, 5.0) == ([3], "rank 2 in round 1")
@@ -472,11 +472,11 @@ def test_a_merge_that_timed_out_names_whom_the_other_block_reported():
     # rank 1 of a 2-rank group whose MPI cannot connect: rank 0 named rank 1, which
     # is no report on rank 0's block
     pair = dist.HashStore()
-    assert bootstrap._Reports(pair, 0, 2).absent(0, 0, "a", 1, 2, 5.0)[0] == [1]
-    assert not bootstrap._Reports(pair, 1, 2).changed(0, 0, 1, (0, 0, "c"))
-    assert bootstrap._Reports(pair, 1, 2).absent(0, 0, "c", 0, 1, 5.0)[0] == [0]
+    assert bootstrap._Reports(pair, 0).absent(0, 0, "a", 1, 2, 5.0)[0] == [1]
+    assert not bootstrap._Reports(pair, 1).changed(0, 0, 1, (0, 0, "c"))
+    assert bootstrap._Reports(pair, 1).absent(0, 0, "c", 0, 1, 5.0)[0] == [0]
     began = _time.monotonic()
-    assert bootstrap._Reports(dist.HashStore(), 0, 8).absent(2, 0, "a", 4, 8, 0.3) == (
+    assert bootstrap._Reports(dist.HashStore(), 0).absent(2, 0, "a", 4, 8, 0.3) == (
         [4, 5, 6, 7], "rank 0 in round 3")
     assert _time.monotonic() - began >= 0.3
 
@@ -484,7 +484,7 @@ def test_a_merge_that_timed_out_names_whom_the_other_block_reported():
         def __getattr__(self, name):
             raise dist.DistNetworkError("the store is gone")
 
-    assert bootstrap._Reports(Broken(), 0, 8).absent(2, 0, "a", 4, 8, 0.0)[0] == [4, 5, 6, 7]
-    assert bootstrap._Reports(Broken(), 0, 8).changed(2, 4, 8) is False
+    assert bootstrap._Reports(Broken(), 0).absent(2, 0, "a", 4, 8, 0.0)[0] == [4, 5, 6, 7]
+    assert bootstrap._Reports(Broken(), 0).changed(2, 4, 8) is False
     assert bootstrap._ranks([4, 5, 6, 7]) == "ranks 4-7" and bootstrap._ranks([3, 5]) == \
         "ranks 3, 5"

@@ -390,8 +390,8 @@ class _Reports:
     keys a round. Every store access is best effort: a store that fails leaves a
     report unread or unwritten, never an error in place of the timeout's."""
 
-    def __init__(self, store, rank: int, size: int):
-        self.store, self.rank, self.size = store, rank, size
+    def __init__(self, store, rank: int):
+        self.store, self.rank = store, rank
         self.seen = 0  # the count of reports at the last look
 
     def _key(self, k: int, left: int, side: str) -> str:
@@ -510,7 +510,7 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
 
     limit = setup_limit(timeout)
     began = time.monotonic()
-    reports = _Reports(store, rank, size)
+    reports = _Reports(store, rank)
     if size == 1:
         return mpi_serial.dup(MPI.COMM_SELF, "a one-rank group's communicator", limit)
     port = comm = None
