@@ -29,7 +29,7 @@ from ringcomm.front.create import GROUPS, connect_group
 from ringcomm.front.create import register as register_backend
 from ringcomm.front import departure
 from ringcomm.front.process_group import ProcessGroupRingcomm
-from ringcomm.launch import bootstrap, slurm
+from ringcomm.launch import bootstrap, pmi, slurm
 from ringcomm.execution import checker
 from ringcomm.settings import Options
 from ringcomm.trace.flight import dump as dump_flight_recorder
@@ -69,6 +69,9 @@ def _shutdown_all() -> None:
     # Before mpi4py finalizes MPI: no progress thread may be inside MPI then.
     for pg in list(GROUPS):
         pg._stop_threads(wait_s=1.0)
+    # a world MPI started whole under torchrun finalizes while Python can still serve
+    # its barrier (ringcomm.launch.pmi)
+    pmi.finalize()
 
 
 def get_group(group=None) -> ProcessGroupRingcomm:

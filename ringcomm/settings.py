@@ -161,6 +161,10 @@ SETTINGS: tuple[Setting, ...] = (
             "the set-up's collectives) may take once every rank has met at the store, "
             "before it fails (a connect naming hosts and interfaces)",
             minimum=1),
+    Setting("RINGCOMM_PMI", "bool", True,
+            "under torchrun and plain srun, start MPI with the world whole: ringcomm "
+            "answers MPI's process-manager requests (PMI-1) from the c10d store; `0` "
+            "starts each process alone and joins them in a tree of merges"),
     Setting("RINGCOMM_DEBUG", "level", "OFF",
             "`INFO` logs each `auto` choice; `DETAIL` also compares every collective's "
             "kind and sizes across ranks before it runs"),

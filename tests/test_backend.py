@@ -3,6 +3,8 @@ independent computation and gloo, on 1, 2, 3 and 5 ranks (mpiexec) and 2 ranks
 (torchrun; 3 hosts under torchrun in tests/test_multinode.py)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from conftest import assert_checks, mpirun, torchrun
@@ -124,16 +126,42 @@ def test_a_member_missing_from_the_tree_of_merges_is_named_whatever_the_round(mi
 
 @pytest.mark.wide
 def test_two_jobs_forming_worlds_on_one_host_at_once_do_not_join():
-    """Two torchrun jobs of 3 ranks (two rounds of merges each) started together on one
-    host: each world holds its own job's ranks only."""
+    """Two torchrun jobs of 3 ranks started together on one host, one whose MPI starts
+    with the world whole (launch/pmi.py), one joined from singletons in two rounds of
+    merges (``RINGCOMM_PMI=0``): each world holds its own job's ranks only."""
     import concurrent.futures
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        jobs = [pool.submit(torchrun, 3, "world_check.py", "twin", str(tag), timeout=180)
-                for tag in (1, 2)]
+        jobs = [pool.submit(torchrun, 3, "world_check.py", "twin", str(tag), timeout=180,
+                            env={"RINGCOMM_PMI": pmi})
+                for tag, pmi in ((1, "1"), (2, "0"))]
         outs = [j.result().stdout for j in jobs]
     for out in outs:
         assert_checks(out, "world_check twin torchrun n=3", 3)
+
+
+def test_torchrun_starts_mpi_with_the_world_whole():
+    """Under torchrun ringcomm answers MPI's process-manager requests from the store:
+    COMM_WORLD is torch's world, MPI knows which ranks share a host, a standalone
+    group forms inside it, and the job ends through MPI_Finalize's barrier."""
+    out = torchrun(3, "pmi_check.py", "world", timeout=120).stdout
+    assert_checks(out, "pmi_check world torchrun n=3", 3)
+
+
+@pytest.mark.wide
+def test_a_rank_stalled_before_mpi_starts_is_named_by_every_other_rank():
+    """Rank 1 of 3 meets the others at the store, then never starts MPI: ranks 0 and 2
+    name it once MPI_Init's first barrier has waited RINGCOMM_CONNECT_TIMEOUT, and MPI
+    ends them (a start-up failure is fatal to MPI); the job ends, it does not hang."""
+    began = time.monotonic()
+    proc = torchrun(3, "pmi_check.py", "lost", timeout=120, check=False,
+                    env={"RINGCOMM_CONNECT_TIMEOUT": "3"})
+    assert proc.returncode != 0
+    for rank in (0, 2):
+        assert (f"rank {rank}: ringcomm bootstrap: the world of 3 ranks: rank 1 did not "
+                "reach MPI_Init's barrier 1 within 3 s") in proc.stderr, proc.stderr[-4000:]
+    assert "a world formed without rank 1" not in proc.stdout
+    assert time.monotonic() - began < 60
 
 
 @pytest.mark.wide  # make test runs them under mpiexec

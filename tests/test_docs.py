@@ -139,7 +139,8 @@ def test_stale_multinode_doc_is_detected(tmp_path, run_doc_numbers):
     assert "| size | ring | tree | recursive_doubling | rabenseifner | hierarchical |" in text
     assert "docs/data/multinode.json" in text and "bench_ddp_2hosts.json" in text
     assert "# links (ping-pong" in text and "latency breakdown per iteration" in text
-    assert "| ranks | rounds, one at a time | time | rounds, tree | time |" in text
+    assert ("| ranks | torchrun | torchrun, tree of merges | mpiexec | torchrun / mpiexec "
+            "| rounds of the tree |") in text
     assert "docs/data/world_formation.json" in text
     committed = (ROOT / "docs" / "multi-node.md").read_text()
     for n in names:

@@ -161,18 +161,29 @@ def test_the_benchmark_across_hosts_reports_its_links(hosts, tmp_path):
         == {(4096, "recursive_doubling"), (65536, "hierarchical")}
 
 
+#: network paths MPI cannot use across the namespace hosts, by how the world forms:
+#: singletons merged (UCX cannot connect them across hosts) and MPI started whole
+#: (libfabric's TCP bound to loopback advertises an address no other host reaches)
+BROKEN_PATHS = {
+    "tree": ({"MPIR_CVAR_CH4_NETMOD": "ucx", "RINGCOMM_PMI": "0"},
+             ("MPIR_CVAR_CH4_NETMOD=ucx", "FI_TCP_IFACE=<interface>")),
+    "whole": ({"FI_TCP_IFACE": "lo"}, ("FI_TCP_IFACE=lo", "MPIR_CVAR_CH4_NETMOD=ofi")),
+}
+
+
 @pytest.mark.cluster
-def test_a_network_path_that_cannot_connect_fails_in_time_naming_what_to_check(hosts):
+@pytest.mark.parametrize("way", BROKEN_PATHS)
+def test_a_network_path_that_cannot_connect_fails_in_time_naming_what_to_check(hosts, way):
+    env, facts = BROKEN_PATHS[way]
     start = time.monotonic()
     outs = torchrun_hosts(hosts, 2, 1, "multinode_check.py", "--hosts", "0,1", "--netmod", "ofi",
-                          env={"MPIR_CVAR_CH4_NETMOD": "ucx", "RINGCOMM_CONNECT_TIMEOUT": "4"},
-                          timeout=90, check=False)
+                          env={**env, "RINGCOMM_CONNECT_TIMEOUT": "4"}, timeout=90, check=False)
     assert time.monotonic() - start < 60
     assert all(code != 0 for code, _ in outs)
     for host, (_, out) in enumerate(outs):
-        assert "did not complete within 4 s" in out, out[-3000:]
-        for fact in ("rank 0 on node0", "interface eth0", "MPIR_CVAR_CH4_NETMOD=ucx",
-                     "RINGCOMM_IFACE=<interface>", "FI_TCP_IFACE=<interface>"):
+        assert "within 4 s" in out or "failed (" in out, out[-3000:]
+        for fact in ("rank 0 on node0", "interface eth0", "RINGCOMM_IFACE=<interface>",
+                     *facts):
             assert fact in out, f"host {host}'s error lacks {fact!r}:\n{out[-3000:]}"
     assert "rank 1 on node1" in outs[1][1]
 

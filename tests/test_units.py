@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import ringcomm
 from ringcomm import algorithms, ops
-from ringcomm.launch import bootstrap
+from ringcomm.launch import bootstrap, pmi
 from ringcomm.algorithms import REGISTRY, register_algorithm, select
 from ringcomm import settings
 from ringcomm.algorithms import expand_choices
@@ -486,5 +486,5 @@ def test_a_merge_that_timed_out_names_whom_the_other_block_reported():
 
     assert bootstrap._Reports(Broken(), 0).absent(2, 0, "a", 4, 8, 0.0)[0] == [4, 5, 6, 7]
     assert bootstrap._Reports(Broken(), 0).changed(2, 4, 8) is False
-    assert bootstrap._ranks([4, 5, 6, 7]) == "ranks 4-7" and bootstrap._ranks([3, 5]) == \
+    assert pmi.ranks_text([4, 5, 6, 7]) == "ranks 4-7" and pmi.ranks_text([3, 5]) == \
         "ranks 3, 5"

@@ -110,6 +110,7 @@ def _connect(store: Any, rank: int, size: int, timeout: timedelta, options: Opti
     torch_store, store = store, bootstrap.fresh_store(store, rank, size, timeout)
     # before MPI starts (importing the MPI transport starts it): its network path
     bootstrap.prepare_network(store, rank, size, timeout, standalone)
+    bootstrap.start_world(store, rank, size, timeout, members, standalone)
     try:
         from ringcomm.transport.mpi import MPITransport
     except (ImportError, RuntimeError, OSError) as e:

@@ -49,7 +49,7 @@ from typing import Any
 
 from ringcomm import mpi_serial
 from ringcomm.trace import flight
-from ringcomm.launch import bootstrap
+from ringcomm.launch import bootstrap, pmi
 
 __all__ = ["install", "ABORT_WAIT_S"]
 
@@ -148,8 +148,12 @@ def _leave(groups: Any) -> None:
     # cancel it): MPI_Finalize, and the exit barrier, would wait for it forever, so
     # such a process ends without them (under mpiexec that ends the job)
     stuck = bool(bootstrap.stuck_calls())
+    # MPI started whole under torchrun (ringcomm.launch.pmi) finalizes in a barrier
+    # of every rank: a failing rank's peers may never come to it (torchrun ends
+    # them once this process has ended)
+    alone = stuck or (code != 0 and pmi.serving())
     if not members or (code == 0 and not under_mpi):
-        return _end_without_mpi(code) if stuck else None  # torchrun, plain srun: it ends
+        return _end_without_mpi(code) if alone else None  # torchrun, plain srun: it ends
     if code == 0:
         if stuck:
             _end_without_mpi(code)
@@ -161,7 +165,7 @@ def _leave(groups: Any) -> None:
     deadline = time.monotonic() + ABORT_WAIT_S
     while time.monotonic() < deadline and not all(g.lanes.left_seen_by_all() for g in members):
         time.sleep(0.02)
-    if stuck:
+    if alone:
         _end_without_mpi(code)
     if not under_mpi:
         return

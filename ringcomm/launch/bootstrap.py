@@ -6,12 +6,15 @@ Three ways to start a job, one script:
   ``import ringcomm`` we fill in RANK / WORLD_SIZE / LOCAL_RANK and a
   MASTER_ADDR / MASTER_PORT agreed over MPI, so ``init_process_group("ringcomm")``
   needs no arguments and torch ranks equal MPI ranks.
-* ``torchrun`` (or any env:// launch without mpiexec): each process is an MPI
-  singleton. They join in a binary tree of merges (:func:`merge_rounds`): in each
-  round neighbouring blocks of ranks connect through an MPI port whose name the
-  left block's first rank publishes in the c10d store, and each intercommunicator
-  is merged left block first, so after ``ceil(log2 N)`` rounds one
-  intracommunicator's ranks equal torch's.
+* ``torchrun`` (or any env:// launch without mpiexec): ringcomm answers MPI's
+  process-manager requests from the c10d store (:mod:`ringcomm.launch.pmi`,
+  :func:`start_world`), so one ``MPI_Init`` makes ``MPI.COMM_WORLD`` torch's world.
+  Where it cannot (``RINGCOMM_PMI=0``, MPI started before ringcomm, a library that
+  ignores ``PMI_FD``), each process is an MPI singleton, and they join in a binary
+  tree of merges (:func:`merge_rounds`): in each round neighbouring blocks of ranks
+  connect through an MPI port whose name the left block's first rank publishes in
+  the c10d store, and each intercommunicator is merged left block first, so after
+  ``ceil(log2 N)`` rounds one intracommunicator's ranks equal torch's.
 
 * ``srun`` without an MPI plugin: the job's SLURM_* variables are read as
   torchrun's (:mod:`ringcomm.launch.slurm`), then as under torchrun.
@@ -43,7 +46,7 @@ import uuid
 from datetime import timedelta
 
 from ringcomm import machine, mpi_serial, settings
-from ringcomm.launch import network, slurm
+from ringcomm.launch import network, pmi, slurm
 from ringcomm.launch.launchers import launched_by_mpi
 
 log = logging.getLogger("ringcomm")
@@ -246,6 +249,40 @@ def prepare_network(store, rank: int, size: int, timeout: timedelta,
                     "MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp before MPI starts")
 
 
+def start_world(store, rank: int, size: int, timeout: timedelta, members: list[int],
+                standalone: bool = False) -> None:
+    """Start MPI with torch's world whole in ``MPI.COMM_WORLD`` (:mod:`ringcomm.launch.pmi`)
+    when this group is the world under torchrun or plain srun and MPI has not started:
+    one ``MPI_Init`` instead of the rounds of merges of :func:`_connect_world`. Called
+    after :func:`prepare_network` (MPI's network path is chosen before it starts).
+    Nothing to do for other groups, or with ``RINGCOMM_PMI=0``."""
+    global _world
+    if (standalone or members or size == 1 or launched_by_mpi() or _world is not None
+            or mpi_started() or not settings.get("RINGCOMM_PMI")):
+        return
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:  # the MPI transport's import says so, where CPU tensors need it
+        return
+    limit = setup_limit(timeout)
+    try:
+        MPI = pmi.start_world(store, rank, size, timeout, limit, network.machine_id())
+    except pmi.InitTimeout:
+        what = f"rank {rank}'s MPI_Init in the world of {size}"
+        _stuck.append(what)  # no MPI_Finalize after a start that never ended
+        raise _network_error(what, f"did not complete within {limit:g} s of its last "
+                             "request to ringcomm's process manager", store,
+                             0 if rank else size - 1) from _Stuck(what)
+    world = MPI.COMM_WORLD
+    if world.Get_size() == size and world.Get_rank() == rank:
+        _first_exchange(world, store, rank, size, limit)
+        with _lock:
+            _world = world
+    else:  # a library that does not read PMI_FD: a singleton, merged as before
+        log.info("ringcomm: %s started as a singleton; forming the world in rounds of "
+                 "merges", MPI.Get_library_version().splitlines()[0].strip())
+
+
 def setup_limit(timeout: timedelta) -> float:
     """How long each MPI step of a group's set-up may take once its ranks have met at
     the store: the smaller of the group's ``timeout`` and ``RINGCOMM_CONNECT_TIMEOUT``."""
@@ -329,16 +366,43 @@ def _bounded(call, what: str, timeout: timedelta, store=None, peer: int = -1,
                 f"ringcomm bootstrap: {what} {within}: a member of the group stopped, died, "
                 "or is setting up another group first (raise RINGCOMM_CONNECT_TIMEOUT for "
                 "slow starts)") from _Stuck(what)
-        path = network.last or network.Path()
-        path.hosts.setdefault(peer, network.host_of(store, peer))
-        raise dist.DistBackendError(
-            f"ringcomm bootstrap: {what} {within}, so the MPI connection between the ranks' "
-            "hosts does not work (or a rank stopped). "
-            f"{path.describe()}") from _Stuck(what)
+        raise _network_error(what, within, store, peer) from _Stuck(what)
     ok, value = result[0]
     if not ok:
         raise value
     return value
+
+
+def _network_error(what: str, within: str, store, peer: int) -> Exception:
+    """The error of an MPI exchange with ``peer`` that did not complete: the hosts,
+    interfaces and variables of the network path (:class:`ringcomm.launch.network.Path`)."""
+    import torch.distributed as dist
+
+    path = network.last or network.Path()
+    path.hosts.setdefault(peer, network.host_of(store, peer))
+    return dist.DistBackendError(
+        f"ringcomm bootstrap: {what} {within}, so the MPI connection between the ranks' "
+        f"hosts does not work (or a rank stopped). {path.describe()}")
+
+
+def _first_exchange(world, store, rank: int, size: int, limit_s: float) -> None:
+    """A barrier over a world MPI started whole, bounded by ``limit_s``: ``MPI_Init``
+    exchanged addresses through the store only, so a network path MPI cannot use shows
+    here first, named (as a failed merge of the tree names it)."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    what = f"rank {rank}'s first MPI exchange with the world of {size}"
+    peer = 0 if rank else size - 1
+    try:
+        mpi_serial.barrier(world, what, limit_s)
+    except dist.DistBackendError:
+        _stuck.append(what)  # the barrier cannot be cancelled: no MPI_Finalize after it
+        raise _network_error(what, f"did not complete within {round(limit_s, 1):g} s",
+                             store, peer) from None
+    except MPI.Exception as e:
+        raise _network_error(what, f"failed ({e.Get_error_string().strip()})", store,
+                             peer) from None
 
 
 def _joined(inter, high: bool, limit_s: float):
@@ -458,15 +522,6 @@ class _Reports:
         return missing, seen
 
 
-def _ranks(ranks: list) -> str:
-    """``rank 3``, ``ranks 3, 5`` or ``ranks 4-7``."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(map(str, ranks))
-
-
 def _wait_port(store, key: str, deadline: float, failed) -> str:
     """The port published under ``key``, by ``deadline`` (monotonic): waited for in
     slices of :data:`LOOK_S`, in which ``failed()`` (the block that would publish it
@@ -562,11 +617,11 @@ def _connect_world(store, rank: int, size: int, timeout: timedelta):
                                                min(REPORT_GRACE_S, limit))
                 detail = str(e).removeprefix("ringcomm bootstrap: ")
                 err = dist.DistBackendError(
-                    f"ringcomm bootstrap: forming a group of {size}, {_ranks(missing)} did "
+                    f"ringcomm bootstrap: forming a group of {size}, {pmi.ranks_text(missing)} did "
                     f"not join: stopped before {'its' if len(missing) == 1 else 'their'} "
                     f"merge, or MPI cannot connect to {'it' if len(missing) == 1 else 'them'} "
                     f"(first missed by {seen}); rank {rank} waited for "
-                    f"{_ranks(list(range(*other)))} in round {k + 1} of "
+                    f"{pmi.ranks_text(list(range(*other)))} in round {k + 1} of "
                     f"{len(merge_rounds(size))}. {detail[:1].upper()}{detail[1:]}")
                 raise err from e.__cause__ if stuck_call else None
             comm = None  # freed once, even if Free raises

@@ -1,6 +1,8 @@
 """Per-rank program of scripts/bench_world.py: prints ``timing: {rank, imported,
-first}`` (wall-clock seconds): when this rank had imported torch and ringcomm, and
-when its first allreduce returned (the world formed), then checks the allreduce."""
+first}`` (wall-clock seconds): when this rank had imported torch, and when its
+first allreduce returned (the world formed), then checks the allreduce. Between the
+two: ringcomm's import (which starts MPI under mpiexec), ``init_process_group``
+(which starts it under torchrun) and the first call."""
 from __future__ import annotations
 
 import json
@@ -9,9 +11,9 @@ import time
 import torch
 import torch.distributed as dist
 
-import ringcomm  # noqa: F401
-
 imported = time.time()
+
+import ringcomm  # noqa: E402,F401
 
 dist.init_process_group("ringcomm")
 x = torch.ones(4)
