@@ -143,7 +143,7 @@ def test_two_jobs_forming_worlds_on_one_host_at_once_do_not_join():
 def test_torchrun_starts_mpi_with_the_world_whole():
     """Under torchrun ringcomm answers MPI's process-manager requests from the store:
     COMM_WORLD is torch's world, MPI knows which ranks share a host, a standalone
-    group forms inside it, and the job ends through MPI_Finalize's barrier."""
+    group forms inside it, and the script's MPI.Finalize() ends it."""
     out = torchrun(3, "pmi_check.py", "world", timeout=120).stdout
     assert_checks(out, "pmi_check world torchrun n=3", 3)
 

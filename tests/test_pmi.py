@@ -59,7 +59,7 @@ class _Library:
 
     def __init__(self, store, rank: int, size: int, limit_s: float = 10.0,
                  mapping: str | None = None):
-        self.server = pmi.Server(store, rank, size, limit_s, 30.0, f"host{rank}/1",
+        self.server = pmi.Server(store, rank, size, limit_s, 30.0, "ringcomm-job1",
                                  mapping)
         ours, self.sock = socket.socketpair()
         self.thread = threading.Thread(target=self.server.serve, args=(ours,), daemon=True)
@@ -80,7 +80,7 @@ def test_mpich_start_up_conversation_over_one_store():
         assert lib.ask("cmd=init pmi_version=1 pmi_subversion=1") == {
             "cmd": "response_to_init", "pmi_version": "1", "pmi_subversion": "1", "rc": "0"}
         assert lib.ask("cmd=get_maxes")["vallen_max"] == str(pmi.VALLEN_MAX)
-        assert lib.ask("cmd=get_my_kvsname")["rc"] == "0"
+        assert lib.ask("cmd=get_my_kvsname")["kvsname"] == "ringcomm-job1"
     got = libs[1].ask("cmd=get kvsname=ringcomm key=PMI_process_mapping")
     assert got == {"cmd": "get_result", "rc": "0", "value": "(vector,(0,1,3))"}
     assert libs[1].ask("cmd=get kvsname=ringcomm key=PMI_hwloc_xmlfile")["rc"] == "-1"
@@ -96,22 +96,38 @@ def test_mpich_start_up_conversation_over_one_store():
     assert replies == [{"cmd": "barrier_out", "rc": "0"}] * 3
     for lib in libs:
         assert lib.ask("cmd=get kvsname=ringcomm key=card-0")["value"] == "00AB"
-    spawn = libs[0].ask("cmd=spawn nprocs=2")
-    assert spawn["rc"] == "-1" and "mpiexec" in spawn["msg"]
+    # MPI_Comm_spawn's request spans lines up to "endcmd": one answer, then in step
+    libs[0].sock.sendall(b"mcmd=spawn\nnprocs=2\nexecname=a.out\nendcmd\n")
+    spawn = dict(kv.split("=", 1) for kv in libs[0].reader.readline().split())
+    assert spawn["cmd"] == "spawn_result" and spawn["rc"] == "-1"
+    assert libs[0].ask("cmd=get_appnum") == {"cmd": "appnum", "rc": "0", "appnum": "0"}
+    published = libs[0].ask("cmd=publish_name service=s port=p")
+    assert published["rc"] == "-1" and "mpiexec" in published["msg"]
     for lib in libs:
         assert lib.ask("cmd=finalize") == {"cmd": "finalize_ack", "rc": "0"}
         lib.thread.join(5)
         assert lib.server.finished.is_set() and not lib.thread.is_alive()
 
 
-def test_host_names_are_ringcomms_hosts_where_there_is_no_map():
-    """Two network namespaces of one machine share a host name but not a network:
-    the name MPI puts for its rank is replaced by ringcomm's host (name and namespace)."""
+def test_host_names_pass_through_where_there_is_no_map():
+    """Without a host map MPICH compares the host name it puts for each rank with its
+    own gethostname(): the values must stay what it put."""
     store = dist.HashStore()
     lib = _Library(store, 0, 1)
     assert lib.ask("cmd=get kvsname=ringcomm key=PMI_process_mapping")["rc"] == "-1"
     lib.ask("cmd=put kvsname=ringcomm key=hostname[0] value=vm")
-    assert lib.ask("cmd=get kvsname=ringcomm key=hostname[0]")["value"] == "host0/1"
+    assert lib.ask("cmd=get kvsname=ringcomm key=hostname[0]")["value"] == "vm"
+
+
+def test_another_protocol_is_refused_by_name_not_waited_on():
+    """PMI-2 frames its commands with a length and no newline: a line reader would
+    wait for ever; the server names the protocol and closes."""
+    lib = _Library(dist.HashStore(), 0, 1)
+    lib.sock.sendall(b"    49cmd=fullinit;pmijobid=1;pmirank=0;threaded=FALSE;")
+    lib.thread.join(5)
+    assert not lib.thread.is_alive() and "PMI-1" in lib.server.failure
+    with pytest.raises(ConnectionResetError):  # closed with the request unread
+        lib.reader.readline()
 
 
 def test_a_barrier_names_the_ranks_that_never_came():
@@ -144,11 +160,16 @@ def test_a_broken_store_is_an_error_to_the_library_not_a_dead_server():
     assert lib.ask("cmd=get_appnum")["rc"] == "0"  # still serving
 
 
-def test_the_shared_map_is_made_once_from_what_each_rank_recorded():
+def test_the_job_and_its_map_are_made_once_from_what_each_rank_recorded():
     import json
 
     store = dist.HashStore()
     for r, machine in enumerate(["a", "a", "b", "b"]):
         store.set(f"ringcomm/net/{r}", json.dumps({"machine": machine}))
-    assert pmi.shared_mapping(store, 0, 4, timedelta(seconds=5)) == "(vector,(0,2,2))"
-    assert pmi.shared_mapping(store, 3, 4, timedelta(seconds=5)) == "(vector,(0,2,2))"
+    job, mapping = pmi.shared_job(store, 0, 4, timedelta(seconds=5))
+    assert mapping == "(vector,(0,2,2))" and job.startswith("ringcomm-")
+    assert pmi.shared_job(store, 3, 4, timedelta(seconds=5)) == (job, mapping)
+    other = dist.HashStore()  # another job: another name (MPICH's world id)
+    for r in range(4):
+        other.set(f"ringcomm/net/{r}", json.dumps({"machine": "a"}))
+    assert pmi.shared_job(other, 0, 4, timedelta(seconds=5))[0] != job

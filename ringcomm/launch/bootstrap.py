@@ -260,27 +260,25 @@ def start_world(store, rank: int, size: int, timeout: timedelta, members: list[i
     if (standalone or members or size == 1 or launched_by_mpi() or _world is not None
             or mpi_started() or not settings.get("RINGCOMM_PMI")):
         return
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:  # the MPI transport's import says so, where CPU tensors need it
+    MPI = pmi.load_mpi()
+    if MPI is None:  # started already, or no MPI library: joined otherwise, if at all
         return
     limit = setup_limit(timeout)
     try:
-        MPI = pmi.start_world(store, rank, size, timeout, limit, network.machine_id())
+        whole = pmi.start_world(MPI, store, rank, size, timeout, limit)
     except pmi.InitTimeout:
         what = f"rank {rank}'s MPI_Init in the world of {size}"
         _stuck.append(what)  # no MPI_Finalize after a start that never ended
         raise _network_error(what, f"did not complete within {limit:g} s of its last "
                              "request to ringcomm's process manager", store,
                              0 if rank else size - 1) from _Stuck(what)
-    world = MPI.COMM_WORLD
-    if world.Get_size() == size and world.Get_rank() == rank:
-        _first_exchange(world, store, rank, size, limit)
-        with _lock:
-            _world = world
-    else:  # a library that does not read PMI_FD: a singleton, merged as before
+    if not whole:  # a library that does not read PMI_FD: a singleton, merged as before
         log.info("ringcomm: %s started as a singleton; forming the world in rounds of "
                  "merges", MPI.Get_library_version().splitlines()[0].strip())
+        return
+    _first_exchange(MPI.COMM_WORLD, store, rank, size, limit)
+    with _lock:
+        _world = MPI.COMM_WORLD
 
 
 def setup_limit(timeout: timedelta) -> float:

@@ -7,8 +7,9 @@ Modes (under torchrun):
           split has LOCAL_WORLD_SIZE ranks); the PMI variables are gone once MPI has
           started, so nothing takes the process for one of mpiexec's; collectives
           agree with a sum computed here; a standalone group (connect_group: ports,
-          accept and connect between MPI worlds) forms inside this world; and the job
-          exits 0 through MPI_Finalize's barrier, which this process serves.
+          accept and connect between MPI worlds) forms inside this world; and the
+          script's own MPI.Finalize() ends MPI (its barrier served meanwhile), the
+          job exiting 0.
   lost    rank 1 stalls before MPI starts (after meeting the others at the store):
           every other rank names it when MPI_Init's first barrier times out
           (RINGCOMM_CONNECT_TIMEOUT) and MPI ends the process; the test reads stderr.
@@ -58,11 +59,15 @@ def world(c: Checker, rank: int) -> None:
     c.check(bool((t == size * (size - 1) / 2).all()), f"the standalone group's allreduce: {t}")
     g.shutdown()
     dist.destroy_process_group()
+    # mpi4py's own Finalize holds Python's lock through MPI's barrier, which this
+    # process serves: ringcomm's stands in for it
+    MPI.Finalize()
+    c.check(MPI.Is_finalized() and not pmi.serving(), "the script's MPI.Finalize()")
 
 
 def lost(c: Checker, rank: int) -> None:
     if rank == 1:
-        pmi._init_thread = lambda MPI: time.sleep(60)
+        pmi._Life._init = lambda self: time.sleep(60)
     dist.init_process_group("ringcomm", timeout=timedelta(seconds=60))
     c.check(False, "a world formed without rank 1")
 
