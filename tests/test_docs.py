@@ -241,3 +241,79 @@ def test_torch_version_table_is_the_rendering_of_its_json_and_shows_no_failure()
     assert all(run["ok"] for r in data["results"] for run in r["runs"]), \
         [(r["torch"], run["program"]) for r in data["results"] for run in r["runs"] if not run["ok"]]
     assert not any("FAILED" in cell for r in data["results"] for cell in r["rows"].values())
+
+
+# -- the maps: README's Layout and architecture.md's diagram name every module ------
+def _fenced_after(text: str, marker: str) -> str:
+    """The first fenced block after ``marker``."""
+    start = text.index("```", text.index(marker))
+    return text[start:text.index("```", start + 3)]
+
+
+def _modules(*packages: str, skip_dirs: tuple[str, ...] = ()) -> list:
+    """Every module file of ``packages`` (not __init__/__main__, nor under ``skip_dirs``)."""
+    out = []
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            if path.name in ("__init__.py", "__main__.py") or any(
+                    str(rel).startswith(d) for d in skip_dirs):
+                continue
+            out.append(rel)
+    return out
+
+
+def _unnamed(block: str, modules: list) -> list[str]:
+    import re
+
+    return [str(m) for m in modules if not re.search(rf"\b{re.escape(m.stem)}\b", block)]
+
+
+def test_the_readme_layout_names_every_module_and_script():
+    """A module added without a line in README's Layout fails here (the Layout once
+    missed shm.py, the largest file, and a dozen others)."""
+    block = _fenced_after((ROOT / "README.md").read_text(), "## Layout")
+    modules = _modules("ringcomm", "ddp") + sorted(
+        p.relative_to(ROOT) for p in (ROOT / "scripts").glob("*.py"))
+    assert not _unnamed(block, modules)
+
+
+def test_the_architecture_diagram_names_every_module_of_its_layers():
+    """The diagram names each module of the layers a call goes through, and the
+    packages beside them as wholes (algorithms/, library/, bench/, msccl/, testing/)."""
+    block = _fenced_after((ROOT / "docs" / "architecture.md").read_text(), "# Architecture")
+    whole = ("ringcomm/algorithms/", "ringcomm/library/", "ringcomm/bench/",
+             "ringcomm/msccl/", "ringcomm/testing/")
+    assert not _unnamed(block, _modules("ringcomm", skip_dirs=whole))
+    for package in whole:
+        assert package.removeprefix("ringcomm/") in block, package
+
+
+def test_the_map_check_finds_a_module_left_out():
+    block = "ringcomm/   __init__.py settings.py"
+    unnamed = _unnamed(block, _modules("ringcomm"))
+    assert "ringcomm/backoff.py" in unnamed and "ringcomm/settings.py" not in unnamed
+
+
+def test_the_library_names_exactly_the_algorithms_auto_picks():
+    """ringcomm/library's docstring says which of its algorithms auto picks: exactly
+    those named in select.py's rows (it once said all of them)."""
+    import re
+
+    import ringcomm.library as library
+    from ringcomm.algorithms import select
+
+    def names(rows) -> set[str]:
+        if isinstance(rows, str):
+            return {rows}
+        if isinstance(rows, dict):
+            return set().union(*(names(v) for v in rows.values()))
+        if isinstance(rows, (list, tuple)):
+            return set().union(set(), *(names(v) for v in rows))
+        return set()
+
+    picked = names(select.DEFAULT_TUNING) | names(json.loads(select.MEASURED.read_text()))
+    doc = " ".join(library.__doc__.split())
+    said = set(re.findall(r"``(\w+)``", doc.split("``auto`` picks", 1)[1].split(" where ")[0]))
+    ours = {name for _, name in library.ALGORITHMS}
+    assert said == ours & picked, (said, ours & picked)

@@ -70,6 +70,14 @@ def test_every_name_the_tools_draw_has_a_fixed_look():
     assert set(PEER_NAMES) <= set(styles.PEERS)
 
 
+def test_no_spare_colour_is_a_fixed_names_colour():
+    """Every colour an unknown name can hash to, not only those the sample names
+    below reach (a spare once was shm_direct's deep orange)."""
+    fixed = {to_hex(c[0]) for c in FIXED.values()}
+    spares = [to_hex(c) for c in styles.SPARE_COLOURS + styles.SPARE_GREYS]
+    assert not fixed & set(spares) and len(set(spares)) == len(spares)
+
+
 @pytest.mark.parametrize("name", ["msccl_ring2", "allpairs2", "my_ring", "x", "torch/nccl"])
 def test_other_names_get_a_stable_look_no_fixed_name_has(name):
     assert styles.style(name) == styles.style(name)

@@ -87,7 +87,9 @@ def allreduce_hook(state: dist.ProcessGroup | None,
     """Average the bucket over the group: divide by the group size, then allreduce (sum).
 
     Dividing first keeps large gradient sums away from the dtype's range limit.
-    This is what DDP runs when no hook is registered.
+    With no hook registered the reducer computes the same: it divides each gradient
+    as it copies it into its bucket slot, then allreduces the bucket with
+    :func:`allreduce_sum` (one pass less over the bucket).
 
     Args:
         state: process group to reduce over; ``None`` for the DDP instance's group.

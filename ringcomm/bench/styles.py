@@ -59,7 +59,7 @@ PEERS: dict[str, tuple[str, str, str]] = {
 }
 #: colours no fixed name uses, for other names (coloured ones, then greys for peers)
 SPARE_COLOURS = ("#843c39", "#5254a3", "#8ca252", "#bd9e39", "#a55194", "#31a354",
-                 "#756bb1", "#e6550d", "#ad494a", "#6b6ecf", "#b5cf6b", "#ce6dbd")
+                 "#756bb1", "#e7969c", "#ad494a", "#6b6ecf", "#b5cf6b", "#ce6dbd")
 SPARE_GREYS = ("#5a5a5a", "#8a8a8a", "#c4c4c4")
 SPARE_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "h", "<", ">")
 

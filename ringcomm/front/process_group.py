@@ -415,8 +415,9 @@ def _method(torch_name: str, build: Callable[..., tuple]) -> Callable[..., dist.
     A call refused on this rank (bad input) starts a new epoch of the group's
     message tags (:meth:`ringcomm.front.algorithm_choice.Planner.refused`): if it was refused on
     some ranks only, those ranks' next collective carries other tags than the
-    others' current one, so the mismatch ends in a clear timeout instead of two
-    different collectives silently exchanging data. A collective issued by a future
+    others' current one: those ranks' waits fail naming the mismatch ("rank 0 runs a
+    call of another epoch") as soon as the new tags arrive, instead of two different
+    collectives silently exchanging data (tests/ranks/failure_check.py ``refused``). A collective issued by a future
     callback on a lane's progress thread runs on that lane at once and takes no
     number (:mod:`ringcomm.runtime.engine`).
     """

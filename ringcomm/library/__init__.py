@@ -28,9 +28,14 @@ the test suite (``tests/test_library.py`` checks them with
 :func:`ringcomm.execution.checker.check` over world sizes, layouts and host layouts, and
 runs them under both executors and against gloo), so they skip the first-use
 check, which at 256 ranks costs up to 2 s per all-to-all shape. A user's algorithm
-registered without ``verify=False`` is checked at first use. ``auto`` picks them
-where the cost model says they win (``ringcomm/algorithms/select.py``); the
-tutorial ``docs/writing-an-algorithm.md`` rebuilds Rabenseifner step by step.
+registered without ``verify=False`` is checked at first use.
+
+``auto`` picks ``rabenseifner``, ``double_tree``, ``hierarchical``, ``bruck`` and
+``pairwise`` where the cost model or a measurement says they win (the rows of
+``ringcomm/algorithms/select.py``; ``pairwise`` on 2 ranks, as measured).
+``one_shot``, ``two_shot`` and ``direct`` are never its pick: name them
+(``RINGCOMM_ALGO``, ``ringcomm.set_algorithm``) where they help. The tutorial
+``docs/writing-an-algorithm.md`` rebuilds Rabenseifner step by step.
 """
 from __future__ import annotations
 
