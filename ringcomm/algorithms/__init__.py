@@ -161,7 +161,15 @@ def check_choice(collective: str, name: str) -> None:
         raise ValueError(f"ringcomm: unknown collective {collective!r}; known: {sorted(REGISTRY)}")
     if name != "auto" and name not in REGISTRY[collective]:
         raise ValueError(f"ringcomm: no {collective} algorithm {name!r}; available: "
-                         f"{names(collective)}")
+                         f"{names(collective)}. {IMPORT_FIRST}")
+
+
+#: the end of an unknown algorithm's error: a group checks its choices when it is
+#: made, and a user's algorithm exists once its module has registered it
+IMPORT_FIRST = ("An algorithm of your own is known once the module that calls "
+                "register_algorithm for it is imported: import it before "
+                "init_process_group or new_group makes the group, or before "
+                "ringcomm.set_algorithm names it.")
 
 
 def expand_choices(choices: Mapping[str, str]) -> dict[str, str]:
@@ -177,7 +185,7 @@ def expand_choices(choices: Mapping[str, str]) -> dict[str, str]:
     if star is not None:
         if star != "auto" and not any(star in a for a in REGISTRY.values()):
             raise ValueError(f"ringcomm: no collective has an algorithm {star!r} "
-                             f"(RINGCOMM_ALGO or Options.algorithms)")
+                             f"(RINGCOMM_ALGO or Options.algorithms). {IMPORT_FIRST}")
         out.update({c: star for c, algos in REGISTRY.items() if star in algos or star == "auto"})
     for coll, name in choices.items():
         if coll != "*":
