@@ -29,7 +29,8 @@ def test_collectives_torchrun(n):
 
 # 4: test_properties; 5: collectives_check; 1 (one rank: collectives_check's): test-wide
 @pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.wide),
-                               pytest.param(2, marks=pytest.mark.compat), 3])
+                               pytest.param(2, marks=pytest.mark.compat),
+                               pytest.param(3, marks=pytest.mark.wide)])
 def test_more_collectives_mpiexec(n):
     extra = ["--compile"] if n == 2 else []  # torch.compile costs ~10 s a launch: once
     out = mpirun(n, "more_collectives_check.py", *extra, timeout=240).stdout
@@ -92,8 +93,10 @@ FAILURE_CASES = {
 
 
 #: cases make test leaves to test-wide: the same program under torch's variable, a
-#: refusal at set-up, and a timeout on the progress thread
+#: refusal at set-up, a timeout on the progress thread, and a late rank (its timeout
+#: path is the timeout case's)
 WIDE_FAILURE_CASES = {"torch's DETAIL turns on the cross-rank checks",
+                      "a late rank's call fails as the others' timed out",
                       "init_process_group(world_size=3) on two processes is an error, not a hang",
                       # the late rank's case times out in a collective too
                       "a timeout raises instead of hanging",

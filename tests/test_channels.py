@@ -187,7 +187,7 @@ def test_nccl_path_with_channels(size):
     assert lib.calls["NcclCommunicator"] == 2 * size
 
 
-@pytest.mark.parametrize("launch,n", [(mpirun, 3),
+@pytest.mark.parametrize("launch,n", [pytest.param(mpirun, 3, marks=pytest.mark.wide),
                                      pytest.param(torchrun, 2, marks=pytest.mark.wide)],
                          ids=["mpiexec3", "torchrun2"])
 def test_channels_under_launchers(launch, n):

@@ -262,6 +262,7 @@ def test_unused_parameters_overlap_and_rebuild():
     assert_checks(out, "ddp_graph mpiexec n=3", 3)
 
 
+@pytest.mark.wide  # 14 s
 def test_join_trains_on_uneven_inputs_like_torch_ddp():
     # ranks with 3, 5 and 8 batches, against torch's DDP on ringcomm and gloo (torch's
     # divide_by_initial_world_size=False on ringcomm reads a Work torch's C++ keeps
@@ -276,6 +277,7 @@ def test_static_graph_matches_torch_ddp_and_walks_the_graph_once():
     assert_checks(out, "ddp_static mpiexec n=3", 3)
 
 
+@pytest.mark.wide  # 13 s
 def test_compression_hooks_match_torchs_hooks():
     # PowerSGD (three configurations), batched PowerSGD, both quantization hooks,
     # noop and post-local SGD: ours on ddp and on torch's DDP, torch's on ddp

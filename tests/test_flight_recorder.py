@@ -154,6 +154,7 @@ def test_a_dump_that_cannot_be_written_names_the_path_and_training_goes_on(tmp_p
     assert not list(tmp_path.glob("full_0*"))  # no half-written dump left
 
 
+@pytest.mark.wide  # 11 s of launches; the dumps' analysis is tested in-process above
 def test_a_stuck_rank_is_named_from_every_ranks_dump(tmp_path):
     """3 ranks, 5 s group timeout; rank 2 stops calling collectives at step 37 (it
     sleeps) while ranks 0 and 1 time out in that step's allreduce: all three dump,
