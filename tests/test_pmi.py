@@ -71,6 +71,21 @@ class _Library:
         return dict(kv.split("=", 1) for kv in self.reader.readline().split())
 
 
+def _barrier(libs: list) -> list:
+    """Every library enters a barrier at once; their replies, in order."""
+    replies: list = [None] * len(libs)
+
+    def enter(i):
+        replies[i] = libs[i].ask("cmd=barrier_in")
+
+    threads = [threading.Thread(target=enter, args=(i,)) for i in range(len(libs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return replies
+
+
 def test_mpich_start_up_conversation_over_one_store():
     """Three ranks through init: maxes, puts before a barrier are read after it by
     every rank, the host map, attributes the job has not, a command not served."""
@@ -86,14 +101,7 @@ def test_mpich_start_up_conversation_over_one_store():
     assert libs[1].ask("cmd=get kvsname=ringcomm key=PMI_hwloc_xmlfile")["rc"] == "-1"
     assert libs[0].ask("cmd=put kvsname=ringcomm key=card-0 value=00AB")["rc"] == "0"
     assert libs[2].ask("cmd=get kvsname=ringcomm key=card-1")["rc"] == "-1"
-    replies: list[dict] = []
-    threads = [threading.Thread(target=lambda lib=lib: replies.append(lib.ask("cmd=barrier_in")))
-               for lib in libs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert replies == [{"cmd": "barrier_out", "rc": "0"}] * 3
+    assert _barrier(libs) == [{"cmd": "barrier_out", "rc": "0"}] * 3
     for lib in libs:
         assert lib.ask("cmd=get kvsname=ringcomm key=card-0")["value"] == "00AB"
     # MPI_Comm_spawn's request spans lines up to "endcmd": one answer, then in step
@@ -133,17 +141,7 @@ def test_another_protocol_is_refused_by_name_not_waited_on():
 def test_a_barrier_names_the_ranks_that_never_came():
     store = dist.HashStore()
     libs = [_Library(store, r, 4, limit_s=0.5) for r in (0, 2)]
-    replies = [None, None]
-
-    def enter(i):
-        replies[i] = libs[i].ask("cmd=barrier_in")
-
-    threads = [threading.Thread(target=enter, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert replies == [{"cmd": "barrier_out", "rc": "-1"}] * 2
+    assert _barrier(libs) == [{"cmd": "barrier_out", "rc": "-1"}] * 2
     for lib in libs:
         assert lib.server.failure.startswith("the world of 4 ranks: ranks 1, 3 did not "
                                              "reach MPI_Init's barrier 1 within 0.5 s")
