@@ -24,8 +24,10 @@ if torch.__version__ < OLDEST_TORCH:  # torch.__version__ compares as a version
 import torch.distributed as dist  # noqa: E402
 
 from ringcomm import schedule, settings, trace
-from ringcomm.algorithms import REGISTRY, register_algorithm, unregister_algorithm
-from ringcomm.front.create import GROUPS, connect_group
+from ringcomm.algorithms import (REGISTRY, register_algorithm, register_transport_collective,
+                                 unregister_algorithm)
+from ringcomm.front.create import (GROUPS, GroupSetup, TransportUnavailable, connect_group,
+                                   register_transport)
 from ringcomm.front.create import register as register_backend
 from ringcomm.front import departure
 from ringcomm.front.process_group import ProcessGroupRingcomm
@@ -36,6 +38,8 @@ from ringcomm.trace.flight import dump as dump_flight_recorder
 
 __version__ = "0.1.0"
 __all__ = ["Options", "ProcessGroupRingcomm", "register_algorithm", "unregister_algorithm",
+           "register_transport", "register_transport_collective", "GroupSetup",
+           "TransportUnavailable",
            "register_backend", "register_msccl", "set_algorithm", "algorithm", "set_timeout",
            "get_group", "connect_group", "dump_flight_recorder", "REGISTRY", "checker", "schedule",
            "__version__"]

@@ -119,6 +119,10 @@ SETTINGS: tuple[Setting, ...] = (
             "algorithm per collective: `ring` (every collective that has one) or "
             "`allreduce=tree,broadcast=ring`; unlisted ones use `auto`",
             option="algorithms"),
+    Setting("RINGCOMM_TRANSPORT", "name", "mpi",
+            "the transport of CPU tensors: `mpi`, or the name of one given to "
+            "`ringcomm.register_transport` (docs/architecture.md, \"Writing a transport\")",
+            option="transport"),
     Setting("RINGCOMM_SEGMENT_BYTES", "int", 2 * 1024 * 1024,
             "pipeline segment of the pipelined algorithms, in bytes",
             option="segment_bytes", minimum=1),
@@ -234,6 +238,8 @@ class Options:
         shared_memory: whether ranks of the group on one host exchange messages
             through shared memory (False: every message over MPI); off on every rank
             where it is off on any.
+        transport: the transport of CPU tensors (``"mpi"``, or a name given to
+            :func:`ringcomm.register_transport`); every rank of a group names the same.
     """
 
     algorithms: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -242,6 +248,7 @@ class Options:
     num_channels: int | None = None
     local_size: int | None = None
     shared_memory: bool | None = None
+    transport: str | None = None
 
     def resolve(self, environ: Mapping[str, str] | None = None) -> "Options":
         """A copy with every field decided: from this object, else from the
@@ -258,7 +265,17 @@ class Options:
                        tuning_file=tuning,
                        num_channels=self._count("num_channels", environ, "communicators"),
                        local_size=self._count("local_size", environ, "ranks"),
-                       shared_memory=self._flag("shared_memory", environ))
+                       shared_memory=self._flag("shared_memory", environ),
+                       transport=self._name("transport", environ))
+
+    def _name(self, field: str, environ: Mapping[str, str] | None) -> str:
+        """Field ``field`` decided: this object's value (checked), else its variable's."""
+        value = getattr(self, field)
+        if value is None:
+            return get(_variable_of(field).name, environ)
+        if not isinstance(value, str) or not _NAME.fullmatch(value):
+            raise ValueError(f"ringcomm: Options.{field} must be a name, got {value!r}")
+        return value
 
     def _flag(self, field: str, environ: Mapping[str, str] | None) -> bool:
         """Field ``field`` decided: this object's value (checked), else its variable's."""

@@ -2,8 +2,9 @@
 
 ``REGISTRY[collective][name]`` is a builder ``build(ctx) -> Schedule``, or a
 :class:`TransportCollective`: a collective a transport runs itself, not as a
-schedule: :data:`NATIVE` (the transport library's own, MPI's on CPU) and
-:data:`SHM_DIRECT` (the shared-memory transport's, every rank on one host).
+schedule, declared by :func:`register_transport_collective`: :data:`NATIVE` (the
+transport library's own, MPI's on CPU) and :data:`SHM_DIRECT` (the shared-memory
+transport's, every rank on one host).
 The caller's buffers and the layout each collective's builders get are listed
 in :data:`ringcomm.schedule.BUFFERS`.
 
@@ -21,24 +22,16 @@ from ringcomm.schedule import BUFFERS
 class TransportCollective:
     """Marker: the algorithm named ``name`` is a collective the group's transport runs
     itself (:meth:`ringcomm.transport.Transport.check_own`, ``own_init``), not a
-    schedule; a transport that has none of that name refuses the call."""
+    schedule; a transport that has none of that name refuses the call, saying that
+    the algorithm needs ``where``."""
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "collectives", "where")
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, collectives: tuple[str, ...], where: str):
+        self.name, self.collectives, self.where = name, tuple(collectives), where
 
     def __repr__(self) -> str:
         return self.name.upper()
-
-
-#: the transport library's own collective (MPI's, NCCL's)
-NATIVE = TransportCollective("native")
-#: the shared-memory transport's one-round collectives (allreduce, broadcast,
-#: allgather, reduce_scatter): every rank copies its part into its segment once and
-#: reads the peers' parts from theirs (:mod:`ringcomm.transport.shm_direct`); only
-#: where every rank shares one host
-SHM_DIRECT = TransportCollective("shm_direct")
 
 
 def is_schedule(build) -> bool:
@@ -57,16 +50,60 @@ REGISTRY: dict[str, dict[str, Callable]] = {
     "scatter": {"linear": linear.scatter},
     "alltoall": {"linear": linear.alltoall},
 }
-for _algos in REGISTRY.values():
-    _algos["native"] = NATIVE
-for _c in ("allreduce", "broadcast", "allgather", "reduce_scatter"):
-    REGISTRY[_c]["shm_direct"] = SHM_DIRECT
+#: names no schedule may take: ``auto`` and every transport's own collective
+RESERVED = {"auto"}
+
+
+def register_transport_collective(name: str, collectives: tuple[str, ...],
+                                  where: str) -> TransportCollective:
+    """Declare ``name`` as a collective that a transport runs itself for each of
+    ``collectives``: it becomes selectable like an algorithm, and a group whose
+    transport's ``check_own`` does not know it refuses the call with ``where`` (what
+    it needs). The transport implements ``check_own`` and ``own_init`` for it (see
+    docs/architecture.md, "Writing a transport"). Declaring the same name again with
+    the same collectives returns the declaration made first.
+
+    Raises:
+        ValueError: an unknown collective, or ``name`` taken by a schedule or declared
+            with other collectives.
+    """
+    unknown = [c for c in collectives if c not in REGISTRY]
+    if unknown or not collectives:
+        raise ValueError(f"ringcomm.register_transport_collective: unknown collective(s) "
+                         f"{unknown or list(collectives)}; known: {sorted(REGISTRY)}")
+    for c in collectives:
+        had = REGISTRY[c].get(name)
+        if had is not None and not (isinstance(had, TransportCollective)
+                                    and had.collectives == tuple(collectives)):
+            raise ValueError(f"ringcomm.register_transport_collective: {c} algorithm "
+                             f"{name!r} exists")
+    first = REGISTRY[collectives[0]].get(name)
+    if first is not None:
+        return first
+    own = TransportCollective(name, collectives, where)
+    for c in collectives:
+        REGISTRY[c][name] = own
+    RESERVED.add(name)
+    return own
+
+
+#: the transport library's own collective, for every collective (MPI's, NCCL's)
+NATIVE = register_transport_collective(
+    "native", tuple(REGISTRY), "a transport with collectives of its own (MPI's on CPU, "
+    "NCCL's on CUDA)")
+#: the shared-memory transport's one-round collectives: every rank copies its part
+#: into its segment once and reads the peers' parts from theirs
+#: (:mod:`ringcomm.transport.shm_direct`); only where every rank shares one host
+SHM_DIRECT = register_transport_collective(
+    "shm_direct", ("allreduce", "broadcast", "allgather", "reduce_scatter"),
+    "the shared-memory transport with every rank of the group on one host")
 
 #: builders that ship with ringcomm's own algorithms (proved by the test suite)
 BUILTIN = {(c, n) for c, algos in REGISTRY.items() for n in algos}
 #: builders run without a check: the built-ins and any registered with
 #: ``verify=False``; others are checked on first use of each call shape
 TRUSTED = set(BUILTIN)
+
 
 #: called in order as ``fn(collective, name)`` before an algorithm is removed: each
 #: forgets what it holds of the algorithm, or refuses (ValueError) before it forgets
@@ -87,7 +124,8 @@ def register_algorithm(collective: str, name: str, build: Callable, *,
     Args:
         collective: one of ``REGISTRY``'s keys.
         name: the name used in ``RINGCOMM_ALGO``, ``Options`` and ``set_algorithm``;
-            ``"auto"``, ``"native"`` and ``"shm_direct"`` are reserved.
+            ``"auto"`` and the transports' own collectives (``"native"``,
+            ``"shm_direct"``: :data:`RESERVED`) are reserved.
         build: ``build(ctx: ringcomm.schedule.Context) -> ringcomm.schedule.Schedule``.
             It is checked (:func:`ringcomm.execution.checker.check`) on the first use of each
             call shape, and refused with the step and element at fault if wrong.
@@ -113,7 +151,7 @@ def register_algorithm(collective: str, name: str, build: Callable, *,
     if collective not in REGISTRY:
         raise ValueError(f"ringcomm.register_algorithm: unknown collective {collective!r}; "
                          f"known: {sorted(REGISTRY)}")
-    if name in ("auto", "native", "shm_direct"):
+    if name in RESERVED:
         raise ValueError(f"ringcomm.register_algorithm: {name!r} is reserved")
     if name in REGISTRY[collective] and not replace:
         raise ValueError(f"ringcomm.register_algorithm: {collective} algorithm {name!r} "
@@ -143,6 +181,9 @@ def unregister_algorithm(collective: str, name: str) -> None:
     if (collective, name) in BUILTIN:
         raise ValueError(f"ringcomm.unregister_algorithm: {collective} algorithm {name!r} "
                          "is built in")
+    if not is_schedule(REGISTRY[collective][name]):
+        raise ValueError(f"ringcomm.unregister_algorithm: {collective} algorithm {name!r} "
+                         "is a transport's own collective")
     for forget in ON_UNREGISTER:
         forget(collective, name)
     del REGISTRY[collective][name]

@@ -179,7 +179,7 @@ class P2PProgram(_Program):
         # a receive whose data only one local step reads stays where the sender put it,
         # on a transport that can leave it there (shared memory): that step reads it
         # from the sender's memory instead of a copy in scratch
-        held = self.plan.held_receives(plan) if hasattr(tp, "recv_held_init") else {}
+        held = self.plan.held_receives(plan) if tp.holds_receives else {}
         rreq = []
         for j, (peer, v) in enumerate(plan.recv_list):
             t = tag("r", peer)

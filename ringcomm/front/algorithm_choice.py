@@ -27,6 +27,7 @@ from ringcomm.execution.executors import GroupProgram, NativeProgram, P2PProgram
 from ringcomm.execution.plan import Plan
 from ringcomm.settings import Options
 from ringcomm.transport import Link, Transport
+from ringcomm.transport.base import NotOwnCollective
 
 log = logging.getLogger("ringcomm")
 
@@ -117,7 +118,10 @@ class Planner:
                              f"(available: {algorithm_names(collective)})")
         tp = lane.tp
         if isinstance(build, TransportCollective):
-            tp.check_own(build.name, collective, dtype, op)
+            try:
+                tp.check_own(build.name, collective, dtype, op)
+            except NotOwnCollective as e:
+                raise NotOwnCollective(f"{e}: algorithm {name!r} needs {build.where}") from None
             if build is NATIVE:
                 return name, NativeProgram(tp, collective, layout, dtype, op, root)
             sig = self.signature(collective, name, layout, root, dtype, op, as_dtype)

@@ -1,12 +1,18 @@
 """The backend creator torch calls for each ringcomm group: connects the group's
-ranks (a fresh store namespace, MPI's network path, one MPI communicator per
-channel) and makes the :class:`ProcessGroupRingcomm` over them."""
+ranks (a fresh store namespace, then the CPU transport the options name: by
+default MPI's network path, one MPI communicator per channel and shared memory on
+each host) and makes the :class:`ProcessGroupRingcomm` over them.
+
+CPU transports are made by the factories of :data:`TRANSPORTS`
+(:func:`register_transport`); docs/architecture.md, "Writing a transport", says
+what one must do."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,7 +25,8 @@ from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.launch import bootstrap
 from ringcomm.settings import Options
 
-__all__ = ["create_group", "connect_group", "register", "GROUPS"]
+__all__ = ["create_group", "connect_group", "register", "register_transport", "GroupSetup",
+           "TransportUnavailable", "TRANSPORTS", "GROUPS"]
 
 log = logging.getLogger("ringcomm")
 
@@ -102,28 +109,103 @@ def _options(pg_options: Any) -> Options:
     return options
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupSetup:
+    """What a transport factory (:func:`register_transport`) gets to connect one
+    group's ranks.
+
+    Attributes:
+        store: the group's own store (a fresh namespace: keys written here are seen by
+            this group's current processes only).
+        rank, size: this process's rank in the group, and the group's size.
+        timeout: the group's timeout (set-up and every collective).
+        limit_s: what one step of set-up may take (``RINGCOMM_CONNECT_TIMEOUT``,
+            within ``timeout``): a step past it must fail, naming who did not come.
+        options: the group's resolved :class:`ringcomm.Options` (``num_channels``:
+            how many transports to make, ``local_size``, ``shared_memory``).
+        members: the group ranks' world ranks (empty: the group is the world).
+        standalone: a group of :func:`connect_group`, outside torch's registry.
+    """
+
+    store: Any
+    rank: int
+    size: int
+    timeout: timedelta
+    limit_s: float
+    options: Options
+    members: Sequence[int]
+    standalone: bool
+
+    @property
+    def world_rank(self) -> int:
+        return self.members[self.rank] if self.members else self.rank
+
+    def hosts(self) -> tuple[int, ...]:
+        """Every rank's host number (empty: one host), agreed through the store (each
+        rank reads ``size`` keys): for a transport with no faster way."""
+        return bootstrap.store_host_layout(
+            self.store, self.rank, self.size, self.world_rank, self.options.local_size,
+            self.standalone, timedelta(seconds=self.limit_s))
+
+
+class TransportUnavailable(RuntimeError):
+    """A transport factory's library is missing on this machine. A group whose CPU
+    transport cannot be made still serves CUDA tensors where CUDA is there (NCCL);
+    without CUDA the group is not made."""
+
+
+#: ``connect(setup: GroupSetup) -> (transports, hosts)``: one
+#: :class:`ringcomm.transport.Transport` per channel (``setup.options.num_channels``),
+#: each owned by the group from then on, and every rank's host number (empty: one
+#: host); by the name ``RINGCOMM_TRANSPORT`` / ``Options.transport`` gives
+TRANSPORTS: dict[str, Callable[[GroupSetup], tuple[list, tuple]]] = {}
+
+
+def register_transport(name: str, connect: Callable[[GroupSetup], tuple[list, tuple]], *,
+                       replace: bool = False) -> None:
+    """Make ``connect`` the factory of CPU transport ``name``, chosen with
+    ``RINGCOMM_TRANSPORT=name`` or ``Options(transport=name)`` (on every rank of a
+    group). ``connect(setup)`` runs on each rank when a group is made and returns one
+    transport per channel and the ranks' host numbers (:meth:`GroupSetup.hosts` finds
+    them through the store). Each step of it that waits for other ranks must end
+    within ``setup.limit_s``, naming who did not come; on failure it releases what it
+    made. It may raise :class:`TransportUnavailable` where its library is missing.
+
+    Raises:
+        ValueError: ``name`` is not a name, is taken (and ``replace`` is False), or
+            ``connect`` is not callable.
+    """
+    from ringcomm.settings import _NAME
+
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"ringcomm.register_transport: {name!r} is not a name")
+    if name in TRANSPORTS and not replace:
+        raise ValueError(f"ringcomm.register_transport: transport {name!r} exists; pass "
+                         "replace=True to override it")
+    if not callable(connect):
+        raise ValueError(f"ringcomm.register_transport: {connect!r} is not callable")
+    TRANSPORTS[name] = connect
+
+
 def _connect(store: Any, rank: int, size: int, timeout: timedelta, options: Options,
              group_id: str, members: list[int], standalone: bool) -> ProcessGroupRingcomm:
-    """Connect a group's ranks (a fresh store namespace, MPI's network path, one MPI
-    communicator per channel, shared memory on each host) and make its group."""
+    """Connect a group's ranks (a fresh store namespace, then the CPU transport of
+    ``options``) and make its group."""
     transports, cpu_error, hosts = None, None, ()
     torch_store, store = store, bootstrap.fresh_store(store, rank, size, timeout)
-    # before MPI starts (importing the MPI transport starts it): its network path
-    bootstrap.prepare_network(store, rank, size, timeout, standalone)
-    bootstrap.start_world(store, rank, size, timeout, members, standalone)
+    setup = GroupSetup(store, rank, size, timeout, bootstrap.setup_limit(timeout), options,
+                       members, standalone)
+    connect = _factory(setup)
     try:
-        from ringcomm.transport.mpi import MPITransport
-    except (ImportError, RuntimeError, OSError) as e:
+        transports, hosts = connect(setup)
+    except TransportUnavailable as e:
         # A GPU-only machine may lack the MPI library: CUDA tensors still run over
         # NCCL, CPU tensors get this reason.
         if not torch.cuda.is_available():
-            raise
-        cpu_error = f"{type(e).__name__}: {e}"
-        log.warning("ringcomm: MPI is not available (%s); only CUDA tensors can be used",
-                    cpu_error)
-    else:
-        transports, hosts = _transports(store, rank, size, timeout, options, members,
-                                        standalone, MPITransport)
+            raise (e.__cause__ or e) from None
+        cpu_error = str(e)
+        log.warning("ringcomm: the %s transport is not available (%s); only CUDA tensors "
+                    "can be used", options.transport, cpu_error)
     pg = ProcessGroupRingcomm(rank, size, transports, timeout, options, group_id,
                               store=store, cpu_error=cpu_error, hosts=hosts,
                               torch_store=torch_store, global_ranks=members)
@@ -133,19 +215,55 @@ def _connect(store: Any, rank: int, size: int, timeout: timedelta, options: Opti
     return pg
 
 
-def _transports(store: Any, rank: int, size: int, timeout: timedelta, options: Options,
-                members: list[int], standalone: bool, MPITransport: type) -> tuple[list, tuple]:
-    """The group's transports, one per channel, and its host layout. Each MPI step may
-    take :func:`ringcomm.launch.bootstrap.setup_limit`; on failure, what was made is
-    released (a communicator still used by a blocked MPI call is left to it)."""
+def _factory(setup: GroupSetup) -> Callable:
+    """The factory of the transport the group's options name; every rank checks that
+    rank 0 named the same (else it would wait in another set-up)."""
+    name = setup.options.transport
+    connect = TRANSPORTS.get(name)
+    if connect is None:
+        raise ValueError(f"ringcomm: no transport {name!r} (RINGCOMM_TRANSPORT or "
+                         f"Options.transport); known: {sorted(TRANSPORTS)}. A transport of "
+                         "your own is known once the module that calls "
+                         "ringcomm.register_transport for it is imported.")
+    if setup.size > 1:
+        if setup.rank == 0:
+            setup.store.set("transport", name)
+        else:
+            first = bootstrap._store_wait(setup.store, "transport", setup.timeout).decode()
+            if first != name:
+                raise ValueError(f"ringcomm: rank {setup.rank} names transport {name!r} "
+                                 f"where rank 0 names {first!r}: every rank of a group "
+                                 "names the same (RINGCOMM_TRANSPORT, Options.transport)")
+    return connect
+
+
+def _mpi_transports(setup: GroupSetup) -> tuple[list, tuple]:
+    """The ``"mpi"`` transport: MPI's network path and world (before MPI starts:
+    importing the MPI transport starts it), one MPI communicator per channel, each
+    wrapped in shared memory to the ranks on its host."""
+    store, rank, size, timeout = setup.store, setup.rank, setup.size, setup.timeout
+    bootstrap.prepare_network(store, rank, size, timeout, setup.standalone)
+    bootstrap.start_world(store, rank, size, timeout, setup.members, setup.standalone)
+    try:
+        from ringcomm.transport.mpi import MPITransport
+    except (ImportError, RuntimeError, OSError) as e:
+        raise TransportUnavailable(f"{type(e).__name__}: {e}") from e
+    return _transports(setup, MPITransport)
+
+
+def _transports(setup: GroupSetup, MPITransport: type) -> tuple[list, tuple]:
+    """The group's MPI transports, one per channel, and its host layout. Each MPI step
+    may take ``setup.limit_s``; on failure, what was made is released (a communicator
+    still used by a blocked MPI call is left to it)."""
     from ringcomm.transport import shm
 
-    limit = bootstrap.setup_limit(timeout)
-    comm = bootstrap.group_comm(store, rank, size, members, timeout, standalone)
+    limit, options = setup.limit_s, setup.options
+    comm = bootstrap.group_comm(setup.store, setup.rank, setup.size, list(setup.members),
+                                setup.timeout, setup.standalone)
     comms, transports = [comm], []
     try:
-        world_rank = members[rank] if members else rank
-        hosts = bootstrap.host_layout(comm, world_rank, options.local_size, standalone, limit)
+        hosts = bootstrap.host_layout(comm, setup.world_rank, options.local_size,
+                                      setup.standalone, limit)
         # one communicator per channel: messages of different channels never match
         for k in range(1, options.num_channels):
             comms.append(mpi_serial.dup(comm, f"channel {k}'s communicator", limit))
@@ -161,6 +279,9 @@ def _transports(store: Any, rank: int, size: int, timeout: timedelta, options: O
         for c in comms[len(transports):]:
             mpi_serial.locked(c.Free)
         raise
+
+
+TRANSPORTS["mpi"] = _mpi_transports
 
 
 def register() -> None:

@@ -163,6 +163,30 @@ def host_layout(comm, world_rank: int, local_size: int = 0, standalone: bool = F
                                              mpi_serial.limit(limit_s)))
 
 
+def store_host_layout(store, rank: int, size: int, world_rank: int, local_size: int = 0,
+                      standalone: bool = False,
+                      timeout: timedelta = timedelta(seconds=60)) -> tuple[int, ...]:
+    """Every group rank's host number (:func:`host_numbers`), agreed through ``store``
+    (a group's fresh store, :func:`fresh_store`) for a transport without MPI: each rank
+    writes its :func:`host_key` and reads every rank's, ``size`` reads a rank.
+
+    Raises:
+        DistBackendError: ranks missing after ``timeout`` (names the first).
+    """
+    import torch.distributed as dist
+
+    store.set(f"hosts/{rank}", host_key(world_rank, local_size, standalone))
+    keys = []
+    for r in range(size):
+        try:
+            keys.append(_store_wait(store, f"hosts/{r}", timeout).decode())
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise dist.DistBackendError(
+                f"ringcomm: rank {r} of {size} did not record its host within "
+                f"{timeout.total_seconds():g} s ({e})") from None
+    return host_numbers(keys)
+
+
 def _store_wait(store, key: str, timeout: timedelta) -> bytes:
     store.wait([key], timeout)
     return store.get(key)

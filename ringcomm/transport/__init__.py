@@ -1,6 +1,6 @@
 """Transports: what runs a schedule on one device. Algorithms see none of them."""
-from ringcomm.transport.base import (Handle, Link, Transport, TransportAborted, TransportMismatch,
-                                     TransportPeerFailed, TransportTimeout)
+from ringcomm.transport.base import (Handle, Link, NotOwnCollective, Transport, TransportAborted,
+                                     TransportMismatch, TransportPeerFailed, TransportTimeout)
 
-__all__ = ["Link", "Handle", "Transport", "TransportAborted", "TransportMismatch",
-           "TransportPeerFailed", "TransportTimeout"]
+__all__ = ["Link", "Handle", "NotOwnCollective", "Transport", "TransportAborted",
+           "TransportMismatch", "TransportPeerFailed", "TransportTimeout"]

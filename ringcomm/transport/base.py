@@ -20,8 +20,6 @@ from typing import Any, Sequence
 
 import torch
 
-from ringcomm.transport import shm_direct
-
 _monotonic = time.monotonic
 _INF = float("inf")
 
@@ -88,6 +86,11 @@ class TransportMismatch(RuntimeError):
         self.signature = signature
 
 
+class NotOwnCollective(ValueError):
+    """A link has no collective of its own by the name asked for (the caller may say
+    which transport has it)."""
+
+
 class TransportPeerFailed(RuntimeError):
     """A peer of the group found that the ranks run different calls (it said so
     where the group's ranks meet, the store) while this rank waited."""
@@ -152,23 +155,27 @@ class Link(abc.ABC):
     def check_own(self, name: str, collective: str, dtype: torch.dtype, op: Any) -> None:
         """Raise ValueError unless this link runs algorithm ``name`` (a
         :class:`ringcomm.algorithms.TransportCollective`) for ``collective`` on
-        ``dtype`` with ``op``: ``native`` is :meth:`check_native`; ``shm_direct``
-        needs the shared-memory transport with every rank of the group on its host."""
+        ``dtype`` with ``op``. ``native`` is :meth:`check_native`. A link with
+        collectives of its own under other names (the shared-memory transport's
+        ``shm_direct``) overrides this and calls it for the names it does not know.
+
+        Every link takes any transport collective of :data:`ALONE` on a group of one
+        rank: it is a local copy (:meth:`own_init`), whatever the transport.
+        """
         if name == "native":
             self.check_native(collective, dtype, op)
             return
-        if name == "shm_direct" and self.size == 1 and collective in shm_direct.COLLECTIVES:
-            return  # a group of one rank: on one host, and nothing to exchange
-        raise ValueError(f"ringcomm {collective}: algorithm {name!r} runs over shared memory "
-                         "with every rank of the group on one host; this group's "
-                         f"{type(self).__name__} has no such collective")
+        if self.size == 1 and collective in ALONE:
+            return
+        raise NotOwnCollective(f"ringcomm {collective}: this group's {type(self).__name__} "
+                               f"has no collective {name!r} of its own")
 
     def own_init(self, name: str, collective: str, layout: tuple, dtype: torch.dtype, op: Any,
                  signature: tuple[int, str], epoch: int, names: Any, root: int = 0) -> Any:
         """The program (``run(bufs)``, ``close()``) of a collective of this link's own
         other than ``native`` (:meth:`check_own` accepted it), for one call shape;
         ``signature``, ``epoch`` and ``names`` as a schedule's program gets them."""
-        if name == "shm_direct" and self.size == 1:
+        if self.size == 1 and collective in ALONE:
             return _Alone(collective)
         raise NotImplementedError(f"{type(self).__name__} has no collective {name!r}")
 
@@ -300,6 +307,45 @@ class Transport(Link):
     def abandon(self, handles: Sequence[Handle], keep: Any = None) -> None:
         self.end()
 
+    # -- optional: receives left where the sender put them ------------------------------
+    #: whether :meth:`recv_held_init` can hold a receive (the executor asks for held
+    #: receives only then: finding them costs a pass over the plan)
+    holds_receives: bool = False
+
+    def recv_held_init(self, buf: torch.Tensor, peer: int, tag: int) -> Handle | None:
+        """A receive whose data the one local step that reads it may read where the
+        sender put it (shared memory), instead of a copy into ``buf``; None where this
+        message cannot be held (it is then an ordinary :meth:`recv_init`). A held
+        handle's data is read through the executor's ``held_of`` view."""
+        return None
+
+    # -- optional: what a transport that wraps this one may use ------------------------
+    # A wrapper (``ShmTransport`` wraps the MPI transport: messages to ranks on other
+    # hosts go through it) waits on its own path and on this one's at once. A transport
+    # that can be wrapped keeps these; the defaults suit one that needs no progress
+    # outside its own waits.
+
+    #: ``idle_hook()``: run between polls of every wait of this transport (the wrapper
+    #: moves its own messages there); set by the wrapper
+    idle_hook: Any = None
+    #: ``probe_hook(handle)``: run in a long wait for ``handle``, and may raise (the
+    #: wrapper looks at the peer and at its own path); set by the wrapper
+    probe_hook: Any = None
+
+    def poke(self) -> None:
+        """Let pending transfers progress once, without blocking (MPI moves a large
+        message only inside MPI calls, so a wrapper waiting elsewhere pokes)."""
+
+    def user_pending(self) -> bool:
+        """Whether a user's send or receive may still need :meth:`poke`."""
+        return False
+
+    def first_tag_from(self, peer: int) -> int | None:
+        """The tag of the first message from ``peer`` not yet received, if this
+        transport can tell (a wrapper waiting for a message on its own path learns
+        that the peer sent it this way, or runs another call); None: none, or unknown."""
+        return None
+
     # -- user point-to-point (dist.send / dist.recv) ----------------------------
     # A communicator of its own, apart from collectives, so user tags never mix with
     # collective traffic, and not bound to the running collective's deadline.
@@ -333,8 +379,12 @@ class Transport(Link):
         return f"waiting for {', '.join(peers) or 'peers'}"
 
 
+#: the collectives a transport's own collective on a group of one rank runs as a copy
+ALONE = ("allreduce", "broadcast", "allgather", "reduce_scatter")
+
+
 class _Alone:
-    """The program of a shm_direct collective on a group of one rank: allreduce and
+    """The program of a transport's own collective on a group of one rank: allreduce and
     broadcast leave the tensor as it is; allgather and reduce_scatter copy the one
     chunk from input to output (unless they are the same memory)."""
 

@@ -223,6 +223,8 @@ class ShmTransport(Transport):
 
     Mismatch = TransportMismatch
 
+    holds_receives = True
+
     def __init__(self, inner: Transport, pairs: dict[int, _Pair], geometry: Geometry,
                  maps: list, map_index: dict[int, int], pids: dict[int, int], host: str):
         super().__init__(inner.rank, inner.size, inner.device)
@@ -247,14 +249,13 @@ class ShmTransport(Transport):
         self._signs = Signs()
         #: MPI progress while waiting on shared memory (its transfers to other hosts and
         #: users' messages move only inside MPI calls), at most every _POKE_S
-        self._poke = getattr(inner, "poke", _nothing)
-        self._user_pending = getattr(inner, "user_pending", _never)
+        self._poke = inner.poke
+        self._user_pending = inner.user_pending
         self._next_poke = 0.0
         #: messages to other hosts started and not yet waited for
         self._mpi_out = 0
-        if hasattr(inner, "idle_hook"):
-            inner.idle_hook = self.progress
-            inner.probe_hook = self._came_here
+        inner.idle_hook = self.progress
+        inner.probe_hook = self._came_here
         #: every rank's window, where every rank of the group is on this host
         #: (:mod:`ringcomm.transport.shm_direct`); None elsewhere
         self.direct: Window | None = None
@@ -569,9 +570,9 @@ class ShmTransport(Transport):
             if text is not None:
                 raise TransportPeerFailed(f"rank {peer} on host {self._host} stopped: {text}")
             self._check_alive(peer, "over shared memory")
-        first_tag = getattr(self.inner, "first_tag_from", None)
+        first_tag = self.inner.first_tag_from
         for h in handles:
-            if h.kind == "recv" and not h.req.done and first_tag is not None:
+            if h.kind == "recv" and not h.req.done:
                 self._same_number(h, first_tag(h.peer), "over MPI", h.req.pair.got)
         if self.direct is not None:
             self._in_window(sorted({h.peer for h in handles if not h.req.done}))
@@ -735,7 +736,7 @@ class ShmTransport(Transport):
         reported = self.peer_failure(pending) if self.peer_failure is not None else None
         if reported is not None:
             raise TransportPeerFailed(reported)
-        first_tag = getattr(self.inner, "first_tag_from", None)
+        first_tag = self.inner.first_tag_from
         for peer in pending:
             text = self._failure_of(peer)
             if text is not None:
@@ -743,7 +744,7 @@ class ShmTransport(Transport):
             self._check_alive(peer, "over shared memory")
             pair = self.pairs[peer]
             came = pair.in_[pair.head_in] > pair.got
-            tag = first_tag(peer) if first_tag is not None else None
+            tag = first_tag(peer)
             if not came and tag is None:
                 self._signs.gone(peer)
             elif self._signs.lasted(peer, (came, tag, pair.in_[pair.head_in]), now):
@@ -833,14 +834,6 @@ class _Idle:
             self.look_at(now)
             self.look = now + _PROBE_S
         self.pace.pause(now)
-
-
-def _nothing() -> None:
-    pass
-
-
-def _never() -> bool:
-    return False
 
 
 def _alive(pid: int) -> bool:

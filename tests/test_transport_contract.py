@@ -1,0 +1,219 @@
+"""The transport contract as a user meets it (docs/architecture.md, "Writing a
+transport"): the template, examples/store_transport.py, runs every collective of a
+torchrun world against a single-process oracle without MPI; a transport's own
+collective, declared with ``register_transport_collective``, runs where its
+transport is and is refused by name elsewhere; bad names and mismatched ranks get
+errors that say what was wrong."""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringcomm
+from ringcomm import algorithms
+from ringcomm.front import create
+from ringcomm.front.process_group import ProcessGroupRingcomm
+from ringcomm.testing.collectives import oracle
+from ringcomm.testing.in_process import _on_threads
+from ringcomm.testing.local import LocalFabric, LocalTransport
+from ringcomm.transport import shm_direct
+from ringcomm.transport.base import ALONE
+
+from conftest import torchrun
+
+STORE = {"RINGCOMM_TRANSPORT": "store"}
+
+
+def test_the_template_transport_runs_every_collective_without_mpi():
+    out = torchrun(3, "transport_check.py", "collectives", env=STORE, timeout=240).stdout
+    passed = [line for line in out.splitlines() if "checks passed over the store" in line]
+    assert len(passed) == 3, out
+    assert all(int(line.split(": ")[1].split()[0]) > 100 for line in passed), passed
+
+
+def test_a_rank_missing_on_the_template_transport_is_named_by_the_others():
+    out = torchrun(3, "transport_check.py", "stalled", env=STORE, timeout=120).stdout
+    assert out.count("timed out naming rank 1") == 2, out
+
+
+def test_an_unknown_transport_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"no transport 'nope'.*known: \[.*'mpi'"):
+        ringcomm.connect_group(dist.HashStore(), 0, 1,
+                               options=ringcomm.Options(transport="nope"))
+    with pytest.raises(ValueError, match="Options.transport must be a name"):
+        ringcomm.connect_group(dist.HashStore(), 0, 1, options=ringcomm.Options(transport=3))
+
+
+def _refuse(setup):
+    raise RuntimeError(f"rank {setup.rank}'s factory ran")
+
+
+def test_ranks_naming_different_transports_are_told_which_rank_named_what():
+    """Rank 1 learns from the store, before its factory runs, that rank 0 named
+    another transport (it would wait in another set-up)."""
+    ringcomm.register_transport("first", _refuse, replace=True)
+    ringcomm.register_transport("second", _refuse, replace=True)
+    store = dist.HashStore()
+    errors: dict[int, BaseException] = {}
+
+    def run(rank: int) -> None:
+        try:
+            ringcomm.connect_group(store, rank, 2, timeout=timedelta(seconds=5),
+                                   options=ringcomm.Options(transport=("first", "second")[rank]))
+        except BaseException as e:  # noqa: BLE001
+            errors[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        for name in ("first", "second"):
+            create.TRANSPORTS.pop(name, None)
+    assert "rank 0's factory ran" in str(errors[0])
+    assert "rank 1 names transport 'second' where rank 0 names 'first'" in str(errors[1])
+
+
+@pytest.mark.parametrize("name, connect, why", [
+    ("has space", lambda s: None, "is not a name"),
+    ("mpi", lambda s: None, "exists; pass replace=True"),
+    ("fine", 42, "is not callable"),
+])
+def test_register_transport_refuses_bad_input(name, connect, why):
+    with pytest.raises(ValueError, match=why):
+        ringcomm.register_transport(name, connect)
+    assert "fine" not in create.TRANSPORTS
+
+
+# -- a transport's own collective --------------------------------------------------------
+class _Pool:
+    """What the ranks of an in-process fabric share for their own allreduce."""
+
+    def __init__(self, size: int):
+        self.parts: list = [None] * size
+        self.turn = threading.Barrier(size, timeout=10)
+
+
+class PooledTransport(LocalTransport):
+    """The in-process transport with an allreduce of its own ("pooled"): every rank
+    puts its tensor in a shared pool, and each sums them in rank order."""
+
+    def __init__(self, fabric: LocalFabric, rank: int, pool: _Pool):
+        super().__init__(fabric, rank)
+        self.pool = pool
+
+    def check_own(self, name, collective, dtype, op):
+        if name == "pooled" and collective == "allreduce":
+            return
+        super().check_own(name, collective, dtype, op)
+
+    def own_init(self, name, collective, layout, dtype, op, signature, epoch, names, root=0):
+        if name != "pooled":
+            return super().own_init(name, collective, layout, dtype, op, signature, epoch,
+                                    names, root)
+        tp = self
+
+        class Program:
+            def run(self, bufs):
+                tp.pool.parts[tp.rank] = bufs[0].clone()
+                tp.pool.turn.wait()
+                total = tp.pool.parts[0].clone()
+                for part in tp.pool.parts[1:]:
+                    total += part
+                tp.pool.turn.wait()
+                bufs[0].copy_(total)
+
+            def close(self):
+                pass
+
+        return Program()
+
+
+@pytest.fixture
+def pooled():
+    own = ringcomm.register_transport_collective(
+        "pooled", ("allreduce",), "a PooledTransport (the test's in-process pool)")
+    yield own
+    for c in own.collectives:
+        algorithms.REGISTRY[c].pop("pooled")
+    algorithms.RESERVED.discard("pooled")
+
+
+def _groups(size: int, make_tp, body) -> list:
+    fabric = LocalFabric(size)
+
+    def run(rank: int):
+        pg = ProcessGroupRingcomm(rank, size, make_tp(fabric, rank), timedelta(seconds=10),
+                                  ringcomm.Options(), "contract")
+        try:
+            return body(rank, pg)
+        finally:
+            pg.shutdown()
+
+    return _on_threads("contract", size, run, 30)
+
+
+def test_a_transport_collective_runs_on_its_transport_against_the_oracle(pooled):
+    size, pool = 3, _Pool(3)
+    inputs = [torch.randn(50, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+
+    def body(rank, pg):
+        pg.set_algorithm("allreduce", "pooled")
+        t = inputs[rank].clone()
+        pg.allreduce([t]).wait()
+        return t
+
+    results = _groups(size, lambda f, r: PooledTransport(f, r, pool), body)
+    want = oracle(inputs, "SUM")
+    for t in results:
+        assert torch.equal(t, want)
+
+
+def test_a_transport_collective_elsewhere_is_refused_naming_what_it_needs(pooled):
+    def body(rank, pg):
+        pg.set_algorithm("allreduce", "pooled")
+        with pytest.raises(ValueError) as e:
+            pg.allreduce([torch.ones(4)]).wait()
+        return str(e.value)
+
+    for text in _groups(2, LocalFabric.transport, body):
+        assert "LocalTransport has no collective 'pooled'" in text, text
+        assert "needs a PooledTransport" in text, text
+
+
+def test_a_transport_collective_name_is_reserved_and_cannot_be_unregistered(pooled):
+    with pytest.raises(ValueError, match="reserved"):
+        ringcomm.register_algorithm("allreduce", "pooled", lambda ctx: None)
+    with pytest.raises(ValueError, match="transport's own collective"):
+        ringcomm.unregister_algorithm("allreduce", "pooled")
+    with pytest.raises(ValueError, match="exists"):
+        ringcomm.register_transport_collective("ring", ("allreduce",), "x")
+    with pytest.raises(ValueError, match="exists"):
+        ringcomm.register_transport_collective("pooled", ("allreduce", "broadcast"), "x")
+    with pytest.raises(ValueError, match="unknown collective"):
+        ringcomm.register_transport_collective("x", ("allmagic",), "x")
+    assert ringcomm.register_transport_collective("pooled", ("allreduce",), "y") is pooled
+
+
+def test_one_rank_runs_any_transport_collective_as_a_copy():
+    """A group of one rank has every rank on one host: shm_direct (and any transport
+    collective of ALONE) runs there as a copy, whatever the transport."""
+    assert algorithms.SHM_DIRECT.collectives == shm_direct.COLLECTIVES == ALONE
+
+    def body(rank, pg):
+        pg.set_algorithm("allreduce", "shm_direct")
+        pg.set_algorithm("allgather", "shm_direct")
+        t = torch.arange(5.0)
+        pg.allreduce([t]).wait()
+        out = [torch.full((5,), -1.0)]
+        pg.allgather([out], [torch.arange(5.0)]).wait()
+        return t, out[0]
+
+    [(t, gathered)] = _groups(1, LocalFabric.transport, body)
+    assert torch.equal(t, torch.arange(5.0)) and torch.equal(gathered, torch.arange(5.0))
