@@ -27,6 +27,13 @@ from ddp.mixed_precision import MixedPrecision
 from ddp.reducer import Reducer
 from ringcomm import trace
 
+#: Under torch.compile, what DDP does around the module's forward (collectives, hooks
+#: on the outputs, clocks) runs eagerly. torch's lazy form of torch.compiler.disable
+#: imports torch._dynamo at the first call, not at ``import ddp`` (2 s of a 3 s
+#: import); torch's optimizers import it when they are made, so a training loop
+#: pays nothing more
+_eager = torch._disable_dynamo
+
 __all__ = ["DistributedDataParallel", "describe_mismatch"]
 
 #: Parameters and buffers are broadcast in flat chunks of at most this many bytes:
@@ -518,9 +525,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         """torch's name for :meth:`logging_data`."""
         return self.logging_data()
 
-    # Under torch.compile, only the wrapped module's forward is traced: what DDP does
-    # around it (collectives, hooks on the outputs, clocks) runs eagerly.
-    @torch.compiler.disable
+    # Under torch.compile, only the wrapped module's forward is traced (_eager).
+    @_eager
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, tuple, dict]:
         """Everything before the module's forward: the clocks at its start and whether
         mixed precision swapped the parameters now, and the inputs (cast, with mixed
@@ -549,7 +555,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             inputs, kwargs, swapped = self._mp.swap_in(inputs, kwargs)
         return (*start, swapped), inputs, kwargs
 
-    @torch.compiler.disable
+    @_eager
     def _post_forward(self, output: Any, start: tuple) -> Any:
         """Everything after the module's forward: arm (or disarm) the reducer."""
         if torch.is_grad_enabled() and self.require_backward_grad_sync:

@@ -6,6 +6,7 @@ fails the test with the ranks' output.
 """
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -293,6 +294,20 @@ def test_delayed_allreduce_matches_torch_ddp_and_refuses_a_hook_that_comes_first
 def test_mixed_precision_matches_a_single_process_doing_the_same():
     out = mpirun(3, "ddp_mixed.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_mixed mpiexec n=3", 3)
+
+
+def test_import_ddp_leaves_torch_dynamo_unloaded():
+    """``import ddp`` costs about what ``import torch.nn.parallel`` does: dynamo (2 s
+    of a 3 s import when ddp's eager-only methods were marked with
+    ``torch.compiler.disable``) loads at the first forward at the latest, and a
+    model's optimizer has loaded it by then. The compiled run below checks that
+    those methods still run eagerly under torch.compile."""
+    code = ("import sys, torch.nn.parallel; before = set(sys.modules); import ddp; "
+            "print(sorted(m for m in set(sys.modules) - before "
+            "if m.startswith(('torch._dynamo', 'torch._inductor'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True, cwd=ROOT).stdout.strip()
+    assert out == "[]", f"import ddp loaded {out}"
 
 
 def test_torch_compile_device_mesh_init_sync_and_forward_sync_buffers():
