@@ -1,4 +1,4 @@
-"""The shared-memory transport (ringcomm/transport/shm.py): its layout, every
+"""The shared-memory transport (ringcomm/transport/shm/): its layout, every
 collective over it against an oracle, several hosts (shared memory inside each,
 MPI between), and its faults under both launchers: a killed rank, mismatched sizes,
 a directory too small, two jobs on one host at once."""
@@ -42,7 +42,7 @@ def test_shm_direct_is_registered_for_what_the_transport_serves():
     """REGISTRY names shm_direct for exactly the collectives the transport's window
     runs (the builders' layer cannot import the transport's list)."""
     from ringcomm.algorithms import REGISTRY, SHM_DIRECT
-    from ringcomm.transport import shm_direct
+    from ringcomm.transport.shm import direct as shm_direct
 
     registered = {c for c, algos in REGISTRY.items() if algos.get("shm_direct") is SHM_DIRECT}
     assert registered == set(shm_direct.COLLECTIVES)
@@ -267,22 +267,23 @@ def test_a_later_calls_message_numbered_alike_is_no_mismatch_until_it_stays(monk
     sight stays while the wait goes on; once seen (a full-suite run under load), the
     second kind failed a correct burst of collectives on several channels."""
     from ringcomm.transport import base, shm
+    from ringcomm.transport.shm import transport
 
     clock = [100.0]
-    monkeypatch.setattr(shm, "_monotonic", lambda: clock[0])
+    monkeypatch.setattr(transport, "_monotonic", lambda: clock[0])
     t = shm.ShmTransport.__new__(shm.ShmTransport)
-    t.number_bits, t.rank, t._signs = 14, 2, base.Signs()
+    t.number_bits, t.rank, t.signs = 14, 2, base.Signs()
     awaited, later = (5 << 14) | 3, (9 << 14) | 3  # the same number, 3, of two calls
     a = base.Handle(None, None, 0, "recv", tag=awaited)
     b = base.Handle(None, None, 1, "recv", tag=awaited)  # another receive of the wait
 
-    def look(h, found, dt=shm._PROBE_S, got=7):
+    def look(h, found, dt=shm.PROBE_S, got=7):
         clock[0] += dt
         t._same_number(h, found, "over shared memory", got)
 
     # seen, then again: not yet a mismatch; gone at a look: it starts again
     look(a, later)
-    look(a, later, shm._PROBE_S * 10)
+    look(a, later, shm.PROBE_S * 10)
     look(a, None)
     look(a, later)
     look(a, later, base.MISMATCH_S * 0.9)
@@ -299,7 +300,7 @@ def test_a_later_calls_message_numbered_alike_is_no_mismatch_until_it_stays(monk
     with pytest.raises(base.TransportMismatch, match="tagged 147459 where one tagged 81923"):
         look(b, later, 0.3)
     # a new wait forgets what the last one saw
-    t._signs.clear()
+    t.signs.clear()
     look(a, later, 5.0, got=8)
     # the tag itself is no mismatch, nor another number
     for found in (awaited, (9 << 14) | 4):

@@ -20,7 +20,7 @@ from ringcomm.front.process_group import ProcessGroupRingcomm
 from ringcomm.testing.collectives import oracle
 from ringcomm.testing.in_process import _on_threads
 from ringcomm.testing.local import LocalFabric, LocalTransport
-from ringcomm.transport import shm_direct
+from ringcomm.transport.shm import direct as shm_direct
 from ringcomm.transport.base import ALONE
 
 from conftest import torchrun

@@ -93,7 +93,7 @@ NATIVE = register_transport_collective(
     "NCCL's on CUDA)")
 #: the shared-memory transport's one-round collectives: every rank copies its part
 #: into its segment once and reads the peers' parts from theirs
-#: (:mod:`ringcomm.transport.shm_direct`); only where every rank shares one host
+#: (:mod:`ringcomm.transport.shm.direct`); only where every rank shares one host
 SHM_DIRECT = register_transport_collective(
     "shm_direct", ("allreduce", "broadcast", "allgather", "reduce_scatter"),
     "the shared-memory transport with every rank of the group on one host")

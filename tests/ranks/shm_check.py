@@ -1,4 +1,4 @@
-"""Per-rank program: the shared-memory transport (ringcomm/transport/shm.py).
+"""Per-rank program: the shared-memory transport (ringcomm/transport/shm/).
 
 Modes (first argument):
 

@@ -27,18 +27,27 @@ it: against a schedule's exchange, no request machinery, no FIFO and, below
 ``RINGCOMM_SHM_MIN_BYTES``, no MPI message. ``auto`` picks these where the measured
 table says they win.
 
-Waits are the transport's (:meth:`ringcomm.transport.shm.ShmTransport.direct_wait`):
-the collective's deadline, backing off to sleeps, dead or failed peers, and a peer
-found in another collective. A failed round leaves the windows out of step, so the
-transport refuses later collectives.
+A round's wait (:func:`wait_round`) is the transport's kind of wait
+(:class:`ringcomm.transport.shm.liveness.Idle`): the collective's deadline, backing
+off to sleeps, dead or failed peers, and a peer found in another collective. A
+schedule's wait on a peer that runs shm_direct instead finds it in that peer's
+window (:func:`peers_ahead`). A failed round leaves the windows out of step, so the
+transport refuses later collectives (:func:`round_failed`).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import torch
 
 from ringcomm import ops
+from ringcomm.mismatch import mismatch
+from ringcomm.transport.base import (TransportAborted, TransportMismatch,
+                                     TransportPeerFailed)
+from ringcomm.transport.shm.liveness import Idle
+
+_monotonic = time.monotonic
 
 _copy = ops.serial_copy
 #: looks at the peers' lines before the transport's wait takes over
@@ -54,6 +63,89 @@ def direct_program(tp: Any, collective: str, layout: tuple, dtype: torch.dtype, 
     kind = {"allreduce": DirectAllreduce, "broadcast": DirectBroadcast,
             "allgather": DirectAllgather, "reduce_scatter": DirectReduceScatter}[collective]
     return kind(tp, layout, dtype, op, root, signature, epoch, names)
+
+
+def wait_round(tp: Any, k: int, sig: int, epoch: int, describe) -> None:
+    """Wait until every peer published round ``k`` of the same call (signature
+    ``sig``, ``epoch``), within the collective's deadline; then the fence that
+    orders the reads of its data after it. ``describe(sig)`` names a call."""
+    win = tp.direct
+    line, words, me = win.lines[k & 1], win.words, tp.rank
+    pending = [r for r in range(tp.size) if r != me]
+    idle = Idle(tp, lambda: (
+        f"waiting for rank(s) {pending} on host {tp.host} to join "
+        f"{describe(sig)} (over shared memory)"),
+        lambda now: _look_from_window(tp, pending, now, describe(sig)))
+    tp.signs.clear()
+    while True:
+        arrived = [r for r in pending if words[r][line] == k]
+        if arrived:
+            tp.fence()  # the rounds before the signatures and data they publish
+            for r in arrived:
+                w = words[r]
+                if w[line + 1] != sig or w[line + 2] != epoch:
+                    theirs = describe(w[line + 1]) if w[line + 2] == epoch else (
+                        "a call of another epoch (a call before it was refused on "
+                        "some ranks only: bad input there)")
+                    raise mismatch(me, describe(sig), r, theirs)
+            pending[:] = [r for r in pending if r not in arrived]
+            if not pending:
+                return
+        idle.turn()
+
+
+def _look_from_window(tp: Any, pending: list[int], now: float, mine: str) -> None:
+    """A long shm_direct wait looks at the peers it waits on: failed, gone, or in
+    another collective (a message of a schedule from them waits here, the same at
+    every look for MISMATCH_S)."""
+    reported = tp.peer_failure(pending) if tp.peer_failure is not None else None
+    if reported is not None:
+        raise TransportPeerFailed(reported)
+    first_tag = tp.inner.first_tag_from
+    for peer in pending:
+        text = tp.failure_of(peer)
+        if text is not None:
+            raise TransportPeerFailed(f"rank {peer} on host {tp.host} stopped: {text}")
+        tp.check_alive(peer, "over shared memory")
+        pair = tp.pairs[peer]
+        came = pair.in_[pair.head_in] > pair.got
+        tag = first_tag(peer)
+        if not came and tag is None:
+            tp.signs.gone(peer)
+        elif tp.signs.lasted(peer, (came, tag, pair.in_[pair.head_in]), now):
+            raise mismatch(tp.rank, mine, peer, None)  # its messages' tags: unread
+
+
+def peers_ahead(tp: Any, peers: list[int]) -> None:
+    """Raise if a peer this schedule waits on published a shm_direct round this rank
+    has not joined, the same at every look for MISMATCH_S: it runs shm_direct where
+    this rank runs a schedule."""
+    now = _monotonic()
+    for peer in peers:
+        ahead = round_of(tp, peer)
+        key = ("window", peer)
+        if ahead <= tp.rounds:
+            tp.signs.gone(key)
+        elif tp.signs.lasted(key, ahead, now):
+            # its window holds its call's whole signature: the program names it
+            line = tp.direct.lines[ahead & 1]
+            raise TransportMismatch(peer, None, None,
+                                    signature=tp.direct.words[peer][line + 1])
+
+
+def round_of(tp: Any, peer: int) -> int:
+    """The last round of shm_direct ``peer`` published."""
+    w, lines = tp.direct.words[peer], tp.direct.lines
+    return max(w[lines[0]], w[lines[1]])
+
+
+def round_failed(tp: Any, e: BaseException) -> None:
+    """A round failed part done: the windows are out of step from here on."""
+    if isinstance(e, TransportAborted) or tp.broken is not None:
+        tp.broken = tp.broken or ("ringcomm shared-memory transport: unusable after "
+                                        "an aborted collective")
+        return
+    tp.fail(f"rank {tp.rank} on host {tp.host}: {type(e).__name__}: {e}")
 
 
 class _Direct:
@@ -111,8 +203,8 @@ class _Direct:
         put, take = self._put, self._take
         try:
             for i in range(len(self.spans)):
-                if tp._broken is not None:
-                    raise RuntimeError(tp._broken)
+                if tp.broken is not None:
+                    raise RuntimeError(tp.broken)
                 k = tp.rounds + 1
                 buf = k & 1
                 line = lines[buf]
@@ -133,14 +225,14 @@ class _Direct:
                         fence()  # the rounds before the signatures and data they publish
                         for w in peer_words:
                             if w[line + 1] != sig or w[line + 2] != epoch:
-                                tp.direct_wait(k, sig, epoch, self._describe)
+                                wait_round(tp, k, sig, epoch, self._describe)
                         break
                 else:
-                    tp.direct_wait(k, sig, epoch, self._describe)
+                    wait_round(tp, k, sig, epoch, self._describe)
                 take(views, i, buf)
                 tp.rounds = k
         except BaseException as e:
-            tp.direct_failed(e)
+            round_failed(tp, e)
             raise
 
     def _describe(self, sig: int) -> str | None:
