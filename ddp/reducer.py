@@ -23,13 +23,12 @@ Autograd runs hooks and callbacks of a CPU backward on the thread that called
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,67 +37,10 @@ from torch.autograd import Variable
 from ddp.buckets import (Bucket, complete_order, compute_bucket_assignment, make_buckets,
                          reverse_order)
 from ddp.comm_hooks import CommHook, GradBucket, allreduce_hook, allreduce_sum
+from ddp.graph import find_tensors, reachable_parameters
 from ringcomm import trace
 
 log = logging.getLogger("ddp")
-
-
-def find_tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside ``obj`` (tensors, lists, tuples, dicts, dataclasses, nested)."""
-    found: list[torch.Tensor] = []
-    stack = [obj]
-    seen: set[int] = set()
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            found.append(o)
-        elif id(o) in seen:
-            continue
-        elif isinstance(o, (list, tuple, set, frozenset)):
-            seen.add(id(o))
-            stack.extend(o)
-        elif isinstance(o, dict):
-            seen.add(id(o))
-            stack.extend(o.values())
-        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
-            seen.add(id(o))
-            stack.extend(getattr(o, f.name) for f in dataclasses.fields(o))
-    return found
-
-
-def reachable_parameters(outputs: Iterable[torch.Tensor],
-                         params: Sequence[torch.Tensor]) -> set[int]:
-    """Indices of ``params`` that a backward from ``outputs`` can give a gradient.
-
-    Walks the autograd graph from the outputs' ``grad_fn`` through
-    ``next_functions``; a parameter is reached when its ``AccumulateGrad`` node is
-    (that node's ``variable`` is the parameter itself). An output that *is* a
-    parameter counts too.
-    """
-    index = {id(p): i for i, p in enumerate(params)}
-    reached: set[int] = set()
-    stack = []
-    for t in outputs:
-        if not t.requires_grad:
-            continue
-        if t.grad_fn is None:
-            if id(t) in index:
-                reached.add(index[id(t)])
-        else:
-            stack.append(t.grad_fn)
-    seen = set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None and id(variable) in index:
-            reached.add(index[id(variable)])
-        for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in seen:
-                stack.append(nxt)
-    return reached
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -107,7 +49,8 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.dtype == b.dtype and a.device == b.device)
 
 
-def _on_grad_ready(ref: "weakref.ref[Reducer]", index: int, param: torch.Tensor) -> None:
+def _grad_hook(ref: "weakref.ref[Reducer]", index: int, param: torch.Tensor) -> None:
+    """A parameter's post-accumulate-grad hook: :meth:`Reducer._on_grad_ready`."""
     # A weak reference: hooks live as long as the parameter, the reducer only as
     # long as its DDP wrapper.
     reducer = ref()
@@ -118,7 +61,8 @@ def _on_grad_ready(ref: "weakref.ref[Reducer]", index: int, param: torch.Tensor)
             reducer._on_grad_ready(index, param)
 
 
-def _on_output_grad(ref: "weakref.ref[Reducer]", grad: torch.Tensor) -> None:
+def _output_grad_hook(ref: "weakref.ref[Reducer]", grad: torch.Tensor) -> None:
+    """A hook on the forward's outputs: the backward begins (:meth:`Reducer._begin`)."""
     reducer = ref()
     if reducer is not None:
         with reducer._lock:
@@ -221,7 +165,7 @@ class Reducer:
         self._divisor_work: Any = None
 
         ref = weakref.ref(self)
-        handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad_ready, ref, i))
+        handles = [p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref, i))
                    for i, p in enumerate(self.params)]
         weakref.finalize(self, _remove_hooks, handles)
 
@@ -279,6 +223,17 @@ class Reducer:
         self._prescale = None  # a hook gets the bucket as it is, and averages it itself
 
     # -- per iteration ----------------------------------------------------------
+    @property
+    def rebuilt(self) -> bool:
+        """Whether the buckets were rebuilt in the order gradients arrived."""
+        return self._rebuilt
+
+    @property
+    def comm_hook_name(self) -> str:
+        """The registered comm hook's name ("" for the default)."""
+        hook = self._comm_hook
+        return getattr(hook, "__qualname__", repr(hook)) if self._comm_hook_registered else ""
+
     def check_idle(self) -> None:
         """Raise if the previous synchronized backward started reducing and never finished.
 
@@ -361,7 +316,7 @@ class Reducer:
         ref = weakref.ref(self)
         for t in find_tensors(outputs):
             if t.requires_grad and t.grad_fn is not None:
-                t.register_hook(functools.partial(_on_output_grad, ref))
+                t.register_hook(functools.partial(_output_grad_hook, ref))
 
     def set_divisor_work(self, work: Any) -> None:
         """The coming backward divides by the sum that ``work`` (an allreduce of ones

@@ -21,8 +21,8 @@ if str(ROOT) not in sys.path:  # this worktree's ddp, not an installed one
 from conftest import assert_checks, mpirun, torchrun  # noqa: E402
 from ddp.buckets import (MB, compute_bucket_assignment, complete_order, make_buckets,  # noqa: E402
                          reverse_order)
-from ddp.data_parallel import _entries, describe_mismatch  # noqa: E402
-from ddp.reducer import find_tensors, reachable_parameters  # noqa: E402
+from ddp.replicas import _entries, describe_mismatch  # noqa: E402
+from ddp.graph import find_tensors, reachable_parameters  # noqa: E402
 
 LAUNCH_TIMEOUT = 180  # generous: other engineers' tests share the two cores
 
