@@ -12,7 +12,7 @@ from ringcomm import ops
 from ringcomm.algorithms import ring
 from ringcomm.execution.executors import GroupProgram
 from ringcomm.execution.plan import Plan
-from ringcomm.execution.checker import check_user_schedule as _check_user_schedule
+from ringcomm.execution.user_checks import check_user_schedule as _check_user_schedule
 from ringcomm.schedule import Builder, Context, Copy, Reduce, Region, ScheduleError
 from ringcomm.execution.simulator import SimFabric, SimulatorError
 from ringcomm.testing import run_schedule

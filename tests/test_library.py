@@ -388,7 +388,7 @@ def test_registered_like_a_users_algorithm_and_tuning_names_only_registered_ones
 def test_first_use_check_refuses_nothing_at_realistic_shapes():
     # what the planner runs on the first call of each shape: the real shape without
     # contents, the contents at a smaller shape with as many segments per chunk
-    from ringcomm.execution.checker import check_user_schedule
+    from ringcomm.execution.user_checks import check_user_schedule
 
     seg = (2 << 20) // 4  # the default 2 MiB segments of float32
     for (coll, name), build in ALGORITHMS.items():

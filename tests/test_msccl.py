@@ -363,7 +363,8 @@ def test_a_refusal_names_the_xml_from_the_checkers_finding_not_its_words(monkeyp
     wrong = checker.Finding("wrong result", rank=0, buffer=0, element=1)
     assert explain("x", wrong, tr, alg.program) == "x (rank 0 buffer 0 element 1 is in chunk 1)"
     # the checker reworded: the same XML steps and chunk are named
-    monkeypatch.setattr(checker, "_describe_id", lambda coll, p, ident: "something")
+    from ringcomm.execution import contents
+    monkeypatch.setattr(contents, "describe_id", lambda coll, p, ident: "something")
     with pytest.raises(ValueError) as e:
         msccl.load(mixes)
     assert "something" in str(e.value) and str(e.value).endswith(in_xml), str(e.value)

@@ -141,7 +141,7 @@ def _ring_unless_large(ctx):
 
 
 def test_a_users_proof_at_the_groups_size_when_it_fits(caplog):
-    from ringcomm.execution.checker import LAST_PROOF, check_user_schedule
+    from ringcomm.execution.user_checks import LAST_PROOF, check_user_schedule
     with pytest.raises(ScheduleError, match="algorithm 'big' is wrong: allreduce on 128 ranks"):
         check_user_schedule(_ring_unless_large, Context("allreduce", 128, 0, (256,)), "big")
     check_user_schedule(ring.allreduce, Context("allreduce", 128, 0, (256,)), "ring128")
@@ -152,7 +152,7 @@ def test_a_users_proof_at_the_groups_size_when_it_fits(caplog):
 def test_a_proof_over_its_budget_says_which_size_it_proved(caplog):
     """With no time to spare the contents are proven at 8 ranks only, and rank 0 says
     so; the fault at 128 ranks goes unseen, and nothing claims it was seen."""
-    from ringcomm.execution.checker import LAST_PROOF, check_user_schedule
+    from ringcomm.execution.user_checks import LAST_PROOF, check_user_schedule
     with caplog.at_level(logging.WARNING, "ringcomm"):
         for rank in (0, 1):
             check_user_schedule(_ring_unless_large, Context("allreduce", 128, rank, (256,)),
@@ -169,7 +169,7 @@ def test_a_broken_structure_is_refused_at_the_groups_size_whatever_the_budget():
         if ctx.rank == 70:
             return dataclasses.replace(s, steps=s.steps[1:])
         return s
-    from ringcomm.execution.checker import check_user_schedule
+    from ringcomm.execution.user_checks import check_user_schedule
     with pytest.raises(ScheduleError, match="on 128 ranks.*(unmatched|size mismatch|deadlock)"):
         check_user_schedule(unmatched_above_64, Context("allreduce", 128, 0, (256,)), "u",
                             budget_s=0)
@@ -178,10 +178,12 @@ def test_a_broken_structure_is_refused_at_the_groups_size_whatever_the_budget():
 def test_proofs_in_slices_prove_and_refuse_alike(monkeypatch):
     """The contents move in parts of SLICE_ELEMENTS elements: a round cut into
     parts of 3 proves what it proves whole, and refuses with the same words."""
+    from ringcomm.execution import contents
+
     whole = {}
     for sliced in (False, True):
         if sliced:
-            monkeypatch.setattr(checker, "SLICE_ELEMENTS", 3)
+            monkeypatch.setattr(contents, "SLICE_ELEMENTS", 3)
         for name in ("ring", "tree"):
             for layout, seg in checker.shapes("allreduce", 13, 2):
                 st = checker.check(REGISTRY["allreduce"][name], "allreduce", 13, layout,

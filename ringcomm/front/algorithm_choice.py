@@ -2,7 +2,7 @@
 choice, or ``auto``'s), its compiled schedule (cached per call shape, and for a
 user's algorithm checked before first use), and the program that runs it on a
 lane (:mod:`ringcomm.execution.executors`), and the group's epoch (message tags). A user's
-builder is checked by :func:`ringcomm.execution.checker.check_user_schedule`; the
+builder is checked by :func:`ringcomm.execution.user_checks.check_user_schedule`; the
 ``RINGCOMM_DEBUG=DETAIL`` comparison of every rank's call is
 :mod:`ringcomm.front.cross_rank_checks`.
 """
@@ -22,7 +22,7 @@ from ringcomm.algorithms import names as algorithm_names
 from ringcomm.algorithms import select
 from ringcomm.front.lanes import Lane
 from ringcomm.schedule import Context, ShapeNotServed
-from ringcomm.execution.checker import check_user_schedule
+from ringcomm.execution.user_checks import check_user_schedule
 from ringcomm.execution.executors import GroupProgram, NativeProgram, P2PProgram
 from ringcomm.execution.plan import Plan
 from ringcomm.settings import Options

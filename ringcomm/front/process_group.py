@@ -32,7 +32,7 @@ from ringcomm.front.algorithm_choice import Planner
 from ringcomm.front.calls import Calls
 from ringcomm.runtime.engine import Engine
 from ringcomm.runtime.work import Batch, Done, P2PWork
-from ringcomm.execution.checker import AlgorithmFailed
+from ringcomm.execution.user_checks import AlgorithmFailed
 from ringcomm.settings import Options, get
 from ringcomm.transport import Transport
 

@@ -32,8 +32,8 @@ on either architecture (docs/architecture.md, "Shared memory").
 Never hang, never leak: every wait honours the collective's deadline and backs off
 from spinning to sleeping (:class:`ringcomm.backoff.Backoff`); a long wait looks at
 the peers it waits on, and a peer whose process is gone, or that wrote a failure
-into its segment, ends the wait with :class:`~ringcomm.transport.base.TransportPeerFailed` naming its rank
-and host. Segments are unlinked as soon as every rank has mapped them, so a rank
+into its segment, ends the wait with
+:class:`~ringcomm.transport.base.TransportPeerFailed` naming its rank and host. Segments are unlinked as soon as every rank has mapped them, so a rank
 killed afterwards leaves nothing in the directory; their space is allocated when
 they are made (``posix_fallocate``), so a directory too small fails then, naming
 what was needed and what was free, and the group runs over MPI instead.

@@ -33,7 +33,7 @@ class Pair:
         self.sendq: collections.deque = collections.deque()
         self.recvq: collections.deque = collections.deque()
         #: received messages left in the peer's slots until a local step reads them
-        #: (:meth:`ShmTransport.recv_held_init <ringcomm.transport.shm.transport.ShmTransport.recv_held_init>`), oldest first
+        #: (``ShmTransport.recv_held_init``), oldest first
         self.held: collections.deque = collections.deque()
 
 

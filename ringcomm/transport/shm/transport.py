@@ -285,7 +285,8 @@ class ShmTransport(Transport):
 
     def _came_here(self, h: Handle) -> None:
         """Called while MPI waits long for ``h``: raise if its peer, on this host, is
-        gone or failed, runs shm_direct (:func:`~ringcomm.transport.shm.direct.peers_ahead`), or if the message a
+        gone or failed, runs shm_direct
+        (:func:`~ringcomm.transport.shm.direct.peers_ahead`), or if the message a
         receive awaits came over shared memory instead (the sender's size put it
         there)."""
         peer = h.peer
