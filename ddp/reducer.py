@@ -38,6 +38,7 @@ from ddp.buckets import (Bucket, complete_order, compute_bucket_assignment, make
                          reverse_order)
 from ddp.comm_hooks import CommHook, GradBucket, allreduce_hook, allreduce_sum
 from ddp.graph import find_tensors, reachable_parameters
+from ddp.iteration import Iteration
 from ringcomm import trace
 
 log = logging.getLogger("ddp")
@@ -242,9 +243,9 @@ class Reducer:
                 (backward raised or was interrupted); the ranks' collectives may
                 no longer match, so continuing could hang or mix iterations.
         """
-        if self._armed and self._launched:
+        if self._armed and self.it.launched:
             raise RuntimeError(
-                f"ddp: the previous backward launched {self._launched} of "
+                f"ddp: the previous backward launched {self.it.launched} of "
                 f"{len(self.buckets)} bucket allreduces but never finished (did backward "
                 "raise?). The ranks may be out of step; restart training from a checkpoint.")
 
@@ -273,18 +274,7 @@ class Reducer:
 
     def _reset(self) -> None:
         """Forget the previous iteration's progress (the layout stays)."""
-        n = len(self.params)
-        self._started = False                     # finalize queued, unused marked
-        self._backward_start = 0.0                # trace clock at the first hook
-        self._launched = 0                        # buckets handed to the comm hook
-        self._ready = [False] * n                 # gradient in its slot (or unused)
-        self._used = [False] * n                  # got a gradient this iteration
-        self._ready_order: list[int] = []         # parameters in the order they came
-        self._pending = [len(b.param_indices) for b in self.buckets]  # slots still empty
-        self._futures: list[torch.futures.Future | None] = [None] * len(self.buckets)
-        self._used_future: torch.futures.Future | None = None  # the bitmap allreduce
-        self._unused_from_graph: list[int] = []
-        self._saved_slots: dict[int, torch.Tensor] = {}  # bucket views to restore
+        self.it = Iteration(len(self.params), self.buckets)
 
     @property
     def _detecting(self) -> bool:
@@ -301,9 +291,9 @@ class Reducer:
         self._reset()
         if self._detecting:
             reached = reachable_parameters(find_tensors(outputs), self.params)
-            self._unused_from_graph = [i for i in range(len(self.params)) if i not in reached]
+            self.it.unused_from_graph = [i for i in range(len(self.params)) if i not in reached]
         elif self._static_unused is not None:  # static_graph: as the first iteration found
-            self._unused_from_graph = list(self._static_unused)
+            self.it.unused_from_graph = list(self._static_unused)
         if self._observed_order is None and self._recording is None:
             self._recording = []
         self._armed = True
@@ -335,10 +325,7 @@ class Reducer:
                      .view_as(v) for v in b.views]
             shadow = GradBucket(gb.index(), zeros, views, gb.parameters(), gb.is_last(),
                                 self.process_group)
-            if self._prescale is not None:
-                futures.append(allreduce_sum(self.process_group, zeros))
-            else:
-                futures.append(self._comm_hook(self._comm_hook_state, shadow))
+            futures.append(self._reduce(b.index, shadow))
         for fut in futures:
             fut.wait()
         if self._detecting:
@@ -360,16 +347,16 @@ class Reducer:
     def _begin(self) -> None:
         """First event of a synchronized backward: queue the finalize callback (it has
         to be queued from inside the backward) and send what is known to be unused."""
-        if self._started:
+        if self.it.started:
             return
-        self._started = True
+        self.it.started = True
         self._t_begin = time.perf_counter_ns()
         self._t_launch = 0
         if trace.active():
-            self._backward_start = trace.now()
+            self.it.backward_start = trace.now()
             trace.instant("backward start", "ddp")
-        Variable._execution_engine.queue_callback(self._finalize)
-        for j in self._unused_from_graph:
+        Variable._execution_engine.queue_callback(self._end_of_backward)
+        for j in self.it.unused_from_graph:
             self._mark_ready(j, used=False)
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
@@ -387,9 +374,9 @@ class Reducer:
                 Variable._execution_engine.queue_callback(self._mp_restore)
             return
         self._begin()
-        if self._ready[i]:
+        if self.it.ready[i]:
             b = self._bucket_of[i]
-            if b < self._launched:
+            if b < self.it.launched:
                 raise RuntimeError(
                     f"ddp: parameter '{self.names[i]}' got a gradient after its bucket {b} "
                     "was already reduced: the parameter is not reachable from the outputs "
@@ -397,8 +384,8 @@ class Reducer:
                     "wrapped module's forward?)")
             # Marked unused from the graph walk, but its bucket has not gone out yet:
             # take the gradient after all.
-            self._used[i] = True
-            self._saved_slots.pop(i, None)
+            self.it.used[i] = True
+            self.it.saved_slots.pop(i, None)
             self._load_slot(i, param)
             return
         self._mark_ready(i, used=True)
@@ -429,8 +416,8 @@ class Reducer:
 
     def _mark_ready(self, i: int, used: bool) -> None:
         if used:
-            self._used[i] = True
-            self._ready_order.append(i)
+            self.it.used[i] = True
+            self.it.ready_order.append(i)
             if self._recording is not None:
                 self._recording.append(i)
             self._load_slot(i, self.params[i])
@@ -445,81 +432,87 @@ class Reducer:
                 # The slot is the gradient; keep a copy to restore it untouched if no
                 # rank used the parameter (the allreduce would round it otherwise).
                 if self.find_unused_parameters or self.static_graph:
-                    self._saved_slots[i] = view.clone()
+                    self.it.saved_slots[i] = view.clone()
             else:
                 self._fill(view, g)
-        self._ready[i] = True
+        self.it.ready[i] = True
         b = self._bucket_of[i]
-        self._pending[b] -= 1
-        if self._pending[b] == 0:
+        self.it.pending[b] -= 1
+        if self.it.pending[b] == 0:
             trace.instant(f"bucket {b} ready", "ddp", bucket=b,
                           bytes=self.buckets[b].buffer.nbytes)
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._launched < len(self.buckets) and self._pending[self._launched] == 0:
-            b = self._launched
+        while self.it.launched < len(self.buckets) and self.it.pending[self.it.launched] == 0:
+            b = self.it.launched
             trace.instant(f"bucket {b} launch", "ddp", bucket=b)
             if not self._t_launch:
                 self._t_launch = time.perf_counter_ns()
-            if self._prescale is not None:  # the default hook, its division already done
-                fut = allreduce_sum(self.process_group, self._grad_buckets[b].buffer())
-            else:
-                fut = self._comm_hook(self._comm_hook_state, self._grad_buckets[b])
-            # torch.futures.Future is the Python face of torch._C.Future; collectives'
-            # get_future() returns the latter.
-            if not isinstance(fut, torch._C.Future):
-                raise TypeError(f"ddp: the communication hook must return a "
-                                f"torch.futures.Future, got {type(fut).__name__} for bucket {b}")
-            self._futures[b] = fut
-            self._launched += 1
-        if (self._detecting and self._launched == len(self.buckets)
-                and self._used_future is None):
+            self.it.futures[b] = self._reduce(b, self._grad_buckets[b])
+            self.it.launched += 1
+        if (self._detecting and self.it.launched == len(self.buckets)
+                and self.it.used_future is None):
             # Every parameter is ready, so the local used-set is final. Sent after the
             # last bucket on every rank, so the collectives still match.
-            used = [u or v for u, v in zip(self._used, self._used_since_sync)]
+            used = [u or v for u, v in zip(self.it.used, self._used_since_sync)]
             bitmap = torch.tensor(used, dtype=torch.int32, device=self._device)
-            self._used_future = dist.all_reduce(bitmap, group=self.process_group,
+            self.it.used_future = dist.all_reduce(bitmap, group=self.process_group,
                                                 async_op=True).get_future()
 
-    def _finalize(self) -> None:
+    def _reduce(self, b: int, gb: GradBucket) -> torch.futures.Future:
+        """Hand bucket ``b`` (``gb``) to the communication hook; the future it gave.
+        The default hook is an allreduce of the sum, the division done as the
+        gradients came (``_prescale``)."""
+        if self._prescale is not None:
+            fut = allreduce_sum(self.process_group, gb.buffer())
+        else:
+            fut = self._comm_hook(self._comm_hook_state, gb)
+        # torch.futures.Future is the Python face of torch._C.Future; collectives'
+        # get_future() returns the latter.
+        if not isinstance(fut, torch._C.Future):
+            raise TypeError(f"ddp: the communication hook must return a "
+                            f"torch.futures.Future, got {type(fut).__name__} for bucket {b}")
+        return fut
+
+    def _end_of_backward(self) -> None:
         """End of backward: finish any bucket still waiting, wait for all, write back.
 
         Mixed precision's full-precision parameters are put back exactly once: after
         the waits, whether they raised or not, and before the write-back (which then
         casts the averaged gradients to the full-precision dtype)."""
         try:
-            missing, global_used = self._finalize_reduce()
+            missing, global_used = self._wait_for_buckets()
         finally:
             if self.mp is not None:
                 self.mp.restore()
-        self._finalize_write_back(missing, global_used)
+        self._close_iteration(missing, global_used)
 
-    def _finalize_reduce(self) -> tuple[list[int], list | None]:
+    def _wait_for_buckets(self) -> tuple[list[int], list | None]:
         """Send what never got a gradient, wait for every bucket (and the used bitmap,
         and join's divisor). Returns the parameters that got no gradient here, and
         which parameters some rank used (None: all of them)."""
         if trace.active():
-            trace.complete("backward", "ddp", self._backward_start, trace.now(),
+            trace.complete("backward", "ddp", self.it.backward_start, trace.now(),
                            buckets=len(self.buckets))
         self._armed = False
         t_compute_end = time.perf_counter_ns()
-        missing = [i for i in range(len(self.params)) if not self._ready[i]]
+        missing = [i for i in range(len(self.params)) if not self.it.ready[i]]
         # Parameters that got no gradient still have to be sent: the other ranks are
         # waiting in the allreduce of their bucket.
         for i in missing:
             self._mark_ready(i, used=False)
-        for b, fut in enumerate(self._futures):
+        for b, fut in enumerate(self.it.futures):
             with trace.span(f"wait bucket {b}", "ddp", bucket=b):
                 value = fut.wait()
             self._store_result(b, value)
         self._account(t_compute_end, time.perf_counter_ns())
         global_used = None
-        if self._used_future is not None:
-            global_used = self._used_future.wait()[0].tolist()
+        if self.it.used_future is not None:
+            global_used = self.it.used_future.wait()[0].tolist()
             if self.static_graph and self._static_used is None:
                 self._static_used = global_used
-                self._static_unused = [i for i in range(len(self.params)) if not self._used[i]]
+                self._static_unused = [i for i in range(len(self.params)) if not self.it.used[i]]
         elif self._static_used is not None:
             global_used = self._static_used
         if self._divisor_work is not None:  # join(divide_by_initial_world_size=False)
@@ -531,14 +524,14 @@ class Reducer:
                     bucket.buffer.mul_(self.world_size / training)
         return missing, global_used
 
-    def _finalize_write_back(self, missing: list[int], global_used: list | None) -> None:
+    def _close_iteration(self, missing: list[int], global_used: list | None) -> None:
         """The averages into ``param.grad``; the iteration's bookkeeping; the error for
         parameters that got no gradient without ``find_unused_parameters``."""
         if self.delayed is not None:  # after the buckets: the same place on every rank
             self.delayed.finish()
         with trace.span("copy-back", "ddp"):
-            self._write_back(global_used)
-        self._saved_slots = {}
+            self._grads_from_buckets(global_used)
+        self.it.saved_slots = {}
         self._used_since_sync = [False] * len(self.params)
         self.num_synced_backwards += 1
         if self._recording is not None:
@@ -564,20 +557,20 @@ class Reducer:
         t["backward_comm"] += comm_end - launch
         t["overlap"] += max(0, compute_end - launch)
         # _reset makes new lists for the next backward: these stay as they are
-        self.last_ready_order, self._last_used = self._ready_order, self._used
+        self.last_ready_order, self._last_used = self.it.ready_order, self.it.used
 
     @property
     def unused_bytes(self) -> int:
         """Bytes of the parameters the last synchronized backward gave no gradient."""
         return sum(p.nbytes for p, used in zip(self.params, self._last_used) if not used)
 
-    def _write_back(self, global_used: list | None) -> None:
+    def _grads_from_buckets(self, global_used: list | None) -> None:
         """Reduced buckets -> ``param.grad`` (parameters no rank used keep theirs)."""
         for b in self.buckets:
             for k, i in enumerate(b.param_indices):
                 p, view = self.params[i], b.views[k]
                 if global_used is not None and global_used[i] == 0:
-                    saved = self._saved_slots.get(i)
+                    saved = self.it.saved_slots.get(i)
                     if saved is not None:
                         view.copy_(saved)
                     continue  # no rank used it: grad stays as it was (None or unchanged)
