@@ -11,7 +11,7 @@ from ddp.buckets import Bucket
 
 class Iteration:
     """The progress of one synchronized backward, made afresh when a forward arms the
-    reducer (:meth:`Reducer.prepare_for_backward`); the bucket layout outlives it."""
+    reducer (:meth:`ddp.reducer.Reducer.prepare_for_backward`); the bucket layout outlives it."""
 
     __slots__ = ("started", "backward_start", "launched", "ready", "used", "ready_order",
                  "pending", "futures", "used_future", "unused_from_graph", "saved_slots")

@@ -33,7 +33,7 @@ Helpers for writing builders, public so that an algorithm written outside
 ringcomm uses the same pieces as the built-in ones: :func:`split_even` (a region
 cut into nearly equal chunks), :func:`pieces` (a region cut into pipeline
 segments), :func:`binomial_tree` (parent and children in a binomial tree),
-:data:`WINDOW` (scratch slots per receiving peer in pipelined reductions) and
+:data:`SCRATCH_SLOTS` (scratch slots per receiving peer in pipelined reductions) and
 :meth:`Builder.include` (another schedule, of a subgroup, appended to this one:
 how hierarchical algorithms compose).
 """
@@ -142,9 +142,11 @@ class Schedule:
 
 
 #: scratch slots per receiving peer in pipelined reductions: the MPI executor may
-#: post that many receives ahead, so scratch memory stays bounded (``WINDOW``
+#: post that many receives ahead, so scratch memory stays bounded (``SCRATCH_SLOTS``
 #: segments per peer) whatever the message size
-WINDOW = 4
+SCRATCH_SLOTS = 4
+#: SCRATCH_SLOTS's first name, for algorithms written with it (it was no window)
+WINDOW = SCRATCH_SLOTS
 
 
 def split_even(rg: "Region | tuple", parts: int) -> list[Region]:

@@ -10,7 +10,7 @@ model is the one ``scripts/library_tuning.py`` uses for the library's rows: alph
 beta fitted jointly to the measured ring, tree and recursive doubling of
 ``docs/data/compare_2ranks.json`` (2 ranks on one host), gamma as that run measured
 it, and every candidate's features counted from its schedules at the cell's world
-size (:func:`ringcomm.bench.model.features_at`: the ring in closed form, the others
+size (:func:`ringcomm.bench.cost_model.features_at`: the ring in closed form, the others
 simulated under NCCL's rules). The model has one kind of link: with eight ranks a
 host it does not know that the hosts' links are the slow ones, which is what
 ``hierarchical`` (auto's row for several hosts, measured across namespace hosts)
@@ -34,7 +34,7 @@ for path in (ROOT, ROOT / "scripts"):
 
 import ringcomm  # noqa: E402,F401  (registers the library)
 from ringcomm.algorithms import select  # noqa: E402
-from ringcomm.bench import model  # noqa: E402
+from ringcomm.bench import cost_model  # noqa: E402
 from ringcomm.bench.sizes import format_size  # noqa: E402
 
 #: the world sizes and message sizes of the table
@@ -65,7 +65,7 @@ def cell(params: dict, table: dict, p: int, per_host: int, n: int) -> dict:
     seg = params["segment_bytes"]
     times = {}
     for name in names:
-        A, B, G = model.features_at(name, p, n, seg, hosts)
+        A, B, G = cost_model.features_at(name, p, n, seg, hosts)
         times[name] = params["alpha"] * A + params["beta"] * B + params["gamma"] * G
     auto = select.choose(table, "allreduce", n, p, hosts)
     cheapest = min(times, key=times.get)

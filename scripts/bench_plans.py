@@ -71,7 +71,7 @@ def main() -> int:
     a = ap.parse_args()
     import ringcomm
     from ringcomm.algorithms import is_schedule
-    from ringcomm.front.algorithm_choice import PLAN_CACHE_BYTES, PLAN_CACHE_SIZE
+    from ringcomm.front.planner import PLAN_CACHE_BYTES, PLAN_CACHE_SIZE
     names = [n for n, b in ringcomm.REGISTRY["allreduce"].items() if is_schedule(b)]
     runs = []
     for p in (int(x) for x in a.ranks.split(",")):

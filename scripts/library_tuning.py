@@ -1,5 +1,5 @@
 """Where the algorithm library (``ringcomm/library``) beats ringcomm's built-in
-schedules, by the cost model (:mod:`ringcomm.bench.model`): the source of the
+schedules, by the cost model (:mod:`ringcomm.bench.cost_model`): the source of the
 library's rows in ``ringcomm/algorithms/select.py``'s ``DEFAULT_TUNING``.
 
     python scripts/library_tuning.py                         # print the bands
@@ -10,7 +10,7 @@ collective is predicted with one set of parameters: alpha and beta fitted
 jointly to the measured ringcomm schedules of that collective in
 ``docs/data/compare_2ranks.json`` (for allreduce: ring, tree and recursive
 doubling together; at one world size the per-call overhead ``o`` cannot be told
-from alpha, so alpha absorbs it, as :func:`ringcomm.bench.model.fit` does),
+from alpha, so alpha absorbs it, as :func:`ringcomm.bench.cost_model.fit` does),
 gamma as that run measured it. The model counts messages, bytes on the busiest
 link and bytes reduced, not local copies; Bruck copies the whole output once more
 than the ring (its final rotation), so copies are charged too, at gamma (one
@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:
 import ringcomm  # noqa: E402,F401  (registers the library)
 from ringcomm.execution import checker  # noqa: E402
 from ringcomm.algorithms import REGISTRY, is_schedule, select  # noqa: E402
-from ringcomm.bench import model  # noqa: E402
+from ringcomm.bench import cost_model  # noqa: E402
 from ringcomm.bench.sizes import format_size  # noqa: E402
 from ringcomm.schedule import Context, Copy  # noqa: E402
 
@@ -65,7 +65,7 @@ def joint_fit(doc: dict, collective: str) -> dict:
                 or r["column"] in CANDIDATES[collective][1]):
             continue
         p = int(doc["meta"]["world_size"])
-        A, B, G = model.features_for(collective, r["column"])(p, r["size"], seg)
+        A, B, G = cost_model.features_for(collective, r["column"])(p, r["size"], seg)
         rows.append((A, B, G if collective in ("allreduce",) else 0.0, r["time_us"] * 1e-6))
         used.add(r["column"])
     a = np.array(rows)
@@ -83,14 +83,14 @@ def joint_fit(doc: dict, collective: str) -> dict:
 
 def copied(collective: str, algorithm: str, p: int, n: int, seg: int) -> int:
     """Bytes rank 0 copies locally (one byte per element, as the model counts)."""
-    layout = checker.local_layout(collective, model.layout_for(collective, p, n), 0, 0)
+    layout = checker.local_layout(collective, cost_model.layout_for(collective, p, n), 0, 0)
     sched = REGISTRY[collective][algorithm](Context(collective, p, 0, layout, seg=seg))
     return sum(op.dst.n for st in sched.steps for op in st.local if isinstance(op, Copy))
 
 
 def predict(collective: str, algorithm: str, params: dict, p: int, n: int) -> float:
     seg = params["segment_bytes"]
-    A, B, G = model.features_for(collective, algorithm)(p, n, seg)
+    A, B, G = cost_model.features_for(collective, algorithm)(p, n, seg)
     t = params["alpha"] * A + params["beta"] * B + params["gamma"] * G
     if collective == "allgather":  # the one collective whose candidates copy differently
         t += params["gamma"] * copied(collective, algorithm, p, n, seg)

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from ringcomm.bench import analysis, cli, model, tuning
+from ringcomm.bench import analysis, cli, cost_model, tuning
 from ringcomm.bench.results import SCHEMA
 from ringcomm.bench.sizes import COLLECTIVES
 
@@ -21,9 +21,9 @@ SEG = 512 * 1024
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 8, 64])
 def test_ring_allreduce_features_are_the_textbook_counts(p):
-    fn = model.features_for("allreduce", "ring")
+    fn = cost_model.features_for("allreduce", "ring")
     u = p * SEG  # one segment per chunk
-    sizes = [p * 1024, u, 3 * u, 1000 * u] if p <= model.EXACT_RANKS else [4096]
+    sizes = [p * 1024, u, 3 * u, 1000 * u] if p <= cost_model.EXACT_RANKS else [4096]
     for n in sizes:
         k = max(1, -(-n // (p * SEG)))  # segments per chunk
         A, B, G = fn(p, n, SEG)
@@ -37,16 +37,16 @@ def test_every_registered_schedule_has_a_model_and_native_does_not():
 
     for coll in COLLECTIVES:
         for name, build in REGISTRY[coll].items():
-            assert model.has_model(coll, name) == is_schedule(build), (coll, name)
-    assert model.has_model("allreduce", "recursive_doubling")
-    assert not model.has_model("allreduce", "auto")
-    assert not model.has_model("allreduce", "pairwise")
+            assert cost_model.has_model(coll, name) == is_schedule(build), (coll, name)
+    assert cost_model.has_model("allreduce", "recursive_doubling")
+    assert not cost_model.has_model("allreduce", "auto")
+    assert not cost_model.has_model("allreduce", "pairwise")
     # recursive doubling: log2 p whole-buffer exchanges, each reduced
-    rd = model.features_for("allreduce", "recursive_doubling")
+    rd = cost_model.features_for("allreduce", "recursive_doubling")
     assert rd(2, 4096, SEG) == (1, 4096, 4096)
     assert rd(8, 4096, SEG) == (3, 3 * 4096, 3 * 4096)
     # native is a black box: fitted as o + beta * n
-    f = model.fit("allreduce", "native", [(2, n, 1e-5 + n * 1e-9) for n in SIZES],
+    f = cost_model.fit("allreduce", "native", [(2, n, 1e-5 + n * 1e-9) for n in SIZES],
                       segment_bytes=SEG)
     assert f.algorithm is None and f.fitted == ("o", "beta")
 
@@ -65,10 +65,10 @@ def test_a_user_registered_builder_gets_a_model(monkeypatch):
         return b.build()
 
     monkeypatch.setitem(REGISTRY["allreduce"], "swap_sum", swap_sum)
-    assert model.has_model("allreduce", "swap_sum")
-    assert model.features_for("allreduce", "swap_sum")(2, 1000, SEG) == (1, 1000, 1000)
+    assert cost_model.has_model("allreduce", "swap_sum")
+    assert cost_model.features_for("allreduce", "swap_sum")(2, 1000, SEG) == (1, 1000, 1000)
     samples = synth("allreduce", "swap_sum", (0.0, 30e-6, 0.5e-9, 0.1e-9))
-    f = model.fit("allreduce", "swap_sum", samples, segment_bytes=SEG, gamma=0.1e-9)
+    f = cost_model.fit("allreduce", "swap_sum", samples, segment_bytes=SEG, gamma=0.1e-9)
     assert (f.alpha, f.beta) == pytest.approx((30e-6, 0.5e-9), rel=1e-6)
 
 
@@ -77,22 +77,22 @@ def test_features_are_cached_and_bounded_on_many_ranks():
     # algorithm only at the anchor sizes (powers of 16, p*seg and 2*p*seg); the rest
     # is interpolated or extrapolated from those.
     seg = SEG
-    p = 2 * model.EXACT_RANKS
-    fits = {a: model.Fit("allreduce", a, 0.0, 50e-6, 0.5e-9, 0.1e-9, ("alpha", "beta"),
+    p = 2 * cost_model.EXACT_RANKS
+    fits = {a: cost_model.Fit("allreduce", a, 0.0, 50e-6, 0.5e-9, 0.1e-9, ("alpha", "beta"),
                              0.0, 2, (2,), seg) for a in ("ring", "tree")}
-    before = model._simulate.cache_info()
-    xs = model.crossovers(fits["tree"], fits["ring"], p)
-    after = model._simulate.cache_info()
-    anchors = model._anchors(seg, p * seg)
+    before = cost_model._simulate.cache_info()
+    xs = cost_model.crossovers(fits["tree"], fits["ring"], p)
+    after = cost_model._simulate.cache_info()
+    anchors = cost_model._anchors(seg, p * seg)
     assert after.misses - before.misses <= 2 * len(anchors)
     assert [x[1:] for x in xs] == [("tree", "ring")]
     # interpolation is exact where the counts are linear in n (ring: one segment per chunk)
     n = 3 * 4096 * p
-    A, B, G = model.features_for("allreduce", "ring")(p, n, seg)
+    A, B, G = cost_model.features_for("allreduce", "ring")(p, n, seg)
     assert (A, B, G) == pytest.approx((2 * (p - 1), 2 * (p - 1) / p * n, (p - 1) / p * n))
-    again = model._simulate.cache_info()
-    model.features_for("allreduce", "ring")(p, n, seg)
-    assert model._simulate.cache_info().misses == again.misses
+    again = cost_model._simulate.cache_info()
+    cost_model.features_for("allreduce", "ring")(p, n, seg)
+    assert cost_model._simulate.cache_info().misses == again.misses
 
 
 # ---------------------------------------------------------------------------
@@ -104,8 +104,8 @@ SIZES = [4 << i for i in range(25)]  # 4 B .. 64 MiB
 def synth(collective, algo, params, world_sizes=(2,), noise=0.0, seed=0):
     o, alpha, beta, gamma = params
     rng = np.random.default_rng(seed)
-    fn = model.features_for(collective, algo)
-    assert fn is not model.features_for(collective, None), f"{collective}/{algo} has no model"
+    fn = cost_model.features_for(collective, algo)
+    assert fn is not cost_model.features_for(collective, None), f"{collective}/{algo} has no model"
     out = []
     for p in world_sizes:
         for n in SIZES:
@@ -124,7 +124,7 @@ def test_fit_recovers_alpha_beta_at_one_world_size(collective, algo):
     alpha, beta = 35e-6, 0.4e-9                  # 35 us per message, 2.5 GB/s
     gamma = 0.1e-9 if collective in ("allreduce", "reduce_scatter") else 0.0
     samples = synth(collective, algo, (0.0, alpha, beta, gamma))
-    f = model.fit(collective, algo, samples, segment_bytes=SEG,
+    f = cost_model.fit(collective, algo, samples, segment_bytes=SEG,
                       gamma=gamma if gamma else None)
     assert f.alpha == pytest.approx(alpha, rel=1e-6)
     assert f.beta == pytest.approx(beta, rel=1e-6)
@@ -137,7 +137,7 @@ def test_fit_recovers_alpha_beta_at_one_world_size(collective, algo):
 def test_fit_with_noise_stays_close():
     alpha, beta, gamma = 50e-6, 0.3e-9, 0.08e-9
     samples = synth("allreduce", "ring", (0.0, alpha, beta, gamma), noise=0.03, seed=7)
-    f = model.fit("allreduce", "ring", samples, segment_bytes=SEG, gamma=gamma)
+    f = cost_model.fit("allreduce", "ring", samples, segment_bytes=SEG, gamma=gamma)
     assert f.alpha == pytest.approx(alpha, rel=0.05)
     assert f.beta == pytest.approx(beta, rel=0.05)
     assert 0.005 < f.rms_rel_err < 0.03
@@ -146,7 +146,7 @@ def test_fit_with_noise_stays_close():
 def test_fit_separates_overhead_from_latency_across_world_sizes():
     o, alpha, beta, gamma = 20e-6, 8e-6, 0.5e-9, 0.1e-9
     samples = synth("allreduce", "ring", (o, alpha, beta, gamma), world_sizes=(2, 4, 8, 16))
-    f = model.fit("allreduce", "ring", samples, segment_bytes=SEG, gamma=gamma)
+    f = cost_model.fit("allreduce", "ring", samples, segment_bytes=SEG, gamma=gamma)
     assert f.fitted == ("o", "alpha", "beta")
     assert (f.o, f.alpha, f.beta) == pytest.approx((o, alpha, beta), rel=1e-6)
     assert f.predict(64, 4096) == pytest.approx(o + alpha * 2 * 63 + beta * 2 * 63 / 64 * 4096
@@ -155,7 +155,7 @@ def test_fit_separates_overhead_from_latency_across_world_sizes():
 
 def test_fit_of_a_black_box_is_latency_plus_bandwidth():
     samples = [(2, n, 3e-6 + n * 0.1e-9) for n in SIZES]
-    f = model.fit("allreduce", None, samples, segment_bytes=SEG)
+    f = cost_model.fit("allreduce", None, samples, segment_bytes=SEG)
     assert f.algorithm is None and f.fitted == ("o", "beta")
     assert (f.o, f.beta) == pytest.approx((3e-6, 0.1e-9), rel=1e-6)
 
@@ -163,25 +163,25 @@ def test_fit_of_a_black_box_is_latency_plus_bandwidth():
 def test_fit_without_gamma_at_one_world_size_does_not_invent_one():
     # beta and gamma both scale with n here: the fit must not split them arbitrarily.
     samples = synth("allreduce", "ring", (0.0, 30e-6, 0.3e-9, 0.2e-9))
-    f = model.fit("allreduce", "ring", samples, segment_bytes=SEG)
+    f = cost_model.fit("allreduce", "ring", samples, segment_bytes=SEG)
     assert f.gamma == 0.0 and "gamma" not in f.fitted
     assert f.beta == pytest.approx(0.3e-9 + 0.2e-9 / 2, rel=1e-6)  # B = n, G = n/2 at p=2
 
 
 def test_fit_rejects_too_few_samples():
     with pytest.raises(ValueError, match="at least two"):
-        model.fit("allreduce", "ring", [(2, 4, 1e-5)], segment_bytes=SEG)
+        cost_model.fit("allreduce", "ring", [(2, 4, 1e-5)], segment_bytes=SEG)
 
 
 def test_crossover_of_known_models():
     # At 2 ranks and n below one segment: tree = 2a_t + 2n b, ring = 2a_r + n b,
     # equal at n* = 2 (a_r - a_t) / b.
     a_r, a_t, b = 60e-6, 40e-6, 1e-9
-    ring = model.fit("allreduce", "ring", synth("allreduce", "ring", (0, a_r, b, 0)),
+    ring = cost_model.fit("allreduce", "ring", synth("allreduce", "ring", (0, a_r, b, 0)),
                          segment_bytes=SEG, gamma=0.0)
-    tree = model.fit("allreduce", "tree", synth("allreduce", "tree", (0, a_t, b, 0)),
+    tree = cost_model.fit("allreduce", "tree", synth("allreduce", "tree", (0, a_t, b, 0)),
                          segment_bytes=SEG, gamma=0.0)
-    xs = model.crossovers(tree, ring, 2)
+    xs = cost_model.crossovers(tree, ring, 2)
     n_star = 2 * (a_r - a_t) / b
     assert len(xs) == 1
     n, slower, faster = xs[0]
@@ -192,12 +192,12 @@ def test_crossover_of_known_models():
 def test_near_identical_models_do_not_cross():
     # broadcast ring and tree are the same chain on 2 ranks: no crossover to report
     params = (0, 50e-6, 0.2e-9, 0)
-    tree = model.fit("broadcast", "tree", synth("broadcast", "tree", params),
+    tree = cost_model.fit("broadcast", "tree", synth("broadcast", "tree", params),
                          segment_bytes=SEG)
-    ring = model.fit("broadcast", "ring", synth("broadcast", "ring", params),
+    ring = cost_model.fit("broadcast", "ring", synth("broadcast", "ring", params),
                          segment_bytes=SEG)
-    assert model.crossovers(tree, ring, 2) == []
-    assert model.crossovers(tree, ring, 64)  # but they differ on 64 ranks
+    assert cost_model.crossovers(tree, ring, 2) == []
+    assert cost_model.crossovers(tree, ring, 64)  # but they differ on 64 ranks
 
 
 # ---------------------------------------------------------------------------
@@ -281,7 +281,7 @@ def test_model_from_saved_results_of_several_world_sizes(tmp_path, capsys):
         path = tmp_path / f"r{p}.json"
         path.write_text(json.dumps(_doc(p, ["ring", "tree"], pts)))
         docs.append(str(path))
-    out = tmp_path / "model.json"
+    out = tmp_path / "cost_model.json"
     assert cli.main(["--model-from", *docs, "--json", str(out), "--predict-ranks", "64"]) == 0
     model = json.loads(out.read_text())["cost_model"]
     for f in model["fits"]:
@@ -308,7 +308,7 @@ def test_a_saved_model_report_renders_as_the_live_one():
 
 
 def test_native_and_a_registered_algorithm_join_the_measured_tuning():
-    """Every ringcomm column but auto competes: the library's own collective and a
+    """Every ringcomm column but auto competes: MPI's own collective and a
     user's algorithm measured with --import take the sizes where they are fastest."""
     sizes = [2 ** i for i in range(2, 24)]
     pts = [("allreduce", "native", n, 5 + 0.004 * n) for n in sizes]
@@ -364,7 +364,7 @@ def test_auto_falls_back_from_native_where_mpi_cannot_take_the_call(tmp_path):
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("p", [2, 3, 5, 8, 13, 16])
 def test_the_ring_in_closed_form_is_the_simulated_ring(p):
-    """model.ring_allreduce against the ring's schedules under NCCL's rules: rounds
+    """cost_model.ring_allreduce against the ring's schedules under NCCL's rules: rounds
     and reduced bytes equal everywhere; the busiest bytes equal where the chunks are
     equal or whole segments, and at most 25% above the closed form elsewhere (ranks a
     step apart share a round)."""
@@ -374,7 +374,7 @@ def test_the_ring_in_closed_form_is_the_simulated_ring(p):
         for seg in (4, 64, 1 << 20):
             st = checker.check(REGISTRY["allreduce"]["ring"], "allreduce", p, (n,), seg=seg,
                                symbolic=False)
-            A, B, G = model.ring_allreduce(p, n, seg)
+            A, B, G = cost_model.ring_allreduce(p, n, seg)
             assert (A, G) == (st.rounds, st.reduced_max), (p, n, seg)
             chunk = -(-n // p)
             if n % p == 0 or chunk <= seg:
@@ -383,17 +383,17 @@ def test_the_ring_in_closed_form_is_the_simulated_ring(p):
                 assert B <= st.busiest <= 1.25 * B, (p, n, seg, st.busiest, B)
 
 
-@pytest.mark.parametrize("name", sorted(model.PIPELINED))
+@pytest.mark.parametrize("name", sorted(cost_model.PIPELINED))
 def test_the_pipelined_features_follow_their_line(name):
     """features_at's straight line against the simulation, on 64 ranks, at 8 times
     the line's end: rounds and reduced bytes equal, the busiest bytes within 4%."""
     from ringcomm.algorithms import REGISTRY
     from ringcomm.execution import checker
     seg = 1 << 16
-    n = 16 * model.PIPELINED[name] * seg
+    n = 16 * cost_model.PIPELINED[name] * seg
     st = checker.check(REGISTRY["allreduce"][name], "allreduce", 64, (n,), seg=seg,
                        symbolic=False)
-    A, B, G = model.features_at(name, 64, n, seg)
+    A, B, G = cost_model.features_at(name, 64, n, seg)
     assert (A, G) == (st.rounds, st.reduced_max)
     assert B == pytest.approx(st.busiest, rel=0.04)
 
@@ -444,22 +444,22 @@ def test_the_committed_cells_are_what_the_model_gives_now():
 
 @pytest.mark.parametrize("p", [8, 64, 256])
 def test_rabenseifner_in_closed_form_is_the_simulated_one(p):
-    """model.rabenseifner_allreduce against the schedules on a power-of-two world
+    """cost_model.rabenseifner_allreduce against the schedules on a power-of-two world
     dividing the size, in one segment and in many; refused elsewhere."""
     from ringcomm.algorithms import REGISTRY
     from ringcomm.execution import checker
     for n, seg in ((p * 16, 1 << 20), (p * 1000, 4096), (p * 4096, 1 << 14)):
         st = checker.check(REGISTRY["allreduce"]["rabenseifner"], "allreduce", p, (n,),
                            seg=seg, symbolic=False)
-        assert model.rabenseifner_allreduce(p, n, seg) == (st.rounds, st.busiest,
+        assert cost_model.rabenseifner_allreduce(p, n, seg) == (st.rounds, st.busiest,
                                                            st.reduced_max), (p, n, seg)
     with pytest.raises(ValueError, match="power-of-two p dividing n"):
-        model.rabenseifner_allreduce(p + 1, 4 * p, 64)
+        cost_model.rabenseifner_allreduce(p + 1, 4 * p, 64)
 
 
 @pytest.mark.parametrize("p,per_host", [(64, 8), (256, 8), (96, 4)])
 def test_hierarchical_by_phases_is_the_simulated_one(p, per_host):
-    """model.hierarchical_allreduce (its phases added) against the whole schedule
+    """cost_model.hierarchical_allreduce (its phases added) against the whole schedule
     simulated with its hosts, from the leaders' recursive doubling to their ring:
     equal on a power-of-two number of hosts; on 24, where the leaders' recursive
     doubling folds, phases of different hosts share rounds and the bytes come out
@@ -470,7 +470,7 @@ def test_hierarchical_by_phases_is_the_simulated_one(p, per_host):
     for n in (4096, 65536, 1 << 20, 16 << 20):
         st = checker.check(REGISTRY["allreduce"]["hierarchical"], "allreduce", p, (n,),
                            seg=1 << 20, symbolic=False, hosts=hosts)
-        A, B, G = model.hierarchical_allreduce(p, n, 1 << 20, per_host)
+        A, B, G = cost_model.hierarchical_allreduce(p, n, 1 << 20, per_host)
         assert (A, G) == (st.rounds, st.reduced_max), (p, n)
         hosts_pow2 = not (p // per_host) & (p // per_host - 1)
         assert B == st.busiest if hosts_pow2 else B == pytest.approx(st.busiest, rel=0.15)

@@ -24,7 +24,7 @@ from conftest import ROOT
 #: spans that look like a project name or file but name something else: the doc
 #: they are in, and why
 ELSEWHERE = {
-    "model.module.state_dict": "ddp.md: the user's model wrapped by DDP, not ringcomm.bench.model",
+    "model.module.state_dict": "ddp.md: the user's model wrapped by DDP, not ringcomm.bench.cost_model",
     "program.name": "msccl-format.md: an attribute of MSCCL's XML <algo>, not msccl/ code",
     "LICENSE.txt": "msccl-format.md: msccl-executor's licence file",
     "train.py": "multi-node.md: the user's training script",

@@ -204,7 +204,7 @@ def test_architecture_worked_path_names_what_the_code_does():
     assert "allreduce_prepared" in inspect.getsource(ProcessGroupRingcomm.allreduce)
     for module, name in (("front.reductions", "allreduce"),
                          ("front.reductions", "allreduce_prepared"),
-                         ("front.reductions", "_Allreduce"), ("front.algorithm_choice", "Planner"),
+                         ("front.reductions", "_Allreduce"), ("front.planner", "Planner"),
                          ("front.lanes", "Lanes"), ("runtime.engine", "Engine"),
                          ("execution.executors", "P2PProgram"), ("ops", "finalize_"),
                          ("runtime.work", "Done"), ("transport.mpi", "MPITransport")):

@@ -161,7 +161,7 @@ def test_the_rules_catch_what_they_forbid():
     fine = {
         "ringcomm/transport/mpi.py": "from .. import settings\nfrom .base import Handle\n",
         "ringcomm/library/bruck.py": "from ringcomm.schedule import Builder\n",
-        "ringcomm/front/algorithm_choice.py": ("from ..execution.executors import Plan\n"
+        "ringcomm/front/planner.py": ("from ..execution.executors import Plan\n"
                                    "from ringcomm.algorithms import REGISTRY\n"),
         "ddp/reducer.py": "from ringcomm import trace\n",
         "ddp/bench/cli.py": "import ringcomm\nfrom ringcomm.bench.cli import Parser\n",

@@ -355,7 +355,7 @@ def test_public_helpers():
 # builder imports nothing above its layer (tests/test_layers.py)
 PUBLIC = {"ringcomm.algorithms": {"register_algorithm", "REGISTRY", "select"},
           "ringcomm.schedule": {"Builder", "Context", "Region", "Reduce", "Copy", "Schedule",
-                                "split_even", "pieces", "binomial_tree", "WINDOW"}}
+                                "split_even", "pieces", "binomial_tree", "SCRATCH_SLOTS"}}
 
 
 def test_library_imports_only_public_names():
@@ -452,7 +452,7 @@ def test_auto_follows_the_library_rows():
 
 
 def test_planner_chooses_hierarchical_on_a_multi_host_group():
-    from ringcomm.front.algorithm_choice import Planner
+    from ringcomm.front.planner import Planner
 
     options = ringcomm.Options().resolve()
     assert Planner(0, 4, options, hosts=(0, 0, 1, 1)).choose("allreduce", 1 << 20) == \
@@ -504,7 +504,7 @@ def test_verify_false_trusts_a_builder_and_verify_true_checks_it():
     """The first use of a checked builder builds every rank's schedule (to check
     them); a trusted one builds only this rank's."""
     import ringcomm
-    from ringcomm.front.algorithm_choice import Planner
+    from ringcomm.front.planner import Planner
 
     calls = []
 

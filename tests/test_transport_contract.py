@@ -217,3 +217,40 @@ def test_one_rank_runs_any_transport_collective_as_a_copy():
 
     [(t, gathered)] = _groups(1, LocalFabric.transport, body)
     assert torch.equal(t, torch.arange(5.0)) and torch.equal(gathered, torch.arange(5.0))
+
+
+# -- the checks catch a transport that loses a write ---------------------------------------
+class LosingTransport(LocalTransport):
+    """The in-process transport, except that messages to rank 0 land in a buffer of
+    their own: the receive completes, and the caller's memory is never written."""
+
+    def recv_init(self, buf, peer, tag):
+        if self.rank == 0:
+            buf = torch.zeros_like(buf)
+        return super().recv_init(buf, peer, tag)
+
+
+def test_a_receive_never_written_fails_the_oracle_checks():
+    """Every output check_collectives hands a collective is filled with UNWRITTEN
+    first, so an element the call never wrote shows whatever the memory held before
+    (with torch.empty it could hold the right answer from an earlier call)."""
+    from ringcomm.testing import check_collectives
+    from ringcomm.testing.collectives import UNWRITTEN, unwritten
+
+    only = {c: [] for c in algorithms.REGISTRY}
+    only["allgather"] = ["ring"]
+
+    def body(rank, pg):
+        try:
+            check_collectives(pg, "cpu", dtypes=(torch.float32,), reduce_ops=("SUM",),
+                              numel=5, algorithms=only)
+        except AssertionError as e:
+            return str(e)
+        return ""
+
+    out = _groups(2, LosingTransport, body)
+    assert "allgather[ring] torch.float32: differs from the oracle" in out[0], out
+    assert out[1] == "", out
+    assert torch.equal(unwritten(3, dtype=torch.float16), torch.full((3,), float(UNWRITTEN),
+                                                                     dtype=torch.float16))
+    assert unwritten(2, dtype=torch.int8).tolist() == [127, 127]

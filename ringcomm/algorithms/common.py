@@ -1,18 +1,18 @@
 """Helpers shared by the built-in schedule builders.
 
 Splitting, segmenting and tree shapes are public (:mod:`ringcomm.schedule`:
-``split_even``, ``pieces``, ``binomial_tree``, ``WINDOW``) so that algorithms
+``split_even``, ``pieces``, ``binomial_tree``, ``SCRATCH_SLOTS``) so that algorithms
 written outside ringcomm use the very same code; this module keeps the built-ins'
 short names for them and the few helpers only the built-ins use.
 """
 from __future__ import annotations
 
-from ringcomm.schedule import WINDOW, Context, Region
+from ringcomm.schedule import SCRATCH_SLOTS, Context, Region
 from ringcomm.schedule import binomial_tree as binomial
 from ringcomm.schedule import pieces as _pieces
 from ringcomm.schedule import split_even
 
-__all__ = ["WINDOW", "split_even", "binomial", "piece", "pieces", "count_pieces", "whole",
+__all__ = ["SCRATCH_SLOTS", "split_even", "binomial", "piece", "pieces", "count_pieces", "whole",
            "chain"]
 
 

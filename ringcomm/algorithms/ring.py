@@ -9,7 +9,7 @@ moves segment ``k`` of ring step ``s``. Under NCCL every rank runs step
 """
 from __future__ import annotations
 
-from ringcomm.algorithms.common import WINDOW, chain, count_pieces, piece, split_even, whole
+from ringcomm.algorithms.common import SCRATCH_SLOTS, chain, count_pieces, piece, split_even, whole
 from ringcomm.algorithms.tree import broadcast_steps
 from ringcomm.schedule import Builder, Context, Copy, Reduce, Region, Schedule
 
@@ -27,7 +27,7 @@ def reduce_scatter_steps(b: Builder, chunks: list[Region]) -> None:
     if k_max == 0:
         return
     slot = min(seg, max(c.n for c in chunks))
-    tmp = b.scratch(WINDOW * slot)
+    tmp = b.scratch(SCRATCH_SLOTS * slot)
     i = 0
     # Step s sends chunk r-s-1 (its partial sum from step s-1) and receives chunk r-s-2,
     # reducing into it; the last step receives chunk r, which is then complete.
@@ -38,7 +38,7 @@ def reduce_scatter_steps(b: Builder, chunks: list[Region]) -> None:
             sends = [(right, snd)] if snd else []
             recvs, local = [], []
             if rcv:
-                space = Region(tmp, (i % WINDOW) * slot, rcv.n)
+                space = Region(tmp, (i % SCRATCH_SLOTS) * slot, rcv.n)
                 recvs, local = [(left, space)], [Reduce(rcv, space)]
                 i += 1
             b.step(sends, recvs, local)

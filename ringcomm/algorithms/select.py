@@ -121,7 +121,7 @@ DEFAULT_TUNING: dict[str, dict[str, list]] = {
 #: docs/data/compare_2ranks.json --write-tuning ringcomm/algorithms/measured_2ranks.json``
 MEASURED = Path(__file__).with_name("measured_2ranks.json")
 #: the rows before the measured ones: what auto falls back to where a measured row
-#: names the library's own collective and it cannot take the call (bfloat16 on MPI)
+#: names the communication library's own collective and it cannot take the call (bfloat16 on MPI)
 MODELLED: dict[str, dict[str, list]] = {k: dict(v) for k, v in DEFAULT_TUNING.items()}
 for _coll, _rows in json.loads(MEASURED.read_text()).items():
     DEFAULT_TUNING[_coll].update(_rows)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ringcomm.algorithms.common import WINDOW, binomial, pieces, whole
+from ringcomm.algorithms.common import SCRATCH_SLOTS, binomial, pieces, whole
 from ringcomm.schedule import Builder, Context, Reduce, Region, Schedule
 
 Topology = Callable[[int, int, int], "tuple[int | None, list[int]]"]
@@ -26,13 +26,13 @@ def reduce_steps(b: Builder, data: Region, root: int, topology: Topology = binom
     if not segs or ctx.size == 1:
         return
     slot = segs[0].n
-    spaces = [b.scratch(WINDOW * slot) for _ in kids]
+    spaces = [b.scratch(SCRATCH_SLOTS * slot) for _ in kids]
     last = len(segs) + (1 if parent is not None and kids else 0)
     for g in range(last):
         sends, recvs, local = [], [], []
         if g < len(segs):
             for kid, space in zip(kids, spaces):
-                into = Region(space, (g % WINDOW) * slot, segs[g].n)
+                into = Region(space, (g % SCRATCH_SLOTS) * slot, segs[g].n)
                 recvs.append((kid, into))
                 local.append(Reduce(segs[g], into))
         if parent is not None:

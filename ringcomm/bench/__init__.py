@@ -17,7 +17,7 @@ and the output. The modules, in the order a run uses them:
 * :mod:`~ringcomm.bench.report`: tables on stdout, Markdown, CSV, plot;
 * :mod:`~ringcomm.bench.styles`: one look per implementation in every plot;
 * :mod:`~ringcomm.bench.analysis`: cost-model fits, predictions, crossovers;
-* :mod:`~ringcomm.bench.model`: the cost model itself;
+* :mod:`~ringcomm.bench.cost_model`: the cost model itself;
 * :mod:`~ringcomm.bench.tuning`: measured tuning for ``auto``;
 * :mod:`~ringcomm.bench.targets`: the speed targets (data in ``targets.json``).
 """

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from typing import Callable, Sequence
 
-from ringcomm.bench import model
+from ringcomm.bench import cost_model
 from ringcomm.bench.sizes import REDUCING, format_size
 from ringcomm.bench.targets import check_targets, load_targets
 from ringcomm.bench.tuning import measured_tuning, tuning_report, write_tuning
@@ -30,7 +30,7 @@ def fit_models(docs: list[dict]) -> list[dict]:
     documents (several world sizes give a better model).
 
     Returns:
-        One dict per fit: the :class:`model.Fit` fields plus ``column``, ``dtype``, ``redop``.
+        One dict per fit: the :class:`cost_model.Fit` fields plus ``column``, ``dtype``, ``redop``.
     """
     by_key: dict[tuple, list] = {}
     seg: dict[tuple, int] = {}
@@ -61,24 +61,24 @@ def fit_models(docs: list[dict]) -> list[dict]:
         gamma = gammas.get((coll, dt, op, column)) if coll in REDUCING else None
         note = None
         try:
-            f = model.fit(coll, algo, samples, segment_bytes=seg[(coll, dt, op, column)],
+            f = cost_model.fit(coll, algo, samples, segment_bytes=seg[(coll, dt, op, column)],
                           gamma=gamma)
         except ValueError as e:  # e.g. a user's builder the checker refuses at this shape
             if algo is None:
                 raise
             note = f"no structural model ({e}); black box instead"
-            f = model.fit(coll, None, samples, segment_bytes=seg[(coll, dt, op, column)])
+            f = cost_model.fit(coll, None, samples, segment_bytes=seg[(coll, dt, op, column)])
         fits.append({**f.as_dict(), "column": column, "dtype": dt, "redop": op,
                      **({"note": note} if note else {})})
     return fits
 
 
-def _fit_obj(d: dict) -> model.Fit:
-    names = {f.name for f in dataclasses.fields(model.Fit)}
+def _fit_obj(d: dict) -> cost_model.Fit:
+    names = {f.name for f in dataclasses.fields(cost_model.Fit)}
     kw = {k: v for k, v in d.items() if k in names}
     kw["fitted"] = tuple(kw["fitted"])
     kw["world_sizes"] = tuple(kw["world_sizes"])
-    return model.Fit(**kw)
+    return cost_model.Fit(**kw)
 
 
 def _by_group(fits: list[dict]) -> dict[tuple, list[dict]]:
@@ -129,10 +129,10 @@ def _crossover_line(c: dict) -> str:
     return f"#   ring/tree crossover at {c['world_size']} ranks (model): {txt}"
 
 
-def _crossover(tree: model.Fit, ring: model.Fit, p: int) -> tuple[str, list]:
+def _crossover(tree: cost_model.Fit, ring: cost_model.Fit, p: int) -> tuple[str, list]:
     """Which of tree and ring is faster first on ``p`` ranks ("tie": neither), and
     ``[size, faster from there]`` for each change."""
-    xs = model.crossovers(tree, ring, p)
+    xs = cost_model.crossovers(tree, ring, p)
     if xs:
         return xs[0][1], [[n, b] for n, _, b in xs]
     grid = [1 << k for k in range(0, 37, 2)]
@@ -149,7 +149,7 @@ def model_report(fits: list[dict], predict_ranks: Sequence[int],
     for (coll, dt, op), fs in _by_group(fits).items():
         lines += _fit_lines(coll, dt, op, fs)
         models = {f["column"]: _fit_obj(f) for f in fs
-                  if f["algorithm"] and model.has_model(coll, f["algorithm"])}
+                  if f["algorithm"] and cost_model.has_model(coll, f["algorithm"])}
         if models and predict_ranks:
             preds = []
             for p in predict_ranks:

@@ -22,7 +22,7 @@ import torch
 
 import ringcomm
 from ringcomm import ops
-from ringcomm.bench import model
+from ringcomm.bench import cost_model
 from ringcomm.bench.check import check
 from ringcomm.bench.columns import TORCH_PG_METHOD, Column, buffers, static_unsupported, torch_dtype
 from ringcomm.bench.report import header_text, table_footer, table_heading, table_row
@@ -266,7 +266,7 @@ class Bench:
                 reduce_(dv, sv)
                 ts.append(time.perf_counter() - t0)
             samples.append((self.s.p, n * esize, float(np.median(ts))))
-        g = model.fit("local", None, samples, segment_bytes=1).beta
+        g = cost_model.fit("local", None, samples, segment_bytes=1).beta
         g = max(self.s.ctrl.allgather(g))
         self.gamma[key] = g
         return g

@@ -543,7 +543,7 @@ class GroupProgram(_Program):
 
 
 class NativeProgram:
-    """The link library's own ``collective`` (algorithm ``native``) for one call
+    """The communication library's own ``collective`` (algorithm ``native``) for one call
     shape (:meth:`ringcomm.transport.Link.native_init`)."""
 
     def __init__(self, link, collective: str, layout: tuple, dtype: torch.dtype, op,

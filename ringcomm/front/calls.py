@@ -31,7 +31,7 @@ from ringcomm.trace import flight
 from ringcomm.front.arguments import Inputs
 from ringcomm.front.cross_rank_checks import Fingerprints
 from ringcomm.front.lanes import Lane, Lanes
-from ringcomm.front.algorithm_choice import Planner
+from ringcomm.front.planner import Planner
 
 #: prepared calls a group keeps (the oldest dropped first)
 CALLS = 256

@@ -14,7 +14,7 @@ import torch
 
 from ringcomm.algorithms import ring as _ring
 from ringcomm.front.lanes import Lane
-from ringcomm.front.algorithm_choice import Planner, program
+from ringcomm.front.planner import Planner, program
 
 #: the operation's name in this many bytes, then this many int64 fields
 NAME_BYTES, FINGERPRINT_FIELDS = 32, 5

@@ -535,7 +535,7 @@ class Lanes:
     def _new_nccl_lane(self, lib: Any, device: torch.device, prefix: str, rank: int,
                        size: int) -> Lane:
         from ringcomm.runtime.streams import StreamEngine, streams_for
-        from ringcomm.transport.nccl import NcclTransport, connect
+        from ringcomm.transport.nccl import NcclLink, connect
 
         if self._store is None:
             raise ValueError("ringcomm: this group has no store to set up NCCL communicators")
@@ -544,7 +544,7 @@ class Lanes:
         streams = getattr(lib, "ringcomm_streams", streams_for)(device)
         comm = connect(lib, self._store, prefix, rank, size, self._timeout_s,
                        streams.device_context)
-        tp = NcclTransport(lib, comm, rank, size, device, streams.handle)
+        tp = NcclLink(lib, comm, rank, size, device, streams.handle)
         what = self._describe() + ("" if size == self.size else f" (pair {prefix})")
         engine = StreamEngine(tp, streams, lambda: what)
         return Lane(tp, engine, True)

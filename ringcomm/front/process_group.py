@@ -28,7 +28,7 @@ from ringcomm.front.contract import TorchContract, forward_collectives
 from ringcomm.front.arguments import Inputs
 from ringcomm.front.cross_rank_checks import Fingerprints
 from ringcomm.front.lanes import Lane, Lanes, Ordered
-from ringcomm.front.algorithm_choice import Planner
+from ringcomm.front.planner import Planner
 from ringcomm.front.calls import Calls
 from ringcomm.runtime.engine import Engine
 from ringcomm.runtime.work import Batch, Done, P2PWork
@@ -413,7 +413,7 @@ def _method(torch_name: str, build: Callable[..., tuple]) -> Callable[..., dist.
 
     Every call is numbered; the number picks the channel (``Options.num_channels``).
     A call refused on this rank (bad input) starts a new epoch of the group's
-    message tags (:meth:`ringcomm.front.algorithm_choice.Planner.refused`): if it was refused on
+    message tags (:meth:`ringcomm.front.planner.Planner.refused`): if it was refused on
     some ranks only, those ranks' next collective carries other tags than the
     others' current one: those ranks' waits fail naming the mismatch ("rank 0 runs a
     call of another epoch") as soon as the new tags arrive, instead of two different

@@ -32,7 +32,7 @@ distance (r+1, r+2, ...), so ranks do not all send to the same peer first.
 """
 from __future__ import annotations
 
-from ringcomm.schedule import (WINDOW, Builder, Context, Copy, Reduce, Region, Schedule,
+from ringcomm.schedule import (SCRATCH_SLOTS, Builder, Context, Copy, Reduce, Region, Schedule,
                                pieces, split_even)
 
 
@@ -57,11 +57,11 @@ def _in_rank_order(r: int, dst: Region, got: dict[int, Region]) -> list[Reduce]:
 
 
 def _windows(b: Builder, peers: list[int], longest: int, seg: int) -> dict:
-    """Per peer, up to ``WINDOW`` scratch slots of one segment each, no more than
+    """Per peer, up to ``SCRATCH_SLOTS`` scratch slots of one segment each, no more than
     there are segments (receives of later segments reuse them once their reduction
     ran)."""
     slot = min(seg, longest)
-    n = min(WINDOW, -(-longest // slot))
+    n = min(SCRATCH_SLOTS, -(-longest // slot))
     tmp = b.scratch(len(peers) * n * slot)
     return {j: [Region(tmp, (i * n + w) * slot, slot) for w in range(n)]
             for i, j in enumerate(peers)}

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 
-from ringcomm.schedule import (WINDOW, Builder, Context, Reduce, Region, Schedule, pieces,
+from ringcomm.schedule import (SCRATCH_SLOTS, Builder, Context, Reduce, Region, Schedule, pieces,
                                split_even)
 
 
@@ -114,9 +114,9 @@ def _timed(b: Builder, t: int, me: int, segs: list[Region], at: dict) -> None:
 
     slot = segs[0].n
     for kid in kids[me]:
-        space = b.scratch(WINDOW * slot)
+        space = b.scratch(SCRATCH_SLOTS * slot)
         for s, rg in enumerate(segs):
-            into = Region(space, (s % WINDOW) * slot, rg.n)
+            into = Region(space, (s % SCRATCH_SLOTS) * slot, rg.n)
             _, recvs, local = step(s + height[kid])
             recvs.append((kid, into))
             local.append(Reduce(rg, into))

@@ -16,7 +16,7 @@ odd rank and sits out; it receives the result at the end. That costs two more
 steps and a whole-buffer message each way.
 
 Steps: ``2 log2 pow2`` (+2 when p is not a power of two), each cut into pipeline
-segments of ``ctx.seg`` elements (so scratch stays ``WINDOW`` segments and the MPI
+segments of ``ctx.seg`` elements (so scratch stays ``SCRATCH_SLOTS`` segments and the MPI
 executor overlaps one segment's reduction with the next one's transfer).
 
 When it wins: mid-size messages on 4 or more ranks, where recursive doubling's
@@ -25,11 +25,11 @@ latency (see ``ringcomm/algorithms/select.py`` for the rows ``auto`` follows).
 """
 from __future__ import annotations
 
-from ringcomm.schedule import WINDOW, Builder, Context, Reduce, Region, Schedule, pieces
+from ringcomm.schedule import SCRATCH_SLOTS, Builder, Context, Reduce, Region, Schedule, pieces
 
 
 class _Slots:
-    """A ring of ``WINDOW`` scratch slots that reduced receives land in; allocated on
+    """A ring of ``SCRATCH_SLOTS`` scratch slots that reduced receives land in; allocated on
     first use, so ranks that never reduce ask for no scratch."""
 
     def __init__(self, b: Builder, slot: int):
@@ -37,8 +37,8 @@ class _Slots:
 
     def next(self, n: int) -> Region:
         if self.buf is None:
-            self.buf = self.b.scratch(WINDOW * self.slot)
-        rg = Region(self.buf, (self.i % WINDOW) * self.slot, n)
+            self.buf = self.b.scratch(SCRATCH_SLOTS * self.slot)
+        rg = Region(self.buf, (self.i % SCRATCH_SLOTS) * self.slot, n)
         self.i += 1
         return rg
 

@@ -235,7 +235,7 @@ class StreamEngine:
     """Enqueues the collectives of one group on one device, and watches them.
 
     Args:
-        tp: the device's :class:`ringcomm.transport.nccl.NcclTransport`.
+        tp: the device's :class:`ringcomm.transport.nccl.NcclLink`.
         streams: its :class:`CudaStreams` (or :class:`HostStreams`).
         describe: a short description of the group, for messages.
     """

@@ -9,6 +9,19 @@ from typing import Any, Callable, Sequence
 import torch
 
 CHECK_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
+#: what every output buffer holds before the call (as mpi4py's tests fill theirs with
+#: -1): no check's right result is 1000 below 250 ranks (inputs lie in [-4, 4];
+#: products are powers of two), so an element the call never wrote shows
+UNWRITTEN = 1000
+
+
+def unwritten(*size: int, dtype: torch.dtype = torch.float32, **where) -> torch.Tensor:
+    """An output buffer of ``size`` filled with :data:`UNWRITTEN` (the dtype's largest
+    value where 1000 does not fit it)."""
+    fill = UNWRITTEN
+    if not dtype.is_floating_point and dtype != torch.bool and torch.iinfo(dtype).max < fill:
+        fill = torch.iinfo(dtype).max
+    return torch.full(size, fill if dtype != torch.bool else True, dtype=dtype, **where)
 
 
 def case_input(rank: int, case: int, n: int, dtype: torch.dtype, op: str = "SUM") -> torch.Tensor:
@@ -184,19 +197,19 @@ class _Checks:
         for name in self.names("allgather"):
             for dtype in self.dtypes:
                 xs = self.inputs(n, dtype)
-                outs = [torch.empty(n, dtype=dtype, **self.on) for _ in range(p)]
+                outs = [unwritten(n, dtype=dtype, **self.on) for _ in range(p)]
                 what = f"allgather[{name}] {dtype}"
                 if self.run(what, "allgather", name,
                             lambda: pg.allgather([outs], [self.mine(xs[me])])):
                     self.expect(what, torch.stack(outs), torch.stack(xs))
-                out = torch.empty(p * n, dtype=dtype, **self.on)
+                out = unwritten(p * n, dtype=dtype, **self.on)
                 what = f"all_gather_into_tensor[{name}] {dtype}"
                 if self.run(what, "allgather", name,
                             lambda: pg._allgather_base(out, self.mine(xs[me]))):
                     self.expect(what, out, torch.cat(xs))
             # uneven sizes: rank r contributes r + 1 elements
             xs = [case_input(r, 0, r + 1, torch.float32) for r in range(p)]
-            outs = [torch.empty(r + 1, **self.on) for r in range(p)]
+            outs = [unwritten(r + 1, **self.on) for r in range(p)]
             what = f"allgather[{name}] uneven"
             if self.run(what, "allgather", name,
                         lambda: pg.allgather([outs], [self.mine(xs[me])])):
@@ -211,7 +224,7 @@ class _Checks:
                 for op in self.reduce_ops:
                     xs = self.inputs(self.numel * p, dtype, op)
                     full = oracle(xs, op, self.nccl_lane)
-                    out = torch.empty(self.numel, dtype=dtype, **self.on)
+                    out = unwritten(self.numel, dtype=dtype, **self.on)
                     o = dist.ReduceScatterOptions()
                     o.reduceOp = getattr(dist.ReduceOp, op)
                     what = f"reduce_scatter_tensor[{name}] {dtype} {op}"
@@ -222,7 +235,7 @@ class _Checks:
                         self.expect(what + " (input untouched)", inp, xs[me])
             xs = self.inputs(p * (p + 1) // 2, torch.float32)  # uneven: chunk r has r + 1
             chunks = [list(x.split([r + 1 for r in range(p)])) for x in xs]
-            out = torch.empty(me + 1, **self.on)
+            out = unwritten(me + 1, **self.on)
             what = f"reduce_scatter[{name}] uneven"
             if self.run(what, "reduce_scatter", name,
                         lambda: pg.reduce_scatter([out], [[self.mine(c) for c in chunks[me]]],
@@ -236,7 +249,7 @@ class _Checks:
         for name in self.names("gather"):
             xs = self.inputs(self.numel, torch.float32)
             root = p - 1
-            outs = [torch.empty(self.numel, **self.on) for _ in range(p)] if me == root else []
+            outs = [unwritten(self.numel, **self.on) for _ in range(p)] if me == root else []
             o = dist.GatherOptions()
             o.rootRank = root
             what = f"gather[{name}]"
@@ -252,7 +265,7 @@ class _Checks:
         for name in self.names("scatter"):
             xs = self.inputs(self.numel * p, torch.float32)
             root = 0
-            out = torch.empty(self.numel, **self.on)
+            out = unwritten(self.numel, **self.on)
             o = dist.ScatterOptions()
             o.rootRank = root
             ins = [list(self.mine(x).view(p, -1).unbind(0)) for x in xs]
@@ -268,13 +281,13 @@ class _Checks:
         for name in self.names("alltoall"):
             xs = self.inputs(self.numel * p, torch.float32)
             want = torch.cat([x.view(p, -1)[me] for x in xs])
-            out = torch.empty(self.numel * p, **self.on)
+            out = unwritten(self.numel * p, **self.on)
             what = f"all_to_all_single[{name}]"
             if self.run(what, "alltoall", name,
                         lambda: pg.alltoall_base(out, self.mine(xs[me]), [], [],
                                                  dist.AllToAllOptions())):
                 self.expect(what, out, want)
-            outs = [torch.empty(self.numel, **self.on) for _ in range(p)]
+            outs = [unwritten(self.numel, **self.on) for _ in range(p)]
             what = f"all_to_all[{name}]"
             if self.run(what, "alltoall", name,
                         lambda: pg.alltoall(outs, list(self.mine(xs[me]).view(p, -1).unbind(0)),

@@ -1,6 +1,6 @@
 """What the process group needs from the layer below, for one device.
 
-:class:`Link`: rank, size, device, scratch buffers and the library's own
+:class:`Link`: rank, size, device, scratch buffers and the communication library's own
 collectives. Two kinds, both driven by :mod:`ringcomm.execution.executors` and driving
 nothing themselves:
 
@@ -9,7 +9,7 @@ nothing themselves:
   between the ranks of one group and knows nothing of collectives. One
   collective runs on a transport at a time (the engine guarantees it);
   :meth:`Transport.begin` sets the deadline every wait of that collective honours.
-* :class:`ringcomm.transport.nccl.NcclTransport` (CUDA tensors): NCCL groups
+* :class:`ringcomm.transport.nccl.NcclLink` (CUDA tensors): NCCL groups
   enqueued on a stream, never waited on by the transport itself.
 """
 from __future__ import annotations
@@ -145,7 +145,7 @@ class Link(abc.ABC):
         self.device = device
         self._scratch: dict[int, torch.Tensor] = {}
 
-    # -- the library's own collectives (algorithm "native") ------------------------
+    # -- the communication library's own collectives (algorithm "native") ----------
     def check_native(self, collective: str, dtype: torch.dtype, op: Any) -> None:
         """Raise ValueError unless :meth:`native_init` can run ``collective`` on ``dtype``
         with ``op`` (called before anything is enqueued)."""
@@ -181,8 +181,8 @@ class Link(abc.ABC):
 
     def native_init(self, collective: str, layout: tuple, dtype: torch.dtype, op: Any,
                     root: int) -> Any:
-        """The library's own ``collective`` for one call shape: an object whose
-        ``start(bufs)`` issues it on the caller's buffers (ordered and sized as for a
+        """The communication library's own ``collective`` (MPI's, NCCL's) for one
+        call shape: an object whose ``start(bufs)`` issues it on the caller's buffers (ordered and sized as for a
         schedule, ``ringcomm.schedule.BUFFERS``), ``finish(bufs)`` waits for it (on a
         transport that waits) and copies results out of any staging buffer, and
         ``handles()`` names what a failure must abandon."""

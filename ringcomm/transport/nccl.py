@@ -13,7 +13,7 @@ limits and errors belong to :class:`ringcomm.runtime.streams.StreamEngine`.
 NCCL keeps the group depth per thread, and a call that fails inside a group
 leaves the group open: every later NCCL call of that thread, on any
 communicator, would be queued and never launched. So every group opened here is
-closed on every path (:meth:`NcclTransport.close_groups`), as torch's
+closed on every path (:meth:`NcclLink.close_groups`), as torch's
 ``AutoNcclGroup`` does.
 
 CuPy is imported on first use only: ``import ringcomm`` works without it, and a
@@ -272,7 +272,7 @@ def connect(lib: Any, store: Any, prefix: str, rank: int, size: int, timeout_s: 
                            f"of {size}) failed: {why}") from e
 
 
-class NcclTransport(Link):
+class NcclLink(Link):
     """One NCCL communicator of a group, on one device, enqueuing on one stream.
 
     Implements :class:`ringcomm.execution.executors.GroupComm`, so
@@ -464,7 +464,7 @@ class _NcclNative:
 
     __slots__ = ("tp", "args")
 
-    def __init__(self, tp: NcclTransport, *args: Any):
+    def __init__(self, tp: NcclLink, *args: Any):
         self.tp, self.args = tp, args
 
     def start(self, bufs: list) -> None:
@@ -476,3 +476,8 @@ class _NcclNative:
 
     def handles(self) -> list:
         return []
+
+
+#: the name NcclLink had before it was named for what it is (a link: it enqueues
+#: NCCL groups, it is no point-to-point Transport), for code written against it
+NcclTransport = NcclLink

@@ -90,7 +90,7 @@ class Window:
         return self._buffers[b]
 
 
-def fence_window():
+def memory_fence():
     """``MPI_Win_sync`` of a window over this process (a full memory barrier in MPICH)
     and the window (to free)."""
     from mpi4py import MPI

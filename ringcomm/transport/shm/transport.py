@@ -16,7 +16,7 @@ from ringcomm.transport.base import (Handle, Signs, Transport, TransportAborted,
 from ringcomm.transport.shm.direct import COLLECTIVES, direct_program, peers_ahead
 from ringcomm.transport.shm.fifo import Batch, Msg, Pair, consume, pull, push
 from ringcomm.transport.shm.liveness import Idle, alive
-from ringcomm.transport.shm.segment import (Geometry, Window, fence_window, read_failure,
+from ringcomm.transport.shm.segment import (Geometry, Window, memory_fence, read_failure,
                                             write_failure)
 
 _monotonic = time.monotonic
@@ -48,7 +48,7 @@ class ShmTransport(Transport):
         self._pids = pids  # peer -> pid, where this process can see the peer's
         self.host = host
         self._nslots = geometry.slots
-        self._fence, self._window = fence_window()
+        self._fence, self._fence_win = memory_fence()
         #: the memory barrier (a full one: MPI_Win_sync)
         self.fence = self._fence
         self.broken: str | None = None
@@ -421,7 +421,7 @@ class ShmTransport(Transport):
         # the mappings go once nothing views them (numpy views pin an mmap open)
         self.pairs, self._pair_list, self._maps = {}, [], []
         self.direct = None
-        win, _ = self._window
+        win, _ = self._fence_win
         try:
             with mpi_serial.LOCK:
                 win.Unlock_all()
