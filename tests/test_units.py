@@ -312,9 +312,9 @@ def test_fresh_store_names_the_ranks_that_never_came():
 
 
 def test_mpi_wait_loop_tests_in_order_and_honours_deadline_and_stop():
-    # transport.mpi.complete: each request is tested with its own status until it is
-    # done, then never again; the loop ends at the deadline, or when stop() says so
-    from ringcomm.transport import mpi
+    # transport.mpi_requests.complete: each request is tested with its own status
+    # until it is done, then never again; the loop ends at the deadline, or when stop() says so
+    from ringcomm.transport import mpi_requests as mpi
 
     class Req:
         def __init__(self, polls, log):
@@ -394,8 +394,8 @@ def test_singletons_join_in_logarithmic_rounds_ranked_like_torch():
 def test_the_plan_cache_holds_a_bounded_number_of_bytes(monkeypatch):
     """Plans are evicted oldest first once the bytes they hold exceed
     PLAN_CACHE_BYTES; the newest stays whatever its size."""
+    from ringcomm.front import planner as planner_module
     from ringcomm.front.planner import Planner
-    from ringcomm.front import planner
     from ringcomm.algorithms import ring as ring_algo
     planner = Planner(0, 16, ringcomm.Options().resolve())
 
@@ -403,12 +403,12 @@ def test_the_plan_cache_holds_a_bounded_number_of_bytes(monkeypatch):
         return planner.plan("allreduce", "ring", ring_algo.allreduce, (n,), 0, torch.float32)
 
     one = plan(16).nbytes  # every 16-rank ring of whole chunks: 30 steps, 60 messages
-    monkeypatch.setattr(planner, "PLAN_CACHE_BYTES", int(2.5 * one))
+    monkeypatch.setattr(planner_module, "PLAN_CACHE_BYTES", int(2.5 * one))
     plans = [plan(16 * k) for k in range(2, 7)]
     assert [pl.nbytes for pl in plans] == [one] * 5
     assert list(planner._plans.values()) == plans[-2:] and planner._plan_bytes == 2 * one
     assert plan(16 * 6) is plans[-1]
-    monkeypatch.setattr(planner, "PLAN_CACHE_BYTES", 10)
+    monkeypatch.setattr(planner_module, "PLAN_CACHE_BYTES", 10)
     big = plan(16 * 9)
     assert list(planner._plans.values()) == [big] and planner._plan_bytes == one
 

@@ -12,7 +12,9 @@ messages only inside MPI calls on both sides, so a rank that sleeps stalls
 its peers' transfers: polling spins (yielding the core to co-located ranks
 between polls) for up to ``RINGCOMM_SPIN_US`` (50 ms), which covers every
 healthy transfer, and only then naps with exponential backoff up to
-``RINGCOMM_MAX_SLEEP_US``, for peers that are late to a collective.
+``RINGCOMM_MAX_SLEEP_US``, for peers that are late to a collective
+(:mod:`ringcomm.transport.mpi_requests`). MPI's own collectives, the ``native``
+algorithm, are :mod:`ringcomm.transport.mpi_native`'s.
 """
 from __future__ import annotations
 
@@ -23,11 +25,11 @@ from typing import Sequence
 import torch
 from mpi4py import MPI
 
-from ringcomm import mpi_serial, ops, settings
-from ringcomm.backoff import Backoff
+from ringcomm import mpi_serial, settings
+from ringcomm.transport import mpi_native
 from ringcomm.transport.base import (Handle, Signs, Transport, TransportAborted,
-                                     TransportMismatch, TransportPeerFailed, TransportTimeout,
-                                     packed)
+                                     TransportMismatch, TransportPeerFailed, TransportTimeout)
+from ringcomm.transport.mpi_requests import complete, limbo, poll, prune_limbo, tested
 
 _monotonic = time.monotonic
 _INF = float("inf")
@@ -35,245 +37,7 @@ _fromaddress = MPI.buffer.fromaddress
 _BYTE = MPI.BYTE
 # one thread in MPI at a time, process-wide (why: ringcomm.mpi_serial)
 _mpi_lock = mpi_serial.LOCK
-
-
-#: spin this long before yielding the core: a peer on another core answers within it
-_BUSY_S = 100e-6
-#: tests per hold of the MPI lock while spinning (the lock costs as much as a test)
-_BATCH = 32
-#: a wait this long looks for a message of another call from the peers it waits on
-#: (then again at this interval): a collective that has to wait this long is no short
-#: one, and a mismatched call fails now instead of at its deadline
-_PROBE_S = 0.05
-
-
-def poll(test, deadline: float, spin_s: float, max_sleep_s: float, stop=None) -> bool:
-    """Call ``test()`` until it returns True (then True), or ``deadline`` passes or
-    ``stop()`` returns True (then False)."""
-    if test():
-        return True
-    pace = Backoff(_BUSY_S, spin_s, max_sleep_s)
-    while not test():
-        now = _monotonic()
-        if now >= deadline or (stop is not None and stop()):
-            return False
-        pace.pause(now)
-    return True
-
-
-def complete(reqs: list, statuses: list, deadline: float, spin_s: float,
-             max_sleep_s: float, idle=None, stop=None, done: int = 0, probe=None) -> bool:
-    """Drive MPI requests to completion, in order, until ``deadline`` or until
-    ``stop()`` returns True (then False). ``probe(i)``, if given, runs once the wait
-    has lasted :data:`_PROBE_S`, then at that interval, with the first request not
-    yet complete (it may raise).
-
-    One request is tested at a time, several tests per hold of the lock: a 512 KiB
-    shared-memory exchange measured 69 us this way, 93 us with ``Testall`` on both
-    requests and 117 us with the lock taken for every test (``MPI_Waitall``: 63 us,
-    but it cannot time out). ``statuses[i]`` (None for sends) receives request i's.
-    ``idle()``, if given, runs between batches of tests. The first ``done`` requests
-    are known complete.
-    """
-    n, i = len(reqs), done
-    if i == n:
-        return True
-    pace = None
-    # the request waited on is tested with its bound method and status: every poll
-    # lets MPI's progress copy the next cell of a large message, so the time between
-    # polls adds up (a 256 KiB exchange took 2 us longer with a test that indexed)
-    test, st = reqs[i].Test, statuses[i]
-    while True:
-        with _mpi_lock:
-            for _ in range(_BATCH):
-                if test(st):
-                    i += 1
-                    while i < n and reqs[i].Test(statuses[i]):
-                        i += 1
-                    if i == n:
-                        return True
-                    test, st = reqs[i].Test, statuses[i]
-        if idle is not None:
-            idle()
-        now = _monotonic()
-        if now >= deadline or (stop is not None and stop()):
-            return False
-        if pace is None:  # made only once the first tests found work left
-            pace = Backoff(_BUSY_S, spin_s, max_sleep_s, start=now)
-            look = now + _PROBE_S
-        elif probe is not None and now >= look:
-            probe(i)
-            look = now + _PROBE_S
-        pace.pause(now)
-
-
-# -- MPI's own collectives: the "native" algorithm ------------------------------------
-# Non-blocking forms (Iallreduce, ...) polled like point-to-point, so the group's
-# deadline holds; the library cannot cancel a collective, so after a timeout the
-# buffers stay referenced until MPI reports the request done (``_limbo``).
-_MPI_TYPES = {torch.float32: "FLOAT", torch.float64: "DOUBLE", torch.int8: "INT8_T",
-              torch.uint8: "UINT8_T", torch.int16: "INT16_T", torch.int32: "INT32_T",
-              torch.int64: "INT64_T", torch.bool: "UINT8_T"}
-if MPI.FLOAT16_T != MPI.DATATYPE_NULL:  # MPICH 4 has it; nobody has bfloat16 yet
-    _MPI_TYPES[torch.float16] = "FLOAT16_T"
-_MPI_OPS = {"SUM": "SUM", "AVG": "SUM", "PRODUCT": "PROD", "MIN": "MIN", "MAX": "MAX",
-            "BAND": "BAND", "BOR": "BOR", "BXOR": "BXOR"}
-# bool travels as bytes 0/1: torch's sum/max of bools is "or", product/min is "and"
-_BOOL_OPS = {"SUM": "BOR", "AVG": "BOR", "MAX": "BOR", "BOR": "BOR", "PRODUCT": "BAND",
-             "MIN": "BAND", "BAND": "BAND", "BXOR": "BXOR"}
-
-
-def _vector(chunks: list, fill: bool) -> tuple[list, torch.Tensor | None]:
-    """An MPI ``[buffer, counts, displs, BYTE]`` over 1-D byte ``chunks``; when they
-    are not back to back, over a temporary (filled from them when ``fill``), which is
-    returned so the caller can copy results out of it."""
-    layout = packed(chunks)
-    tmp = None
-    if layout is None:
-        counts = [c.numel() for c in chunks]
-        tmp = torch.empty(sum(counts), dtype=torch.uint8)
-        if fill and tmp.numel():
-            torch.cat(chunks, out=tmp)
-        displs = [sum(counts[:i]) for i in range(len(counts))]
-        layout = (tmp.data_ptr(), counts, displs)
-    base, counts, displs = layout
-    return [_fromaddress(base, sum(counts)), counts, displs, _BYTE], tmp
-
-
-_NATIVE = ("allreduce", "reduce", "reduce_scatter", "broadcast", "allgather", "gather",
-           "scatter", "alltoall", "barrier")
-
-
-class _NativeCall:
-    """One of MPI's own collectives for one call shape (see
-    :meth:`MPITransport.native_init`): :meth:`start` issues it on the caller's buffers,
-    :meth:`finish` waits for it.
-
-    MPI's collectives progress only inside MPI calls: the wait never naps (as MPI's
-    blocking calls never do); a 64 MiB Iallreduce took 1.4 s with naps after 50 ms.
-    """
-
-    __slots__ = ("tp", "what", "mop", "mtype", "root", "item", "handle", "unstage")
-
-    def __init__(self, tp: "MPITransport", what: str, mop, mtype, root: int, item: int):
-        self.tp, self.what, self.mop, self.mtype = tp, what, mop, mtype
-        self.root, self.item = root, item
-        self.handle: Handle | None = None
-        self.unstage = None
-
-    def start(self, bufs: list) -> None:
-        tp, coll, mop, mtype, root = self.tp, self.what, self.mop, self.mtype, self.root
-        comm, p, r = tp.comm, tp.size, tp.rank
-        keep: list = list(bufs)  # referenced until the collective completes (or for good)
-        self.unstage = None
-        with _mpi_lock:
-            if coll == "allreduce":
-                buf = bufs[0]
-                req = comm.Iallreduce(MPI.IN_PLACE, [_fromaddress(buf.data_ptr(), buf.nbytes),
-                                                     buf.numel(), mtype], mop)
-            elif coll == "reduce":
-                buf = bufs[0]
-                mem = [_fromaddress(buf.data_ptr(), buf.nbytes), buf.numel(), mtype]
-                req = (comm.Ireduce(MPI.IN_PLACE, mem, mop, root) if r == root
-                       else comm.Ireduce(mem, None, mop, root))
-            elif coll == "reduce_scatter":
-                chunks, out = bufs[:p], bufs[p]
-                base, counts, _ = packed(chunks)  # the process group packs them
-                item = self.item
-                req = comm.Ireduce_scatter(
-                    [_fromaddress(base, sum(counts)), sum(counts) // item, mtype],
-                    [_fromaddress(out.data_ptr(), out.nbytes), out.numel(), mtype],
-                    [c // item for c in counts], mop)
-            elif coll == "broadcast":
-                buf = bufs[0]
-                req = comm.Ibcast([_fromaddress(buf.data_ptr(), buf.nbytes), _BYTE], root)
-            elif coll == "allgather":
-                chunks, inp = bufs[:p], bufs[p]
-                vec, tmp = _vector(chunks, fill=False)
-                keep.append(tmp)
-                same = tmp is None and inp.numel() and inp.data_ptr() == chunks[r].data_ptr()
-                send = MPI.IN_PLACE if same else [_fromaddress(inp.data_ptr(), inp.nbytes), _BYTE]
-                req = comm.Iallgatherv(send, vec)
-                self.unstage = (tmp, chunks)
-            elif coll in ("gather", "scatter"):
-                chunks, mine = bufs[:p], bufs[p]
-                to_root = coll == "gather"
-                own = [_fromaddress(mine.data_ptr(), mine.nbytes), _BYTE]
-                vec = None
-                if r == root:
-                    vec, tmp = _vector(chunks, fill=not to_root)
-                    keep.append(tmp)
-                    if tmp is None and mine.numel() and mine.data_ptr() == chunks[r].data_ptr():
-                        own = MPI.IN_PLACE  # MPI forbids aliased buffers
-                    if to_root:
-                        self.unstage = (tmp, chunks)
-                req = comm.Igatherv(own, vec, root) if to_root else comm.Iscatterv(vec, own, root)
-            elif coll == "alltoall":
-                sends, recvs = bufs[:p], bufs[p:]
-                svec, stmp = _vector(sends, fill=True)
-                rvec, rtmp = _vector(recvs, fill=False)
-                keep += [stmp, rtmp]
-                req = comm.Ialltoallv(svec, rvec)
-                self.unstage = (rtmp, recvs)
-            else:  # barrier
-                req = comm.Ibarrier()
-        self.handle = Handle(req, keep, -1, "collective", nbytes=0)
-
-    def finish(self, bufs: list) -> None:
-        tp, h = self.tp, self.handle
-        if not complete([h.req], [None], tp._deadline, _INF, tp.max_sleep_s,
-                        tp._match_all_any_source if tp._any_source else None, tp.stopped):
-            if tp._stop is not None:
-                raise TransportAborted(tp._stop)
-            raise TransportTimeout(f"waiting for MPI's own {self.what} (MPI_I{self.what}) to "
-                                   "complete on every rank")
-        self.handle = None
-        if self.unstage is not None:
-            tmp, chunks = self.unstage
-            if tmp is not None:
-                off = 0
-                for c in chunks:
-                    c.copy_(tmp[off:off + c.numel()])
-                    off += c.numel()
-
-    def handles(self) -> list[Handle]:
-        """The request in flight, if any (a failed collective's, to abandon)."""
-        return [] if self.handle is None else [self.handle]
-
-
-#: requests of failed collectives and cancelled receives, with their buffers, from
-#: every transport: MPI may still write into those buffers, so they stay referenced
-#: until a test says the request is done (cancelled receives soon, sends to a peer
-#: that never receives them not before MPI is finalized)
-_limbo: list[Handle] = []
-
-
-def _prune_limbo() -> None:
-    """Drop the requests of ``_limbo`` that MPI has finished with."""
-    keep = []
-    with _mpi_lock:
-        for h in _limbo:
-            try:
-                done = not isinstance(h.req, MPI.Request) or h.req.Test()
-            except MPI.Exception:
-                done = True  # an error completes the request too
-            if not done:
-                keep.append(h)
-        _limbo[:] = keep
-
-
 _startall = MPI.Prequest.Startall
-
-
-def _tested(reqs: list, statuses: list) -> int:
-    """Test the requests once, in order, until one is not done; how many are (call
-    holding the lock)."""
-    i = 0
-    for q, st in zip(reqs, statuses):
-        if not q.Test(st):
-            return i
-        i += 1
-    return i
 
 
 class _Batch:
@@ -369,7 +133,7 @@ class MPITransport(Transport):
         only messages that are too long, and a short one would leave stale data."""
         reqs, statuses = batch.reqs, batch.statuses
         with _mpi_lock:  # a first look: a short exchange is often done by now
-            first = _tested(reqs, statuses)
+            first = tested(reqs, statuses)
         if first == len(reqs):
             for h, st in batch.received:
                 if st.Get_count(_BYTE) != h.nbytes:
@@ -586,38 +350,20 @@ class MPITransport(Transport):
         return handle.peer
 
     def check_native(self, collective: str, dtype: torch.dtype, op) -> None:
-        if collective in ("allreduce", "reduce", "reduce_scatter") and dtype not in _MPI_TYPES:
-            raise ValueError(f"ringcomm {collective}: algorithm 'native' (MPI's own) cannot reduce "
-                             f"{dtype}: MPI has no such type; use ring or tree")
-
+        mpi_native.check(collective, dtype)
 
     def native_init(self, collective: str, layout: tuple, dtype: torch.dtype, op,
-                    root: int) -> "_NativeCall":
-        """MPI's own collective for one call shape: its MPI types and op looked up once,
-        a non-blocking collective (``MPI_Iallreduce`` and friends) issued at every start.
-
-        Not MPI-4's persistent collectives: their initialization is itself collective
-        (every rank must make the same ``*_init`` calls in the same order), so binding
-        them to the caller's buffers, whose addresses each rank sees change at its own
-        times, would hang; bound once to buffers of their own, the copies in and out
-        made them slower than ``MPI_Iallreduce`` (3.5 against 3.0 us at 4 KiB, 173
-        against 122 us at 1 MiB, 2 ranks here).
-        """
-        if collective not in _NATIVE:
-            raise ValueError(f"ringcomm: MPI has no native {collective!r}")
-        mop = mtype = None
-        if collective in ("allreduce", "reduce", "reduce_scatter"):
-            mop = getattr(MPI, (_BOOL_OPS if dtype == torch.bool else _MPI_OPS)[ops.op_name(op)])
-            mtype = getattr(MPI, _MPI_TYPES[dtype])
-        return _NativeCall(self, collective, mop, mtype, root, dtype.itemsize)
+                    root: int) -> "mpi_native.NativeCall":
+        """MPI's own collective for one call shape (:func:`ringcomm.transport.mpi_native.call`)."""
+        return mpi_native.call(self, collective, dtype, op, root)
 
     def close(self) -> None:
         """Free the communicators. MPI defers freeing one with pending requests until
         they complete, so a broken group leaks no communicator; its pending requests
-        and their buffers move to ``_limbo``."""
-        _limbo.extend(self._abandoned)
+        and their buffers move to ``limbo``."""
+        limbo.extend(self._abandoned)
         self._abandoned = []
-        _prune_limbo()
+        prune_limbo()
         for comm in (self.comm, self.p2p_comm):
             if comm != MPI.COMM_NULL:
                 try:

@@ -33,7 +33,8 @@ WARM = 10
 def usage() -> dict:
     from mpi4py import MPI
 
-    from ringcomm.transport.mpi import MPITransport, _limbo
+    from ringcomm.transport.mpi import MPITransport
+    from ringcomm.transport.mpi_requests import limbo
 
     gc.collect()
     with open("/proc/self/status") as f:
@@ -47,7 +48,7 @@ def usage() -> dict:
         requests = sum(isinstance(o, MPI.Prequest) and o != MPI.REQUEST_NULL for o in objs)
     return {"threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
             "groups": groups, "transports": transports, "requests": requests,
-            "limbo": len(_limbo),
+            "limbo": len(limbo),
             "rss_mb": round(rss_kb / 1024, 1)}
 
 
