@@ -6,7 +6,7 @@
                                                              # in https://ui.perfetto.dev
 
 Every rank trains on its own shard; after each step the replicas hold the same
-parameters (checked at the end). Prints loss per epoch and time per step. The
+parameters (checked at the end, over gloo). Prints loss per epoch and time per step. The
 loss curve is the same for both DDPs on both backends.
 """
 from __future__ import annotations
@@ -74,11 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trace: one file per rank; merge with: python -m ringcomm.trace merge {merged} "
               + " ".join(str(trace.rank_path(args.trace, r)) for r in range(world)), flush=True)
 
+    # checked over gloo, a backend apart from the one trained on, so a broken
+    # ringcomm broadcast cannot make unequal replicas look equal
+    check = dist.new_group(backend="gloo")
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     ref = flat.clone()
-    dist.broadcast(ref, src=0)
+    dist.broadcast(ref, src=0, group=check)
     same = torch.tensor([int(torch.equal(flat, ref))])
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=check)
     if rank == 0:
         print("replicas identical" if same.item() else "replicas DIVERGED", flush=True)
     dist.destroy_process_group()

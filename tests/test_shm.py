@@ -38,6 +38,44 @@ def test_geometry_places_nothing_twice():
         assert g.slot_bytes >= slot_bytes
 
 
+def test_the_window_lies_apart_page_aligned_and_where_its_views_write():
+    """shm_direct's window (two lines, then two buffers) lies after every outbox, its
+    lines on cache lines of their own within its page, its buffers page-aligned and
+    apart; Window's views of each rank's buffers write exactly there."""
+    import mmap
+
+    import numpy as np
+
+    from ringcomm.transport.shm import Window
+
+    for npeers, direct in ((1, 4096), (3, 1 << 20), (7, 5000)):
+        g = Geometry(npeers, 2, 4096, direct)
+        last_outbox = g.outbox_at(npeers - 1) + g.outbox_bytes
+        page = g.window_at()
+        lines = [(g.line_at(b), g.line_at(b) + 128) for b in (0, 1)]
+        bufs = [(page + 4096 + b * g.direct_bytes, page + 4096 + (b + 1) * g.direct_bytes)
+                for b in (0, 1)]
+        assert last_outbox <= page and page % 4096 == 0
+        assert all(page <= a and b <= page + 4096 for a, b in lines)
+        assert lines[0][1] <= lines[1][0] and lines[0][0] % 128 == 0
+        assert bufs[0][1] <= bufs[1][0] and all(a % 4096 == 0 for a, _ in bufs)
+        assert g.direct_bytes >= direct and bufs[1][1] == g.nbytes
+        maps = [mmap.mmap(-1, g.nbytes) for _ in range(npeers + 1)]
+        try:
+            win = Window(g, [(mm, memoryview(mm).cast("B").cast("q")) for mm in maps])
+            assert win.lines == (lines[0][0] // 8, lines[1][0] // 8)
+            for r, mm in enumerate(maps):
+                for b in (0, 1):
+                    win.buffers(b)[r][:] = 1 + 2 * r + b
+                    seg = np.frombuffer(mm, dtype=np.uint8)
+                    assert (seg[bufs[b][0]:bufs[b][1]] == 1 + 2 * r + b).all()
+                assert not np.frombuffer(mm, dtype=np.uint8)[:bufs[0][0]].any()
+            del win, seg
+        finally:
+            for mm in maps:
+                mm.close()
+
+
 def test_shm_direct_is_registered_for_what_the_transport_serves():
     """REGISTRY names shm_direct for exactly the collectives the transport's window
     runs (the builders' layer cannot import the transport's list)."""

@@ -66,12 +66,26 @@ def test_every_collective_is_enqueued_then_started_then_ended(merged):
         assert len(enq) == len(colls)
 
 
+def _inside(s: dict, c: dict) -> bool:
+    """Whether event ``s`` lies within event ``c`` on its thread (1 us of rounding)."""
+    return (c["tid"] == s["tid"] and c["ts"] <= s["ts"]
+            and s["ts"] + s["dur"] <= c["ts"] + c["dur"] + 1)
+
+
 def test_steps_lie_inside_their_collective(merged):
+    """Every step lies inside a collective, and every collective that ran a schedule
+    (not MPI's own, not shm_direct's round) holds at least one step: a trace that
+    records no steps fails."""
     for events in _per_rank(merged).values():
         colls = [e for e in events if e["cat"] == "collective"]
-        for s in (e for e in events if e["cat"] == "step"):
-            assert any(c["tid"] == s["tid"] and c["ts"] <= s["ts"]
-                       and s["ts"] + s["dur"] <= c["ts"] + c["dur"] + 1 for c in colls), s
+        steps = [e for e in events if e["cat"] == "step"]
+        for s in steps:
+            assert any(_inside(s, c) for c in colls), s
+        scheduled = [c for c in colls
+                     if "[native]" not in c["name"] and "[shm_direct]" not in c["name"]]
+        assert scheduled, [c["name"] for c in colls]
+        for c in scheduled:
+            assert any(_inside(s, c) for s in steps), c
 
 
 def _iterations(events: list[dict]) -> list[tuple[dict, dict, list[dict]]]:
