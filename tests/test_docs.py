@@ -273,7 +273,8 @@ def test_the_readme_layout_names_every_module_and_script():
     """A module added without a line in README's Layout fails here (the Layout once
     missed shm.py, the largest file, and a dozen others)."""
     block = _fenced_after((ROOT / "README.md").read_text(), "## Layout")
-    modules = _modules("ringcomm", "ddp") + sorted(
+    # the library's modules are named by the table generated from them (below)
+    modules = _modules("ringcomm", "ddp", skip_dirs=("ringcomm/library/",)) + sorted(
         p.relative_to(ROOT) for p in (ROOT / "scripts").glob("*.py"))
     assert not _unnamed(block, modules)
 
@@ -317,3 +318,24 @@ def test_the_library_names_exactly_the_algorithms_auto_picks():
     said = set(re.findall(r"``(\w+)``", doc.split("``auto`` picks", 1)[1].split(" where ")[0]))
     ours = {name for _, name in library.ALGORITHMS}
     assert said == ours & picked, (said, ours & picked)
+
+
+def test_the_library_table_names_every_library_module():
+    """A new library algorithm is its module alone: the package registers what the
+    module's REGISTERS says, and docs/architecture.md's table (checked current by
+    the doc_numbers test above) has a row for each of its ROWS."""
+    import ringcomm
+    from ringcomm import library
+
+    files = sorted(p.stem for p in (ROOT / "ringcomm" / "library").glob("*.py")
+                   if p.stem != "__init__")
+    assert sorted(library.MODULES) == files
+    table = library.markdown()
+    for name, mod in library.MODULES.items():
+        assert set(mod.ROWS) == {n for _, n in mod.REGISTERS}, name
+        for algo in mod.ROWS:
+            assert f"| **{algo}** |" in table and f"`library/{name}.py`" in table
+        for key, build in mod.REGISTERS.items():
+            assert library.ALGORITHMS[key] is build
+            assert ringcomm.REGISTRY[key[0]][key[1]] is build
+

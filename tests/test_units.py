@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import ringcomm
 from ringcomm import algorithms, ops
-from ringcomm.launch import bootstrap, pmi
+from ringcomm.launch import bootstrap, group_store, pmi
 from ringcomm.algorithms import REGISTRY, register_algorithm, select
 from ringcomm import settings
 from ringcomm.algorithms import expand_choices
@@ -261,7 +261,7 @@ def test_get_group_requires_ringcomm():
 
 # -- a group's namespace in a store earlier processes wrote to -----------------------
 def _fresh_stores(store, size: int, timeout_s: float = 10) -> list:
-    """bootstrap.fresh_store run by ``size`` threads acting as the group's ranks; rank
+    """group_store.fresh_store run by ``size`` threads acting as the group's ranks; rank
     0 comes last, so the others first find whatever lead token the store holds."""
     import threading
     import time
@@ -272,7 +272,7 @@ def _fresh_stores(store, size: int, timeout_s: float = 10) -> list:
         if r == 0:
             time.sleep(0.2)
         try:
-            out[r] = bootstrap.fresh_store(store, r, size, timedelta(seconds=timeout_s))
+            out[r] = group_store.fresh_store(store, r, size, timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 - handed to the test
             out[r] = e
 
@@ -305,10 +305,10 @@ def test_fresh_store_ignores_what_earlier_processes_left():
 def test_fresh_store_names_the_ranks_that_never_came():
     store = dist.HashStore()
     with pytest.raises(dist.DistBackendError, match=r"ranks \[1\] did not arrive within 0.3 s"):
-        bootstrap.fresh_store(store, 0, 2, timedelta(seconds=0.3))
+        group_store.fresh_store(store, 0, 2, timedelta(seconds=0.3))
     # rank 1 alone, with rank 0's token left from the call above but no rank 0
     with pytest.raises(dist.DistBackendError, match="rank 0 did not answer rank 1 within 0.3 s"):
-        bootstrap.fresh_store(store, 1, 2, timedelta(seconds=0.3))
+        group_store.fresh_store(store, 1, 2, timedelta(seconds=0.3))
 
 
 def test_mpi_wait_loop_tests_in_order_and_honours_deadline_and_stop():

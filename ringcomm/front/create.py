@@ -22,7 +22,7 @@ from ringcomm.algorithms import expand_choices
 from ringcomm.front.contract import never_a_split_source, options_from_torch
 from ringcomm.front import watch
 from ringcomm.front.process_group import ProcessGroupRingcomm
-from ringcomm.launch import bootstrap
+from ringcomm.launch import bootstrap, group_store, hosts
 from ringcomm.settings import Options
 
 __all__ = ["create_group", "connect_group", "register", "register_transport", "GroupSetup",
@@ -143,7 +143,7 @@ class GroupSetup:
     def hosts(self) -> tuple[int, ...]:
         """Every rank's host number (empty: one host), agreed through the store (each
         rank reads ``size`` keys): for a transport with no faster way."""
-        return bootstrap.store_host_layout(
+        return hosts.store_host_layout(
             self.store, self.rank, self.size, self.world_rank, self.options.local_size,
             self.standalone, timedelta(seconds=self.limit_s))
 
@@ -192,7 +192,7 @@ def _connect(store: Any, rank: int, size: int, timeout: timedelta, options: Opti
     """Connect a group's ranks (a fresh store namespace, then the CPU transport of
     ``options``) and make its group."""
     transports, cpu_error, hosts = None, None, ()
-    torch_store, store = store, bootstrap.fresh_store(store, rank, size, timeout)
+    torch_store, store = store, group_store.fresh_store(store, rank, size, timeout)
     setup = GroupSetup(store, rank, size, timeout, bootstrap.setup_limit(timeout), options,
                        members, standalone)
     connect = _factory(setup)
@@ -229,7 +229,7 @@ def _factory(setup: GroupSetup) -> Callable:
         if setup.rank == 0:
             setup.store.set("transport", name)
         else:
-            first = bootstrap._store_wait(setup.store, "transport", setup.timeout).decode()
+            first = group_store.store_wait(setup.store, "transport", setup.timeout).decode()
             if first != name:
                 raise ValueError(f"ringcomm: rank {setup.rank} names transport {name!r} "
                                  f"where rank 0 names {first!r}: every rank of a group "
@@ -262,17 +262,17 @@ def _transports(setup: GroupSetup, MPITransport: type) -> tuple[list, tuple]:
                                 setup.timeout, setup.standalone)
     comms, transports = [comm], []
     try:
-        hosts = bootstrap.host_layout(comm, setup.world_rank, options.local_size,
-                                      setup.standalone, limit)
+        layout = hosts.host_layout(comm, setup.world_rank, options.local_size,
+                                   setup.standalone, limit)
         # one communicator per channel: messages of different channels never match
         for k in range(1, options.num_channels):
             comms.append(mpi_serial.dup(comm, f"channel {k}'s communicator", limit))
         # ranks sharing a host exchange a schedule's messages through shared memory
         for k, c in enumerate(comms):
             transports.append(MPITransport(c, limit))  # owns c from here
-            transports[k] = shm.connect(transports[k], c, hosts, k, options.shared_memory,
+            transports[k] = shm.connect(transports[k], c, layout, k, options.shared_memory,
                                         limit)
-        return transports, hosts
+        return transports, layout
     except BaseException:
         for tp in transports:
             tp.close()

@@ -20,7 +20,7 @@ Three ways to start a job, one script:
   torchrun's (:mod:`ringcomm.launch.slurm`), then as under torchrun.
 
 Every group first agrees, through its store, on a namespace no earlier process
-used (:func:`fresh_store`): torchrun's agent keeps one store across restarts, so
+used (:func:`ringcomm.launch.group_store.fresh_store`): torchrun's agent keeps one store across restarts, so
 keys of the processes it replaced are still there.
 
 Subgroups are carved from the world communicator with ``Comm.Create_group``,
@@ -42,21 +42,17 @@ import socket
 import sys
 import threading
 import time
-import uuid
 from datetime import timedelta
 
-from ringcomm import machine, mpi_serial, settings
-from ringcomm.launch import network, pmi, slurm
+from ringcomm import mpi_serial, settings
+from ringcomm.launch import hosts, network, pmi
+from ringcomm.launch.group_store import store_wait
 from ringcomm.launch.launchers import launched_by_mpi
 
 log = logging.getLogger("ringcomm")
 
 _lock = threading.Lock()
 _world = None  # the world intracommunicator once known (MPI.Intracomm)
-
-
-#: under mpiexec: the world rank of the first rank on this host (see host_key)
-_mpi_node: int | None = None
 
 
 def mpi():
@@ -100,8 +96,8 @@ def setup_env_from_mpi() -> None:
     rank, size = world.Get_rank(), world.Get_size()
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = node.Get_rank(), node.Get_size()
-    global _mpi_node
-    _mpi_node = node.bcast(rank, root=0)  # a host's name: the world rank of its first rank
+    # a host's name: the world rank of its first rank
+    hosts.mpi_node = node.bcast(rank, root=0)
     node.Free()
     single_node = world.allreduce(1 if local_size == size else 0, op=MPI.MIN) == 1
     mine = None
@@ -119,137 +115,6 @@ def setup_env_from_mpi() -> None:
     if not single_node:  # NCCL's interface: the one toward the store, as under torchrun
         iface = forced or network.interface_toward(os.environ["MASTER_ADDR"])[0]
         network.apply(iface, spans_hosts=True, set_netmod=False)
-
-
-def host_key(world_rank: int, local_size: int = 0, standalone: bool = False) -> str:
-    """A name of this process's host, the same for every rank on it.
-
-    ``local_size`` > 0 (``RINGCOMM_LOCAL_SIZE``) puts consecutive blocks of that many
-    world ranks on one host. Otherwise the launcher says: MPI's shared-memory split
-    under mpiexec, the node (agent) rank under torchrun, ``SLURM_NODEID`` under
-    srun; else the host name. A standalone group's ranks come from different
-    launches, whose launchers each number their own nodes (and ``local_size`` numbers
-    a launch's world ranks): its key is the machine's host name and boot id.
-    """
-    if standalone:
-        return f"machine-{machine.identity()}"
-    if local_size > 0:
-        return f"block-{world_rank // local_size}"
-    if _mpi_node is not None:
-        return f"mpi-node-{_mpi_node}"
-    if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("GROUP_RANK"):
-        return f"torchrun-node-{os.environ['GROUP_RANK']}"
-    node = slurm.node_id()
-    if node is not None:
-        return f"slurm-node-{node}"
-    return f"host-{socket.gethostname()}"
-
-
-def host_numbers(keys: list[str]) -> tuple[int, ...]:
-    """Host numbers (0, 1, ... in order of each host's first rank) of ranks whose hosts
-    are named ``keys``; empty when they are all on one host."""
-    if len(set(keys)) <= 1:
-        return ()
-    first: dict[str, int] = {}
-    return tuple(first.setdefault(k, len(first)) for k in keys)
-
-
-def host_layout(comm, world_rank: int, local_size: int = 0, standalone: bool = False,
-                limit_s: float | None = None) -> tuple[int, ...]:
-    """Every group rank's host number (:func:`host_numbers`), agreed over ``comm``
-    within ``limit_s`` (None: ``RINGCOMM_CONNECT_TIMEOUT``)."""
-    return host_numbers(mpi_serial.allgather(comm, host_key(world_rank, local_size, standalone),
-                                             "the group's host layout",
-                                             mpi_serial.limit(limit_s)))
-
-
-def store_host_layout(store, rank: int, size: int, world_rank: int, local_size: int = 0,
-                      standalone: bool = False,
-                      timeout: timedelta = timedelta(seconds=60)) -> tuple[int, ...]:
-    """Every group rank's host number (:func:`host_numbers`), agreed through ``store``
-    (a group's fresh store, :func:`fresh_store`) for a transport without MPI: each rank
-    writes its :func:`host_key` and reads every rank's, ``size`` reads a rank.
-
-    Raises:
-        DistBackendError: ranks missing after ``timeout`` (names the first).
-    """
-    import torch.distributed as dist
-
-    store.set(f"hosts/{rank}", host_key(world_rank, local_size, standalone))
-    keys = []
-    for r in range(size):
-        try:
-            keys.append(_store_wait(store, f"hosts/{r}", timeout).decode())
-        except (RuntimeError, dist.DistStoreError) as e:
-            raise dist.DistBackendError(
-                f"ringcomm: rank {r} of {size} did not record its host within "
-                f"{timeout.total_seconds():g} s ({e})") from None
-    return host_numbers(keys)
-
-
-def _store_wait(store, key: str, timeout: timedelta) -> bytes:
-    store.wait([key], timeout)
-    return store.get(key)
-
-
-def fresh_store(store, rank: int, size: int, timeout: timedelta):
-    """``store`` under a prefix that only this group's current processes use.
-
-    A store can outlive the processes that wrote to it: torchrun's agent hands the
-    same store to every restart of its workers, so a restarted rank would read,
-    say, the MPI port of a rank 0 that is gone. Rank 0 therefore picks a new random
-    token and publishes it under ``ringcomm/lead``; every other rank answers under
-    the token it reads with a nonce of its own, and takes the token once rank 0
-    has welcomed that nonce. A token left by earlier processes never welcomes a
-    new nonce (its rank 0 is gone), so a rank that read one reads ``ringcomm/lead``
-    again, after a second, then at growing intervals, until rank 0's new token
-    appears. Every wait is the store's own (woken when the key is set), so a fresh
-    store costs each rank a few round trips.
-
-    Raises:
-        DistBackendError: ranks were missing after ``timeout`` (names them).
-    """
-    import torch.distributed as dist
-
-    limit = timeout.total_seconds()
-    if rank == 0:
-        token = uuid.uuid4().hex
-        hellos = [f"ringcomm/{token}/hello/{r}" for r in range(1, size)]
-        store.set("ringcomm/lead", token)
-        deadline = time.monotonic() + limit
-        for r, key in enumerate(hellos, 1):  # each rank welcomed as soon as it came
-            try:
-                store.wait([key], timedelta(seconds=max(1e-3, deadline - time.monotonic())))
-            except dist.DistStoreError:
-                missing = [q for q, k in enumerate(hellos, 1) if q >= r and not store.check([k])]
-                raise dist.DistBackendError(
-                    f"ringcomm: setting up a group of {size}: ranks {missing} did not "
-                    f"arrive within {limit:g} s") from None
-            store.set(f"ringcomm/{token}/welcome/{store.get(key).decode()}", b"1")
-        return dist.PrefixStore(f"ringcomm/{token}/", store)
-    # the wait for the welcome is cut in slices (1 s, growing) only to read the lead
-    # again when it was one left by earlier processes
-    nonce, lead, look = uuid.uuid4().hex, None, 1.0
-    deadline = time.monotonic() + limit
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise dist.DistStoreError("out of time")
-            store.wait(["ringcomm/lead"], timedelta(seconds=left))
-            current = store.get("ringcomm/lead").decode()
-            if current != lead:  # rank 0's token, or one left by earlier processes
-                lead = current
-                store.set(f"ringcomm/{lead}/hello/{rank}", nonce)
-            store.wait([f"ringcomm/{lead}/welcome/{nonce}"],
-                       timedelta(seconds=max(1e-3, min(look, left))))
-            return dist.PrefixStore(f"ringcomm/{lead}/", store)
-        except dist.DistStoreError:
-            if time.monotonic() >= deadline:
-                raise dist.DistBackendError(
-                    f"ringcomm: setting up a group of {size}: rank 0 did not answer "
-                    f"rank {rank} within {limit:g} s") from None
-            look = min(2 * look, 5.0)
 
 
 def mpi_started() -> bool:
@@ -558,7 +423,7 @@ def _wait_port(store, key: str, deadline: float, failed) -> str:
             raise dist.DistStoreError(f"Their MPI port did not appear within "
                                       f"{time.monotonic() - began:.1f} s.")
         try:
-            return _store_wait(store, key, timedelta(seconds=min(LOOK_S, left_s))).decode()
+            return store_wait(store, key, timedelta(seconds=min(LOOK_S, left_s))).decode()
         except dist.DistStoreError:
             if failed():
                 raise dist.DistStoreError(

@@ -99,7 +99,7 @@ def _fields(line: str) -> dict[str, str]:
 
 class Server:
     """Answers one process's MPI library over PMI-1 from ``store`` (a fresh prefix of
-    the group's store, :func:`ringcomm.launch.bootstrap.fresh_store`).
+    the group's store, :func:`ringcomm.launch.group_store.fresh_store`).
 
     Args:
         store: the group's store.

@@ -5,23 +5,11 @@ write one; ``hierarchical`` also reads auto's built-in tuning table
 (``ringcomm.algorithms.select.DEFAULT_TUNING``) for the crossover of its
 leaders' exchange. ``import ringcomm`` registers them.
 
-======================  ============  ==================================================
-algorithm               collective    steps (p ranks, k segments per message)
-======================  ============  ==================================================
-``rabenseifner``        allreduce     2 log2 q, +2 if p > q (q: largest power of 2 <= p)
-``double_tree``         allreduce     about k + 2 log2 p rounds (k segments per half)
-``hierarchical``        allreduce     binomial within hosts + any allreduce across them
-``bruck``               allgather     ceil(log2 p) + a local rotation
-``pairwise``            alltoall      p - 1
-``one_shot``            allreduce     k: every buffer to every rank, reduced everywhere
-``two_shot``            allreduce     k + 1: direct reduce-scatter, then direct allgather
-``direct``              allgather,    1 (allgather, broadcast) or k (reduce_scatter):
-                        broadcast,    every rank straight to every rank
-                        reduce_scatter
-======================  ============  ==================================================
-
-The direct ones (``direct.py``) are for one host, where shared memory moves every
-pair's message at once and a step costs a hand-over, not a trip over a link.
+Each module says what it registers (``REGISTERS``: (collective, name) -> builder)
+and how each of its algorithms works and where it wins (``ROWS``); this package
+registers every module's algorithms and renders their table
+(:func:`markdown`, which ``scripts/doc_numbers.py`` writes into docs/architecture.md). A new algorithm is a module here:
+nothing else names it.
 
 They are registered with ``verify=False``: like the built-ins they are proved by
 the test suite (``tests/test_library.py`` checks them with
@@ -39,26 +27,35 @@ registered without ``verify=False`` is checked at first use.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Callable
 
 from ringcomm.algorithms import register_algorithm
-from ringcomm.library import bruck, direct, double_tree, hierarchical, pairwise, rabenseifner
+
+#: the library's modules, by name: every module of this package that registers
+#: algorithms (``REGISTERS``)
+MODULES = {m.name: importlib.import_module(f"{__name__}.{m.name}")
+           for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name)}
+MODULES = {name: mod for name, mod in MODULES.items() if hasattr(mod, "REGISTERS")}
 
 #: (collective, name) -> builder, for every algorithm this package registers
 ALGORITHMS: dict[tuple[str, str], Callable] = {
-    ("allreduce", "rabenseifner"): rabenseifner.allreduce,
-    ("allreduce", "double_tree"): double_tree.allreduce,
-    ("allreduce", "hierarchical"): hierarchical.allreduce,
-    ("allgather", "bruck"): bruck.allgather,
-    ("alltoall", "pairwise"): pairwise.alltoall,
-    ("allreduce", "one_shot"): direct.one_shot,
-    ("allreduce", "two_shot"): direct.two_shot,
-    ("allgather", "direct"): direct.allgather,
-    ("broadcast", "direct"): direct.broadcast,
-    ("reduce_scatter", "direct"): direct.reduce_scatter,
-}
+    key: build for mod in MODULES.values() for key, build in mod.REGISTERS.items()}
 
 for (_collective, _name), _build in ALGORITHMS.items():
     register_algorithm(_collective, _name, _build, verify=False)
 
-__all__ = ["ALGORITHMS", "bruck", "direct", "double_tree", "hierarchical", "pairwise", "rabenseifner"]
+def markdown() -> str:
+    """The library's table: one row per algorithm, from its module's ``ROWS``, with
+    the collectives it registers."""
+    rows = ["| algorithm | collective | module | steps | wins (by the cost model, "
+            "`scripts/library_tuning.py`) |", "|---|---|---|---|---|"]
+    for mod_name, mod in MODULES.items():
+        for name, (steps, wins) in mod.ROWS.items():
+            colls = ", ".join(c for c, n in mod.REGISTERS if n == name)
+            rows.append(f"| **{name}** | {colls} | `library/{mod_name}.py` | {steps} | {wins} |")
+    return "\n".join(rows)
+
+
+__all__ = ["ALGORITHMS", "MODULES", "markdown", *MODULES]

@@ -47,3 +47,15 @@ def allgather(ctx: Context) -> Schedule:
     b.local(*(Copy(Region((r + j) % p, 0, counts[(r + j) % p]),
                    Region(held, offs[j], offs[j + 1] - offs[j])) for j in range(p)))
     return b.build()
+
+
+#: what ``import ringcomm`` registers of this module: (collective, name) -> builder
+REGISTERS = {("allgather", "bruck"): allgather}
+#: each algorithm's row in docs/architecture.md's generated table: name -> (its
+#: steps, where it wins)
+ROWS = {
+    'bruck': (
+        'ceil(log2 p) steps over a rotated scratch copy, then a local rotation; '
+        'chunks may differ',
+        'small chunks from 4 ranks on'),
+}

@@ -172,3 +172,28 @@ def broadcast(ctx: Context) -> Schedule:
         else:
             b.step(recvs=[(ctx.root, data)])
     return b.build()
+
+
+#: what ``import ringcomm`` registers of this module: (collective, name) -> builder
+REGISTERS = {("allreduce", "one_shot"): one_shot, ("allreduce", "two_shot"): two_shot,
+             ("allgather", "direct"): allgather, ("broadcast", "direct"): broadcast,
+             ("reduce_scatter", "direct"): reduce_scatter}
+#: each algorithm's row in docs/architecture.md's generated table: name -> (its
+#: steps, where it wins)
+ROWS = {
+    'one_shot': (
+        "one step per segment: every rank's buffer to every rank, each reducing all p"
+        ' in rank order (the same bits everywhere)',
+        'not yet: on one host with shared memory, small messages from 3 ranks on; '
+        "auto's rows for it await a measurement on a host with a core per rank (at 2 "
+        'ranks it is recursive doubling)'),
+    'two_shot': (
+        'a direct reduce-scatter (chunk j from every rank straight to rank j, '
+        "segmented), then a direct allgather: k + 1 steps, the ring's bytes",
+        'not yet: large messages on one host from 3 ranks on, as above (at 2 ranks it'
+        " is the ring's messages)"),
+    'direct': (
+        'one step (reduce_scatter: one per segment), every rank straight to every '
+        'rank',
+        'not yet, as above; select it by hand'),
+}

@@ -141,3 +141,17 @@ def allreduce(ctx: Context) -> Schedule:
     for time in sorted(at):
         b.step(*at[time])
     return b.build()
+
+
+#: what ``import ringcomm`` registers of this module: (collective, name) -> builder
+REGISTERS = {("allreduce", "double_tree"): allreduce}
+#: each algorithm's row in docs/architecture.md's generated table: name -> (its
+#: steps, where it wins)
+ROWS = {
+    'double_tree': (
+        "NCCL's two complementary binary trees (mirrored for even p, shifted for "
+        'odd), each reducing and broadcasting half, pipelined; every message has one '
+        'global time, so steps of equal time match everywhere (deadlock-free by '
+        'construction); about k + 2 log2 p rounds for k segments',
+        'large sizes on many ranks that are not a power of two (48, 96, 256 ranks)'),
+}

@@ -130,3 +130,18 @@ def make(inter: "str | Build" = "ring", *, intra_reduce: "str | Build" = "tree",
 
 #: the registered default: recursive doubling or ring across hosts, by size
 allreduce = make(inter=by_size)
+
+
+#: what ``import ringcomm`` registers of this module: (collective, name) -> builder
+REGISTERS = {("allreduce", "hierarchical"): allreduce}
+#: each algorithm's row in docs/architecture.md's generated table: name -> (its
+#: steps, where it wins)
+ROWS = {
+    'hierarchical': (
+        "binomial reduce within each host, any registered allreduce among the hosts' "
+        'first ranks (`hierarchical.make(inter=...)`; default, on two hosts: '
+        'recursive doubling up to the largest size the built-in 2-rank tuning gives '
+        "it, ring above; on more: auto's modelled pick for that many ranks, "
+        '`leaders_algorithm`), binomial broadcast within each host',
+        'groups spanning several hosts with several ranks on some host (`ctx.hosts`)'),
+}

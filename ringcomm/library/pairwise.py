@@ -30,3 +30,15 @@ def alltoall(ctx: Context) -> Schedule:
         to, frm = (r ^ k, r ^ k) if xor else ((r + k) % p, (r - k) % p)
         b.step([(to, Region(to, 0, sends[to]))], [(frm, Region(p + frm, 0, recvs[frm]))])
     return b.build()
+
+
+#: what ``import ringcomm`` registers of this module: (collective, name) -> builder
+REGISTERS = {("alltoall", "pairwise"): alltoall}
+#: each algorithm's row in docs/architecture.md's generated table: name -> (its
+#: steps, where it wins)
+ROWS = {
+    'pairwise': (
+        'p-1 steps, partner r±k (r XOR k on powers of two); counts may differ and be '
+        'zero',
+        'not by the model (it counts no congestion); select it by hand'),
+}

@@ -116,3 +116,17 @@ def allreduce(ctx: Context) -> Schedule:
     if r < 2 * extra:
         exchange(b, r - 1, data, None, None)
     return b.build()
+
+
+#: what ``import ringcomm`` registers of this module: (collective, name) -> builder
+REGISTERS = {("allreduce", "rabenseifner"): allreduce}
+#: each algorithm's row in docs/architecture.md's generated table: name -> (its
+#: steps, where it wins)
+ROWS = {
+    'rabenseifner': (
+        "recursive-halving reduce-scatter + recursive-doubling allgather: 2 log2 p' "
+        "(+2 to fold the p - p' extra ranks, as MPICH), each cut into segments",
+        'mid sizes from 4 ranks on: up to about p MiB on powers of two, less '
+        'elsewhere; from 512 ranks on ever more of the sizes, every size from 8,192 '
+        '(`scripts/auto_at_scale.py`)'),
+}

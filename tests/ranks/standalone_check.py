@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import ringcomm
 from _common import Checker
-from ringcomm.launch import bootstrap
+from ringcomm.launch import hosts
 
 
 def allreduce(pg, t: torch.Tensor) -> torch.Tensor:
@@ -98,7 +98,7 @@ def main() -> None:
 
     # a member that met the others at the store but never reaches MPI: the others' set-up
     # fails within the limit (3 s here, for the host layout only), releasing what it made
-    real = bootstrap.host_layout
+    real = hosts.host_layout
 
     def stops(*args, **kwargs):
         raise RuntimeError("this member stops before the host layout")
@@ -106,7 +106,7 @@ def main() -> None:
     def short(comm, world_rank, local_size=0, standalone=False, limit_s=None):
         return real(comm, world_rank, local_size, standalone, 3.0)
 
-    bootstrap.host_layout = stops if rank == size - 1 else short
+    hosts.host_layout = stops if rank == size - 1 else short
     begun = time.monotonic()
     try:
         ringcomm.connect_group(dist.PrefixStore("stuck", store), rank, size,
@@ -121,7 +121,7 @@ def main() -> None:
                     f"a waiting member: {type(e).__name__}: {e}")
             c.check(took < 25, f"the set-up failed only after {took:.1f} s")
     finally:
-        bootstrap.host_layout = real
+        hosts.host_layout = real
     got = torch.full((1000,), rank + 1.0)
     dist.all_reduce(got)
     c.check(bool((got == want).all()), f"world after the failed set-up: {got[0].item()}")
