@@ -66,7 +66,8 @@ def correct(c: Checker, rank: int, size: int, expect: str) -> None:
         for tp in tps:
             c.check(isinstance(tp, ShmTransport), f"transport is {type(tp).__name__}")
             if isinstance(tp, ShmTransport):
-                c.check(tp.local_peers() == block, f"local peers {tp.local_peers()} != {block}")
+                peers = tp.same_host_peers()
+                c.check(peers == block, f"same-host peers {peers} != {block}")
                 c.check(not left_in_directory(tp), f"segments left: {left_in_directory(tp)}")
     slot = settings.get("RINGCOMM_SHM_SLOT_BYTES")
     for numel in (1, slot // 4 - 1, slot // 4 + 1, 3 * slot // 4 + 5):

@@ -83,7 +83,7 @@ class ShmTransport(Transport):
     def peer_failure(self, fn) -> None:
         self.inner.peer_failure = fn
 
-    def local_peers(self) -> list[int]:
+    def same_host_peers(self) -> list[int]:
         """The group ranks reached through shared memory."""
         return sorted(self.pairs)
 
