@@ -153,6 +153,18 @@ def checks_passed(out: str, n: int) -> list[int]:
     return [found[r] for r in range(n)]
 
 
+def covered_pairs(out: str, n: int) -> list[set[str]]:
+    """Each rank's ``collective[algorithm]`` pairs that passed checks named them
+    (``rank r covered: ...``, printed by the per-rank programs' Checker)."""
+    import re
+
+    found = {int(r): set(pairs.split()) for r, pairs in
+             re.findall(r"rank (\d+) covered: ([^\n]*)", out)}
+    if sorted(found) != list(range(n)):
+        pytest.fail(f"expected 'covered' from ranks 0..{n - 1}, got {sorted(found)}")
+    return [found[r] for r in range(n)]
+
+
 def assert_checks(out: str, key: str, n: int) -> list[int]:
     """Every rank ran exactly the recorded number of checks for ``key``."""
     import json

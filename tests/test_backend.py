@@ -7,7 +7,24 @@ import time
 
 import pytest
 
-from conftest import assert_checks, mpirun, torchrun
+from conftest import assert_checks, covered_pairs, mpirun, torchrun
+
+
+def _every_pair() -> set[str]:
+    """What collectives_check must have run, from the registry of this process (not
+    from the program's own loops): every built-in allreduce (the library's have
+    library_check.py) and every broadcast algorithm, auto included."""
+    from ringcomm.algorithms import BUILTIN, REGISTRY
+
+    return ({f"allreduce[{a}]" for a in REGISTRY["allreduce"] if ("allreduce", a) in BUILTIN}
+            | {f"broadcast[{a}]" for a in ("auto", *REGISTRY["broadcast"])})
+
+
+def _assert_collectives(out: str, key: str, n: int) -> None:
+    assert_checks(out, key, n)
+    want = _every_pair()
+    for rank, pairs in enumerate(covered_pairs(out, n)):
+        assert pairs == want, (rank, sorted(want - pairs), sorted(pairs - want))
 
 
 # 4: test_properties; 1 (one rank) and 5 (oversubscribed, 25 s here): make test-wide
@@ -16,7 +33,7 @@ from conftest import assert_checks, mpirun, torchrun
                                pytest.param(5, marks=pytest.mark.wide)])
 def test_collectives_mpiexec(n):
     out = mpirun(n, "collectives_check.py", timeout=240).stdout
-    assert_checks(out, f"collectives_check mpiexec n={n}", n)
+    _assert_collectives(out, f"collectives_check mpiexec n={n}", n)
 
 
 @pytest.mark.compat
@@ -24,7 +41,7 @@ def test_collectives_mpiexec(n):
 @pytest.mark.parametrize("n", [2])  # 3 ranks: mpiexec above; torchrun on 3 hosts: test_multinode
 def test_collectives_torchrun(n):
     out = torchrun(n, "collectives_check.py", timeout=240).stdout
-    assert_checks(out, f"collectives_check torchrun n={n}", n)
+    _assert_collectives(out, f"collectives_check torchrun n={n}", n)
 
 
 # 4: test_properties; 5: collectives_check; 1 (one rank: collectives_check's): test-wide

@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import traceback
+
+
+#: a check's words naming a collective and the algorithm it ran: ``allreduce[ring]``
+_PAIR = re.compile(r"\b([a-z_]+\[[a-z_0-9]+\])")
 
 
 class Checker:
@@ -13,11 +18,16 @@ class Checker:
         self.rank = rank
         self.failures: list[str] = []
         self.count = 0
+        #: the ``collective[algorithm]`` pairs named by checks that passed (a test
+        #: compares them with the registry: :func:`conftest.covered_pairs`)
+        self.covered: set[str] = set()
 
     def check(self, ok: bool, what: str) -> None:
         self.count += 1
         if not ok:
             self.failures.append(what)
+        else:
+            self.covered.update(_PAIR.findall(what))
 
     def case(self, what: str, outcome: BaseException | str, seconds: float | None = None) -> None:
         """Print what a failure or bad-input case produced, for docs/reliability.md
@@ -45,6 +55,8 @@ class Checker:
                 print(f"  rank {self.rank}: FAIL {f}", file=sys.stderr)
             sys.stderr.flush()
             sys.exit(1)
+        if self.covered:
+            print(f"rank {self.rank} covered: {' '.join(sorted(self.covered))}", flush=True)
         print(f"rank {self.rank}: {self.count} checks passed", flush=True)
 
 

@@ -267,7 +267,7 @@ def check_broadcast(ctx: Ctx) -> None:
                     for n in (0, 1, 7, 2000):
                         want = data(root, n, dtype, "SUM", salt=2)
                         t = want.clone() if rank == root else torch.zeros(n, dtype=dtype)
-                        what = f"broadcast[{gname},{algo}] root={root} {dtype} n={n}"
+                        what = f"broadcast[{algo}] on {gname} root={root} {dtype} n={n}"
                         if c.run(what, dist.broadcast, t, src=root, group=group) is None:
                             c.check(same(t, want), what)
             ringcomm.set_algorithm("broadcast", "auto", group=group)
@@ -287,7 +287,7 @@ def check_allgather(ctx: Ctx) -> None:
             for n in (0, 1, 5, 1500):
                 inputs = [data(i, n, dtype, "SUM", salt=3) for i in range(p)]
                 outs = [torch.empty(n, dtype=dtype) for _ in range(p)]
-                what = f"allgather[{gname}] {dtype} n={n}"
+                what = f"allgather on {gname} {dtype} n={n}"
                 if c.run(what, dist.all_gather, outs, inputs[rank], group=group) is None:
                     c.check(all(same(o, w) for o, w in zip(outs, inputs)), what)
     # 2-D tensors, against gloo
