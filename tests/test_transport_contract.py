@@ -82,6 +82,35 @@ def test_ranks_naming_different_transports_are_told_which_rank_named_what():
     assert "rank 1 names transport 'second' where rank 0 names 'first'" in str(errors[1])
 
 
+def test_a_rank_0_with_an_unknown_transport_leaves_no_rank_waiting():
+    """Rank 0 says its choice before it finds the name unknown: the others learn
+    that it differs at once instead of waiting for a key that never comes."""
+    ringcomm.register_transport("known", _refuse, replace=True)
+    store = dist.HashStore()
+    errors: dict[int, BaseException] = {}
+
+    def run(rank: int) -> None:
+        try:
+            ringcomm.connect_group(store, rank, 2, timeout=timedelta(seconds=60),
+                                   options=ringcomm.Options(
+                                       transport=("typo", "known")[rank]))
+        except BaseException as e:  # noqa: BLE001
+            errors[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        create.TRANSPORTS.pop("known", None)
+    # the old order left rank 1 waiting for rank 0's key: still blocked after 30 s
+    assert sorted(errors) == [0, 1], errors
+    assert "no transport 'typo'" in str(errors[0])
+    assert "rank 1 names transport 'known' where rank 0 names 'typo'" in str(errors[1])
+
+
 @pytest.mark.parametrize("name, connect, why", [
     ("has space", lambda s: None, "is not a name"),
     ("mpi", lambda s: None, "exists; pass replace=True"),

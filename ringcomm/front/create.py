@@ -216,24 +216,31 @@ def _connect(store: Any, rank: int, size: int, timeout: timedelta, options: Opti
 
 
 def _factory(setup: GroupSetup) -> Callable:
-    """The factory of the transport the group's options name; every rank checks that
-    rank 0 named the same (else it would wait in another set-up)."""
+    """The factory of the transport the group's options name. Rank 0 says its choice
+    in the store first, known or not, and every other rank compares: a rank that
+    named another transport would wait in another set-up."""
     name = setup.options.transport
+    if setup.size > 1:
+        if setup.rank == 0:
+            setup.store.set("transport", name)
+        else:
+            try:
+                first = group_store.store_wait(setup.store, "transport",
+                                               timedelta(seconds=setup.limit_s)).decode()
+            except (RuntimeError, dist.DistStoreError) as e:
+                raise dist.DistBackendError(
+                    f"ringcomm: rank 0 did not say which transport it uses within "
+                    f"{setup.limit_s:g} s ({e})") from None
+            if first != name:
+                raise ValueError(f"ringcomm: rank {setup.rank} names transport {name!r} "
+                                 f"where rank 0 names {first!r}: every rank of a group "
+                                 "names the same (RINGCOMM_TRANSPORT, Options.transport)")
     connect = TRANSPORTS.get(name)
     if connect is None:
         raise ValueError(f"ringcomm: no transport {name!r} (RINGCOMM_TRANSPORT or "
                          f"Options.transport); known: {sorted(TRANSPORTS)}. A transport of "
                          "your own is known once the module that calls "
                          "ringcomm.register_transport for it is imported.")
-    if setup.size > 1:
-        if setup.rank == 0:
-            setup.store.set("transport", name)
-        else:
-            first = group_store.store_wait(setup.store, "transport", setup.timeout).decode()
-            if first != name:
-                raise ValueError(f"ringcomm: rank {setup.rank} names transport {name!r} "
-                                 f"where rank 0 names {first!r}: every rank of a group "
-                                 "names the same (RINGCOMM_TRANSPORT, Options.transport)")
     return connect
 
 
