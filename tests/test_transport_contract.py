@@ -54,46 +54,16 @@ def _refuse(setup):
     raise RuntimeError(f"rank {setup.rank}'s factory ran")
 
 
-def test_ranks_naming_different_transports_are_told_which_rank_named_what():
-    """Rank 1 learns from the store, before its factory runs, that rank 0 named
-    another transport (it would wait in another set-up)."""
-    ringcomm.register_transport("first", _refuse, replace=True)
-    ringcomm.register_transport("second", _refuse, replace=True)
+def _connect_two(names: tuple[str, str], timeout_s: float) -> dict[int, BaseException]:
+    """Two ranks on threads make a group over one store, rank r naming transport
+    ``names[r]``; what each raised (a rank still blocked after 30 s is missing)."""
     store = dist.HashStore()
     errors: dict[int, BaseException] = {}
 
     def run(rank: int) -> None:
         try:
-            ringcomm.connect_group(store, rank, 2, timeout=timedelta(seconds=5),
-                                   options=ringcomm.Options(transport=("first", "second")[rank]))
-        except BaseException as e:  # noqa: BLE001
-            errors[rank] = e
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-    finally:
-        for name in ("first", "second"):
-            create.TRANSPORTS.pop(name, None)
-    assert "rank 0's factory ran" in str(errors[0])
-    assert "rank 1 names transport 'second' where rank 0 names 'first'" in str(errors[1])
-
-
-def test_a_rank_0_with_an_unknown_transport_leaves_no_rank_waiting():
-    """Rank 0 says its choice before it finds the name unknown: the others learn
-    that it differs at once instead of waiting for a key that never comes."""
-    ringcomm.register_transport("known", _refuse, replace=True)
-    store = dist.HashStore()
-    errors: dict[int, BaseException] = {}
-
-    def run(rank: int) -> None:
-        try:
-            ringcomm.connect_group(store, rank, 2, timeout=timedelta(seconds=60),
-                                   options=ringcomm.Options(
-                                       transport=("typo", "known")[rank]))
+            ringcomm.connect_group(store, rank, 2, timeout=timedelta(seconds=timeout_s),
+                                   options=ringcomm.Options(transport=names[rank]))
         except BaseException as e:  # noqa: BLE001
             errors[rank] = e
 
@@ -104,8 +74,28 @@ def test_a_rank_0_with_an_unknown_transport_leaves_no_rank_waiting():
         for t in threads:
             t.join(30)
     finally:
-        create.TRANSPORTS.pop("known", None)
-    # the old order left rank 1 waiting for rank 0's key: still blocked after 30 s
+        for name in names:
+            if name != "mpi":
+                create.TRANSPORTS.pop(name, None)
+    return errors
+
+
+def test_ranks_naming_different_transports_are_told_which_rank_named_what():
+    """Rank 1 learns from the store, before its factory runs, that rank 0 named
+    another transport (it would wait in another set-up)."""
+    ringcomm.register_transport("first", _refuse, replace=True)
+    ringcomm.register_transport("second", _refuse, replace=True)
+    errors = _connect_two(("first", "second"), 5)
+    assert "rank 0's factory ran" in str(errors[0])
+    assert "rank 1 names transport 'second' where rank 0 names 'first'" in str(errors[1])
+
+
+def test_a_rank_0_with_an_unknown_transport_leaves_no_rank_waiting():
+    """Rank 0 says its choice before it finds the name unknown: the others learn
+    that it differs at once instead of waiting for a key that never comes (the old
+    order left rank 1 blocked for the group's timeout)."""
+    ringcomm.register_transport("known", _refuse, replace=True)
+    errors = _connect_two(("typo", "known"), 60)
     assert sorted(errors) == [0, 1], errors
     assert "no transport 'typo'" in str(errors[0])
     assert "rank 1 names transport 'known' where rank 0 names 'typo'" in str(errors[1])
