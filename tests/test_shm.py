@@ -14,7 +14,7 @@ import time
 import pytest
 
 import ringcomm
-from conftest import BIN, LAUNCHERS, RANKS, _env, mpirun, shm_segments, torchrun
+from conftest import BIN, LAUNCHERS, RANKS, _env, checks_passed, mpirun, shm_segments, torchrun
 from ringcomm.transport.shm import Geometry
 
 #: small slots: messages of every test size take several chunks and fill the FIFO
@@ -120,7 +120,7 @@ def test_mismatched_sizes_fail_at_once(launcher, sizes):
     before = shm_segments()
     out = LAUNCHERS[launcher](2, "shm_check.py", "mismatch", "--sizes", sizes, timeout=120,
                               env={"RINGCOMM_ALGO": "allreduce=recursive_doubling"})
-    assert "checks passed" in out.stdout
+    checks_passed(out.stdout, 2)  # both ranks, each naming the mismatch
     assert shm_segments() <= before
 
 
@@ -138,7 +138,7 @@ def test_shm_direct_mismatches_fail_at_once(launcher, sizes, algos):
     before = shm_segments()
     out = LAUNCHERS[launcher](2, "shm_check.py", "mismatch", "--sizes", sizes, "--algos", algos,
                               timeout=120)
-    assert "checks passed" in out.stdout
+    checks_passed(out.stdout, 2)  # both ranks, each naming the mismatch
     assert shm_segments() <= before
 
 
@@ -156,7 +156,7 @@ def test_shm_direct_collectives_mismatches_fail_at_once(launcher, calls, n):
     before = shm_segments()
     out = LAUNCHERS[launcher](2, "shm_check.py", "mismatch", "--calls", calls,
                               "--sizes", str(n), timeout=120)
-    assert "checks passed" in out.stdout
+    checks_passed(out.stdout, 2)  # both ranks, each naming the mismatch
     assert shm_segments() <= before
 
 
