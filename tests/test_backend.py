@@ -27,9 +27,10 @@ def _assert_collectives(out: str, key: str, n: int) -> None:
         assert pairs == want, (rank, sorted(want - pairs), sorted(pairs - want))
 
 
-# 4: test_properties; 1 (one rank) and 5 (oversubscribed, 25 s here): make test-wide
+# 4: test_properties; 1 (one rank), 3 (15 s; 3 ranks: test_contract, test_library_launch,
+# test_ddp) and 5 (oversubscribed, 25 s here): make test-wide
 @pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.wide), 2,
-                               pytest.param(3, marks=pytest.mark.compat),
+                               pytest.param(3, marks=[pytest.mark.compat, pytest.mark.wide]),
                                pytest.param(5, marks=pytest.mark.wide)])
 def test_collectives_mpiexec(n):
     out = mpirun(n, "collectives_check.py", timeout=240).stdout

@@ -243,9 +243,10 @@ def test_describe_mismatch_names_first_difference_and_ranks():
 
 
 # -- multi-rank programs ------------------------------------------------------------
-# 4 ranks on 2 cores add time, not cases; one rank, the edge 2 and 3 do not reach: make test-wide
+# 4 ranks on 2 cores add time, not cases; one rank (the edge 2 does not reach) and 3: make test-wide
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.wide),
-                                   pytest.param(2, marks=pytest.mark.compat), 3])
+                                   pytest.param(2, marks=pytest.mark.compat),
+                                   pytest.param(3, marks=pytest.mark.wide)])
 def test_equivalence_with_single_process(world):
     out = mpirun(world, "ddp_equivalence.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, f"ddp_equivalence mpiexec n={world}", world)

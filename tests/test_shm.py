@@ -94,7 +94,8 @@ def test_shared_memory_option_overrides_the_variable_and_is_checked():
         ringcomm.Options(shared_memory=0).resolve({})
 
 
-@pytest.mark.parametrize("n", [2, 3])
+# 3 ranks (9 s): make test-wide; 3 ranks on one host over shared memory: test_library_launch
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.wide)])
 def test_collectives_over_shared_memory(n):
     before = shm_segments()
     mpirun(n, "shm_check.py", "correct", timeout=240, env=SMALL)

@@ -24,6 +24,11 @@ def unwritten(*size: int, dtype: torch.dtype = torch.float32, **where) -> torch.
     return torch.full(size, fill if dtype != torch.bool else True, dtype=dtype, **where)
 
 
+def unwritten_like(t: torch.Tensor) -> torch.Tensor:
+    """:func:`unwritten` of ``t``'s shape, dtype and device."""
+    return unwritten(*t.shape, dtype=t.dtype, device=t.device)
+
+
 def case_input(rank: int, case: int, n: int, dtype: torch.dtype, op: str = "SUM") -> torch.Tensor:
     """Rank ``rank``'s input of check ``case``: small integers (powers of two for
     PRODUCT), so sums and products are exact in every dtype and any order."""

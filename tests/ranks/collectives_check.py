@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import ringcomm
 from _common import Checker, done, run_checks
+from ringcomm.testing.collectives import unwritten, unwritten_like
 
 R = dist.ReduceOp
 OPS = {"SUM": R.SUM, "AVG": R.AVG, "PRODUCT": R.PRODUCT, "MIN": R.MIN, "MAX": R.MAX,
@@ -266,7 +267,7 @@ def check_broadcast(ctx: Ctx) -> None:
                 for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8):
                     for n in (0, 1, 7, 2000):
                         want = data(root, n, dtype, "SUM", salt=2)
-                        t = want.clone() if rank == root else torch.zeros(n, dtype=dtype)
+                        t = want.clone() if rank == root else unwritten(n, dtype=dtype)
                         what = f"broadcast[{algo}] on {gname} root={root} {dtype} n={n}"
                         if c.run(what, dist.broadcast, t, src=root, group=group) is None:
                             c.check(same(t, want), what)
@@ -286,26 +287,26 @@ def check_allgather(ctx: Ctx) -> None:
         for dtype in (torch.float32, torch.float16, torch.int8, torch.bool, torch.int64):
             for n in (0, 1, 5, 1500):
                 inputs = [data(i, n, dtype, "SUM", salt=3) for i in range(p)]
-                outs = [torch.empty(n, dtype=dtype) for _ in range(p)]
+                outs = [unwritten(n, dtype=dtype) for _ in range(p)]
                 what = f"allgather on {gname} {dtype} n={n}"
                 if c.run(what, dist.all_gather, outs, inputs[rank], group=group) is None:
                     c.check(all(same(o, w) for o, w in zip(outs, inputs)), what)
     # 2-D tensors, against gloo
     x = torch.arange(12, dtype=torch.float32).view(3, 4) + 100 * rank
-    ours = [torch.empty(3, 4) for _ in range(p)]
-    ref = [torch.empty(3, 4) for _ in range(p)]
+    ours = [unwritten(3, 4) for _ in range(p)]
+    ref = [unwritten(3, 4) for _ in range(p)]
     dist.all_gather(ours, x)
     dist.all_gather(ref, x, group=ctx.gloo)
     c.check(all(same(a, b) for a, b in zip(ours, ref)), "allgather 2-D != gloo")
     # uneven sizes: rank i contributes i+1 elements
     inputs = [torch.full((i + 1,), float(i)) for i in range(p)]
-    outs = [torch.empty(i + 1) for i in range(p)]
+    outs = [unwritten(i + 1) for i in range(p)]
     if c.run("allgather uneven", dist.all_gather, outs, inputs[rank]) is None:
         c.check(all(same(o, w) for o, w in zip(outs, inputs)), "allgather uneven values")
 
 
 def _coalesced_inputs(r: int) -> list[torch.Tensor]:
-    return [torch.full((2, 2), r + 1.0), torch.full((1,), 10.0 * r), torch.empty(0),
+    return [torch.full((2, 2), r + 1.0), torch.full((1,), 10.0 * r), unwritten(0),
             torch.arange(3.0) + r]
 
 
@@ -314,8 +315,8 @@ def check_all_gather_coalesced(ctx: Ctx) -> None:
     different shapes, an empty tensor, against gloo and the known inputs."""
     c, p = ctx.c, ctx.p
     mine = _coalesced_inputs(ctx.rank)
-    ours = [[torch.empty_like(x) for x in mine] for _ in range(p)]
-    ref = [[torch.empty_like(x) for x in mine] for _ in range(p)]
+    ours = [[unwritten_like(x) for x in mine] for _ in range(p)]
+    ref = [[unwritten_like(x) for x in mine] for _ in range(p)]
     if c.run("all_gather_coalesced", dist.all_gather_coalesced, ours, mine) is None:
         dist.all_gather_coalesced(ref, mine, group=ctx.gloo)
         for r in range(p):
@@ -324,7 +325,7 @@ def check_all_gather_coalesced(ctx: Ctx) -> None:
                         f"all_gather_coalesced: rank {r} input {i}: got {ours[r][i].tolist()}, "
                         f"want {want.tolist()}, gloo {ref[r][i].tolist()}")
     raises(c, "all_gather_coalesced with a list too many", ValueError, "one per rank",
-           dist.all_gather_coalesced, [[torch.empty(3), torch.empty(2)]] * (p + 1),
+           dist.all_gather_coalesced, [[unwritten(3), unwritten(2)]] * (p + 1),
            [torch.ones(3), torch.ones(2)])
 
 
@@ -451,7 +452,7 @@ def _prepared_calls(ctx: Ctx, algo: str) -> None:
         c.check(same(x, torch.full(x.shape, total, dtype=x.dtype)),
                 f"allreduce[{algo}] after a prepared call, {what}: {x.flatten()[:4].tolist()}")
     bad = c.run(f"allreduce[{algo}] of a meta tensor after a prepared CPU one",
-                lambda: _refused(lambda: dist.all_reduce(torch.empty(12, device="meta"))))
+                lambda: _refused(lambda: dist.all_reduce(unwritten(12, device="meta"))))
     c.check(bad is not None and "meta" in bad, f"meta tensor after a prepared call: {bad}")
     a, b = torch.full((12,), float(rank)), torch.full((12,), 2.0 * rank)
     w1, w2 = dist.all_reduce(a, async_op=True), dist.all_reduce(b, async_op=True)
@@ -518,15 +519,15 @@ def check_bad_input(ctx: Ctx) -> None:
            torch.ones(3, dtype=torch.bool), op=R.AVG)
     raises(c, "complex MAX", bad, "MAX on complex", dist.all_reduce,
            torch.ones(3, dtype=torch.complex64), op=R.MAX)
-    raises(c, "meta tensor", bad, "meta", dist.all_reduce, torch.empty(3, device="meta"))
+    raises(c, "meta tensor", bad, "meta", dist.all_reduce, unwritten(3, device="meta"))
     raises(c, "sparse tensor", bad, "only dense tensors", dist.all_reduce,
            torch.ones(3).to_sparse())
     raises(c, "broadcast root out of range", bad, "out of range", dist.broadcast,
            torch.ones(3), src=p + 3)
     raises(c, "allgather list too long", bad, "expected one per rank", dist.all_gather,
-           [torch.empty(3)] * (p + 1), torch.ones(3))
+           [unwritten(3)] * (p + 1), torch.ones(3))
     raises(c, "allgather dtype mismatch", bad, "dtype", dist.all_gather,
-           [torch.empty(3, dtype=torch.float64) for _ in range(p)], torch.ones(3))
+           [unwritten(3, dtype=torch.float64) for _ in range(p)], torch.ones(3))
     raises(c, "unknown algorithm", ValueError, "ring", ringcomm.set_algorithm, "allreduce",
            "nope")
     # the group still works after refused calls

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import ringcomm
 from _common import Checker, done, run_checks
+from ringcomm.testing.collectives import unwritten
 
 R = dist.ReduceOp
 
@@ -90,7 +91,7 @@ def _reduce_scatter_tensor(ctx: Ctx, dtype, n: int) -> None:
     big = data(rank * 3 + n, (p * n,), dtype)
     every = torch.stack([data(q * 3 + n, (p * n,), dtype) for q in range(p)])
     for op in (R.SUM, R.MAX):
-        out = torch.empty(n, dtype=dtype)
+        out = unwritten(n, dtype=dtype)
         want = (every.sum(0) if op == R.SUM else every.amax(0)).to(dtype)
         if c.run(f"reduce_scatter_tensor {op} {dtype} n={n}",
                  dist.reduce_scatter_tensor, out, big.clone(), op=op) is None:
@@ -98,7 +99,7 @@ def _reduce_scatter_tensor(ctx: Ctx, dtype, n: int) -> None:
             c.check(same(out, want[rank * n:(rank + 1) * n]),
                     f"reduce_scatter_tensor {op} {dtype} n={n}: ringcomm != one process")
     inp = big.clone()
-    out = torch.empty(n, dtype=dtype)
+    out = unwritten(n, dtype=dtype)
     dist.reduce_scatter_tensor(out, inp)
     c.check(same(inp, big), "reduce_scatter_tensor modified its input")
 
@@ -111,8 +112,8 @@ def check_gather_into_and_reduce_scatter_tensor(ctx: Ctx) -> None:
             x = data(rank + n, (n,), dtype)
             both(ctx, f"all_gather_into_tensor {dtype} n={n}",
                  lambda a, g: dist.all_gather_into_tensor(a[0], a[1], group=g),
-                 lambda: [torch.empty(p * n, dtype=dtype), x.clone()])
-            out2 = torch.empty(p, n, dtype=dtype)  # gloo takes only a flat output here
+                 lambda: [unwritten(p * n, dtype=dtype), x.clone()])
+            out2 = unwritten(p, n, dtype=dtype)  # gloo takes only a flat output here
             dist.all_gather_into_tensor(out2, x)
             c.check(same(out2, torch.stack([data(q + n, (n,), dtype) for q in range(p)])),
                     f"all_gather_into_tensor 2-D {dtype} n={n}")
@@ -126,9 +127,9 @@ def check_strided_gather_and_avg(ctx: Ctx) -> None:
     rank, p = ctx.rank, ctx.p
     both(ctx, "all_gather_into_tensor strided input",
          lambda a, g: dist.all_gather_into_tensor(a[0], a[1], group=g),
-         lambda: [torch.empty(p * 5), (torch.arange(10, dtype=torch.float32) + 10 * rank)[::2]])
+         lambda: [unwritten(p * 5), (torch.arange(10, dtype=torch.float32) + 10 * rank)[::2]])
     big = data(rank, (p * 6,), torch.float64)
-    a, s = torch.empty(6, dtype=torch.float64), torch.empty(6, dtype=torch.float64)
+    a, s = unwritten(6, dtype=torch.float64), unwritten(6, dtype=torch.float64)
     dist.reduce_scatter_tensor(a, big.clone(), op=R.AVG)
     dist.reduce_scatter_tensor(s, big.clone(), op=R.SUM, group=ctx.gloo)
     ctx.c.check(torch.allclose(a, s / p), "reduce_scatter_tensor AVG")
@@ -139,7 +140,7 @@ def check_reduce_scatter_list(ctx: Ctx) -> None:
     c, rank, p = ctx.c, ctx.rank, ctx.p
     for n in (0, 3, 1000):
         ins = [data(rank * 11 + i + n, (n + i,)) for i in range(p)]
-        out = torch.empty(n + rank)
+        out = unwritten(n + rank)
         if c.run(f"reduce_scatter n={n}", dist.reduce_scatter, out, [x.clone() for x in ins]) is None:
             want = sum(data(q * 11 + rank + n, (n + rank,)) for q in range(p))
             c.check(same(out, want), f"reduce_scatter n={n}")
@@ -153,23 +154,23 @@ def check_all_to_all(ctx: Ctx) -> None:
         x = data(rank * 5 + n, (p * n,))
         both(ctx, f"all_to_all_single equal n={n}",
              lambda a, g: dist.all_to_all_single(a[0], a[1], group=g),
-             lambda: [torch.empty(p * n), x.clone()])
+             lambda: [unwritten(p * n), x.clone()])
     in_splits = [(rank + j) % 3 for j in range(p)]  # rank sends (rank+j)%3 rows to j
     out_splits = [(j + rank) % 3 for j in range(p)]  # rank receives (j+rank)%3 rows from j
     x = data(rank, (sum(in_splits), 4))
     both(ctx, "all_to_all_single uneven",
          lambda a, g: dist.all_to_all_single(a[0], a[1], out_splits, in_splits, group=g),
-         lambda: [torch.empty(sum(out_splits), 4), x.clone()])
+         lambda: [unwritten(sum(out_splits), 4), x.clone()])
     # all_to_all with tensor lists of different sizes
     ins = [data(rank * 13 + j, (rank + j + 1,)) for j in range(p)]
-    outs = [torch.empty(j + rank + 1) for j in range(p)]  # gloo needs equal sizes: oracle
+    outs = [unwritten(j + rank + 1) for j in range(p)]  # gloo needs equal sizes: oracle
     if c.run("all_to_all lists", dist.all_to_all, outs, [t.clone() for t in ins]) is None:
         c.check(same(outs, [data(j * 13 + rank, (j + rank + 1,)) for j in range(p)]),
                 "all_to_all lists of uneven sizes")
     x = [data(rank * 7 + j, (5,)) for j in range(p)]
     both(ctx, "all_to_all equal lists",
          lambda a, g: dist.all_to_all(a[0], a[1], group=g),
-         lambda: [[torch.empty(5) for _ in range(p)], [t.clone() for t in x]],
+         lambda: [[unwritten(5) for _ in range(p)], [t.clone() for t in x]],
          oracle=lambda: [[data(j * 7 + rank, (5,)) for j in range(p)], [t.clone() for t in x]])
 
 
@@ -179,13 +180,13 @@ def check_gather_scatter(ctx: Ctx) -> None:
     for root in range(p):
         for n in (0, 1, 999):
             x = data(rank * 17 + n, (n,))
-            outs = [torch.empty(n) for _ in range(p)] if rank == root else None
+            outs = [unwritten(n) for _ in range(p)] if rank == root else None
             if c.run(f"gather root={root} n={n}", dist.gather, x, outs, dst=root) is None \
                     and rank == root:
                 c.check(same(outs, [data(q * 17 + n, (n,)) for q in range(p)]),
                         f"gather root={root} n={n}")
             chunks = [data(root * 100 + q + n, (n,)) for q in range(p)]
-            out = torch.empty(n)
+            out = unwritten(n)
             if c.run(f"scatter root={root} n={n}", dist.scatter, out,
                      chunks if rank == root else None, src=root) is None:
                 c.check(same(out, chunks[rank]), f"scatter root={root} n={n}")
@@ -205,7 +206,7 @@ def check_native_gather_scatter(ctx: Ctx) -> None:
                  slots if rank == root else None, dst=root) is None:
             c.check(rank != root or torch.equal(whole, torch.arange(3.0 * p) + 100 * root),
                     f"native gather root={root}: {whole.tolist()}")
-        mine = slots[rank] if rank == root else torch.empty(3)
+        mine = slots[rank] if rank == root else unwritten(3)
         if c.run(f"native scatter root={root}", dist.scatter, mine,
                  slots if rank == root else None, src=root) is None:
             c.check(torch.equal(mine, torch.arange(3.0) + 3 * rank + 100 * root),
@@ -227,13 +228,13 @@ def check_tagged_p2p(ctx: Ctx) -> None:
     big = 1 << 20  # 4 MiB each: above any eager limit
     sends = [dist.isend(torch.full((big,), float(rank * 10 + k)), right, tag=k)
              for k in range(3)]
-    bufs = [torch.empty(big) for _ in range(3)]
+    bufs = [unwritten(big) for _ in range(3)]
     recvs = [dist.irecv(bufs[k], left, tag=k) for k in (2, 0, 1)]  # posted out of order
     for w in sends + recvs:
         w.wait()
     c.check(all(torch.all(bufs[k] == left * 10 + k) for k in range(3)), "tagged isend/irecv")
     ops_ = [dist.P2POp(dist.isend, torch.full((big,), float(rank)), right),
-            dist.P2POp(dist.irecv, torch.empty(big), left)]
+            dist.P2POp(dist.irecv, unwritten(big), left)]
     for w in dist.batch_isend_irecv(ops_):
         w.wait()
     c.check(torch.all(ops_[1].tensor == left), "batch_isend_irecv ring")
@@ -250,7 +251,7 @@ def check_any_source(ctx: Ctx) -> None:
     if rank == 0:
         got = {}
         for _ in range(p - 1):
-            t = torch.empty(2)
+            t = unwritten(2)
             src = dist.recv(t)  # any source
             got[src] = t[0].item()
         c.check(got == {q: float(q) for q in range(1, p)}, f"recv any source: {got}")
@@ -288,7 +289,7 @@ def check_any_source_every_root(ctx: Ctx) -> None:
         if rank == root:
             srcs = []
             for _ in range(2 * (p - 1)):
-                t = torch.empty(3)
+                t = unwritten(3)
                 srcs.append(dist.recv(t, tag=5))
                 c.check(torch.all(t == srcs[-1]), f"any-source payload from {srcs[-1]}")
             c.check(sorted(srcs) == sorted([q for q in range(p) if q != root] * 2),
@@ -322,7 +323,7 @@ def check_p2p_futures(ctx: Ctx) -> None:
         if rank == 0:
             w = dist.isend(torch.full((1000,), float(k)), 1, tag=20)
         elif rank == 1:
-            buf = torch.empty(1000)
+            buf = unwritten(1000)
             w = dist.irecv(buf, 0, tag=20)
         else:
             continue
@@ -331,7 +332,7 @@ def check_p2p_futures(ctx: Ctx) -> None:
         f.wait()
         if rank == 1:
             c.check(torch.all(buf == k), f"irecv {k} with future and wait")
-    fut_t = torch.empty(3)
+    fut_t = unwritten(3)
     if rank == 0:
         dist.send(torch.ones(3), (rank + 1) % ctx.p, tag=4)
     if rank == 1:
@@ -366,7 +367,7 @@ def check_coalesced(ctx: Ctx) -> None:
         c.check(same(ts[0], torch.full((3,), float(sum(range(p))))) and
                 same(ts[1], torch.full((5,), 2.0 * sum(range(p)))) and
                 same(ts[2], torch.full((2, 2), float(p))), "all_reduce_coalesced")
-    outs_ = [torch.empty(p * 4), torch.empty(p * 2)]
+    outs_ = [unwritten(p * 4), unwritten(p * 2)]
     ins_ = [torch.full((4,), float(rank)), torch.full((2,), -float(rank))]
 
     def coalesced_gather():
@@ -428,12 +429,12 @@ def check_bad_input(ctx: Ctx) -> None:
     raises(c, "gather root out of range", "out of range", dist.gather, torch.ones(2), None,
            dst=p + 1)
     raises(c, "all_to_all_single bad splits", "split", dist.all_to_all_single,
-           torch.empty(p), torch.empty(p), [p + 1] + [0] * (p - 1), [1] * p)
+           unwritten(p), unwritten(p), [p + 1] + [0] * (p - 1), [1] * p)
     raises(c, "reduce_scatter_tensor wrong size", "elements", dist.reduce_scatter_tensor,
-           torch.empty(3), torch.empty(3 * p + 1))
+           unwritten(3), unwritten(3 * p + 1))
     raises(c, "all_gather_into_tensor wrong size", "world size x input",
            dist.all_gather_into_tensor,
-           torch.empty(3 * p + 2), torch.empty(3))
+           unwritten(3 * p + 2), unwritten(3))
     raises(c, "send to self", "same as the rank of the current process", dist.send,
            torch.ones(1), rank)
     # torch refuses that one itself; ringcomm's own check, called directly:
