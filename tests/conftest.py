@@ -153,16 +153,15 @@ def checks_passed(out: str, n: int) -> list[int]:
     return [found[r] for r in range(n)]
 
 
-def covered_pairs(out: str, n: int) -> list[set[str]]:
-    """Each rank's ``collective[algorithm]`` pairs that passed checks named them
-    (``rank r covered: ...``, printed by the per-rank programs' Checker)."""
-    import re
+def covered_pairs(where: Path, n: int) -> list[set[str]]:
+    """Each rank's ``collective[algorithm]`` pairs that passed checks named them, as
+    the per-rank programs' Checker wrote them into ``where`` (``CHECKS_COVERED_DIR``)."""
+    import json
 
-    found = {int(r): set(pairs.split()) for r, pairs in
-             re.findall(r"rank (\d+) covered: ([^\n]*)", out)}
-    if sorted(found) != list(range(n)):
-        pytest.fail(f"expected 'covered' from ranks 0..{n - 1}, got {sorted(found)}")
-    return [found[r] for r in range(n)]
+    files = sorted(p.name for p in where.glob("rank*.json"))
+    if files != sorted(f"rank{r}.json" for r in range(n)):
+        pytest.fail(f"expected the covered pairs of ranks 0..{n - 1} in {where}, got {files}")
+    return [set(json.loads((where / f"rank{r}.json").read_text())) for r in range(n)]
 
 
 def assert_checks(out: str, key: str, n: int) -> list[int]:

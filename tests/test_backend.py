@@ -20,10 +20,14 @@ def _every_pair() -> set[str]:
             | {f"broadcast[{a}]" for a in ("auto", *REGISTRY["broadcast"])})
 
 
-def _assert_collectives(out: str, key: str, n: int) -> None:
+def _collectives(launch, n: int, key: str, where) -> None:
+    """collectives_check on ``n`` ranks: the recorded count of checks, and every
+    algorithm _every_pair names covered on every rank."""
+    out = launch(n, "collectives_check.py", timeout=240,
+                 env={"CHECKS_COVERED_DIR": str(where)}).stdout
     assert_checks(out, key, n)
     want = _every_pair()
-    for rank, pairs in enumerate(covered_pairs(out, n)):
+    for rank, pairs in enumerate(covered_pairs(where, n)):
         assert pairs == want, (rank, sorted(want - pairs), sorted(pairs - want))
 
 
@@ -32,17 +36,15 @@ def _assert_collectives(out: str, key: str, n: int) -> None:
 @pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.wide), 2,
                                pytest.param(3, marks=[pytest.mark.compat, pytest.mark.wide]),
                                pytest.param(5, marks=pytest.mark.wide)])
-def test_collectives_mpiexec(n):
-    out = mpirun(n, "collectives_check.py", timeout=240).stdout
-    _assert_collectives(out, f"collectives_check mpiexec n={n}", n)
+def test_collectives_mpiexec(n, tmp_path):
+    _collectives(mpirun, n, f"collectives_check mpiexec n={n}", tmp_path)
 
 
 @pytest.mark.compat
 @pytest.mark.wide  # torchrun's launch: test_contract, test_library_launch, test_ddp, ...
 @pytest.mark.parametrize("n", [2])  # 3 ranks: mpiexec above; torchrun on 3 hosts: test_multinode
-def test_collectives_torchrun(n):
-    out = torchrun(n, "collectives_check.py", timeout=240).stdout
-    _assert_collectives(out, f"collectives_check torchrun n={n}", n)
+def test_collectives_torchrun(n, tmp_path):
+    _collectives(torchrun, n, f"collectives_check torchrun n={n}", tmp_path)
 
 
 # 4: test_properties; 5: collectives_check; 1 (one rank: collectives_check's): test-wide

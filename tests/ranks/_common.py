@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import traceback
@@ -18,8 +19,9 @@ class Checker:
         self.rank = rank
         self.failures: list[str] = []
         self.count = 0
-        #: the ``collective[algorithm]`` pairs named by checks that passed (a test
-        #: compares them with the registry: :func:`conftest.covered_pairs`)
+        #: the ``collective[algorithm]`` pairs named by checks that passed, written to
+        #: $CHECKS_COVERED_DIR/rank<r>.json where a test asks (it compares them with
+        #: the registry: conftest.covered_pairs)
         self.covered: set[str] = set()
 
     def check(self, ok: bool, what: str) -> None:
@@ -55,8 +57,10 @@ class Checker:
                 print(f"  rank {self.rank}: FAIL {f}", file=sys.stderr)
             sys.stderr.flush()
             sys.exit(1)
-        if self.covered:
-            print(f"rank {self.rank} covered: {' '.join(sorted(self.covered))}", flush=True)
+        where = os.environ.get("CHECKS_COVERED_DIR")
+        if where:  # a file, not stdout: the launcher interleaves the ranks' output
+            with open(os.path.join(where, f"rank{self.rank}.json"), "w") as f:
+                json.dump(sorted(self.covered), f)
         print(f"rank {self.rank}: {self.count} checks passed", flush=True)
 
 
