@@ -29,7 +29,9 @@ docs/multi-node.md's ``generated:multinode-*`` blocks come from
 docs/msccl.md's ``generated:msccl-run`` block comes from
 ``docs/data/msccl_2ranks.json`` (``python -m ringcomm.bench --msccl ...``), its
 ``generated:msccl-tools`` block from ``docs/data/msccl_tools.json``
-(``scripts/msccl_tools_check.py``).
+(``scripts/msccl_tools_check.py``). docs/simulator.md's ``generated:sim-*`` blocks
+come from ``ringcomm/sim/software.json`` and ``docs/data/sim_speed.json``
+(``scripts/bench_sim.py``).
 Needs ringcomm importable (an installed checkout, or ``PYTHONPATH`` set to it).
 """
 from __future__ import annotations
@@ -83,6 +85,9 @@ MULTINODE_DDP = ROOT / "docs" / "data" / "bench_ddp_2hosts.json"
 MSCCL_RUN = ROOT / "docs" / "data" / "msccl_2ranks.json"
 #: scripts/msccl_tools_check.py: msccl-tools' own examples loaded, proven and run
 MSCCL_TOOLS = ROOT / "docs" / "data" / "msccl_tools.json"
+#: scripts/bench_sim.py: what the simulator itself takes at 1,024 and 16,384 ranks
+SIM_SPEED = ROOT / "docs" / "data" / "sim_speed.json"
+SIM_SOFTWARE = ROOT / "ringcomm" / "sim" / "software.json"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -758,6 +763,32 @@ def ddp_hooks_blocks(doc: dict, source: str) -> dict:
             "ddp-hooks": "```\n" + "\n".join(tables) + "\n```"}
 
 
+def simulator_blocks() -> dict:
+    """The generated blocks of docs/simulator.md: the software's default costs and
+    the simulator's own speed."""
+    sw = json.loads(SIM_SOFTWARE.read_text())
+    src = sw["fitted_from"]
+    software = (
+        "| `call_us` | `step_us` | `message_us` | `reduce_gbps` | `copy_gbps` |\n"
+        "|---:|---:|---:|---:|---:|\n"
+        f"| {sw['call_us']} | {sw['step_us']} | {sw['message_us']} | {sw['reduce_gbps']} | "
+        f"{sw['copy_gbps']} |\n\n(From `{src['file']}`, measured {src['started']} under "
+        f"{src['launcher']} at {', '.join(map(str, src['world_sizes']))} ranks, through "
+        f"`{_relative(SIM_SOFTWARE)}`.)")
+    speed = json.loads(SIM_SPEED.read_text())
+    rows = ["| topology | ranks | engine | schedules | messages | simulator time | target |",
+            "|---|---:|---|---|---:|---:|---|"]
+    for r in speed["runs"]:
+        target = "-" if r["target_s"] is None else (
+            f"{r['target_s']:g} s: {'met' if r['met'] else 'MISSED'}")
+        rows.append(f"| `{r['topology']}` | {r['ranks']:,} | {r['engine']} | "
+                    f"{r['source']} | {r['messages']:,} | {r['seconds']:.2f} s | {target} |")
+    rows.append(f"\n(Ring allreduce of {format_size(speed['runs'][0]['bytes'])}, best of "
+                f"{speed['repeat']}, from `{_relative(SIM_SPEED)}`, measured {speed['started']} "
+                f"on {speed['cores']} cores.)")
+    return {"sim-software": software, "sim-speed": "\n".join(rows)}
+
+
 def replace_blocks(text: str, blocks: dict, where: str) -> str:
     """``text`` with each ``<!-- generated:NAME begin -->`` ... ``end`` block replaced.
 
@@ -839,6 +870,9 @@ def main(argv: list[str] | None = None) -> int:
         architecture = ROOT / "docs" / "architecture.md"
         new[architecture] = replace_blocks(architecture.read_text(), architecture_blocks(),
                                            str(architecture))
+        simulator = ROOT / "docs" / "simulator.md"
+        new[simulator] = replace_blocks(simulator.read_text(), simulator_blocks(),
+                                        str(simulator))
         debugging = ROOT / "docs" / "debugging-a-hang.md"
         new[debugging] = replace_blocks(debugging.read_text(), {
             "flight-cost": _flight_cost(layers, _relative(Path(a.layers)))}, str(debugging))

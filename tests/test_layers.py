@@ -11,6 +11,8 @@ The layers, bottom up, as docs/architecture.md draws them:
 * execution: the checker, NCCL's rules, the simulator and the executors;
 * runtime: engines, streams and Work, never the front;
 * launch: bootstrap and the network;
+* sim: the simulator (topologies, routes, timing), over the builders and the
+  execution layer; its command line is top;
 * front: the process group and what serves it (prepared calls, argument checks, algorithm choice,
   lanes);
 * top: the package's public surface, the demo, testing helpers and the benchmark;
@@ -33,8 +35,10 @@ LAYERS = {
     "execution": ("ringcomm.execution",),
     "runtime": ("ringcomm.runtime",),
     "launch": ("ringcomm.launch",),
+    "sim": ("ringcomm.sim",),
     "front": ("ringcomm.front",),
-    "top": ("ringcomm.demo", "ringcomm.testing", "ringcomm.bench", "ringcomm.msccl", "ringcomm"),
+    "top": ("ringcomm.demo", "ringcomm.testing", "ringcomm.bench", "ringcomm.msccl", "ringcomm",
+            "ringcomm.sim.cli", "ringcomm.sim.__main__"),
     "ddp.bench": ("ddp.bench",),
     "ddp": ("ddp",),
 }
@@ -46,8 +50,9 @@ MAY_USE = {
     "execution": ("bottom",),
     "runtime": ("bottom", "transport"),
     "launch": ("bottom",),
-    "front": ("bottom", "transport", "builders", "execution", "runtime", "launch"),
-    "top": ("bottom", "transport", "builders", "execution", "runtime", "launch", "front"),
+    "sim": ("bottom", "builders", "execution"),
+    "front": ("bottom", "transport", "builders", "execution", "runtime", "launch", "sim"),
+    "top": ("bottom", "transport", "builders", "execution", "runtime", "launch", "sim", "front"),
     "ddp": (),  # and ringcomm.trace: DDP_RINGCOMM
     "ddp.bench": ("ddp",),
 }

@@ -89,6 +89,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from ringcomm.sim.layouts import SIZED, layout_for
+
 #: feature function: (p, n, segment_bytes) -> (A, B, G)
 FeatureFn = Callable[[int, int, int], "tuple[float, float, float]"]
 
@@ -101,32 +103,7 @@ EXACT_RANKS = 8
 ANCHOR_RATIO = 16
 
 #: collectives the checker can count (barrier has no message size)
-_SIZED = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather",
-          "scatter", "alltoall")
-
-
-def _split(n: int, p: int) -> tuple[int, ...]:
-    """``n`` as ``p`` counts that differ by at most one (the larger ones first)."""
-    base, extra = divmod(int(n), p)
-    return tuple(base + (1 if i < extra else 0) for i in range(p))
-
-
-def layout_for(collective: str, p: int, n: int) -> tuple:
-    """The global layout (for :func:`ringcomm.execution.checker.check`) of a message of ``n``
-    bytes as nccl-tests counts it, one byte per element.
-
-    Raises:
-        ValueError: a collective without a message size.
-    """
-    if collective in ("allreduce", "broadcast", "reduce"):
-        return (int(n),)
-    if collective in ("allgather", "reduce_scatter", "gather", "scatter"):
-        return _split(n, p)
-    if collective == "alltoall":  # one rank's send buffer: n/p for each rank
-        row = _split(n, p)
-        return tuple(row for _ in range(p))
-    raise ValueError(f"cost model: no layout for collective {collective!r}; "
-                     f"known: {', '.join(_SIZED)}")
+_SIZED = SIZED
 
 
 def _builder(collective: str, algorithm: str | None):

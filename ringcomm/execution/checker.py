@@ -31,7 +31,7 @@ from ringcomm.execution.structure import validate
 from ringcomm.execution.world import SEND, World
 from ringcomm.schedule import BuildFn, Context, Schedule, ScheduleError, buffer_lengths
 
-__all__ = ["check", "schedules", "shapes", "local_layout", "Stats", "Finding", "KINDS",
+__all__ = ["check", "world_of", "compiled_rank", "schedules", "shapes", "local_layout", "Stats", "Finding", "KINDS",
            "finding_of", "validate", "RankSets", "ROOTED"]
 
 @dataclasses.dataclass
@@ -126,28 +126,50 @@ def _paused_gc():
             gc.enable()
 
 
-def _check(build, collective, size, layout, root, seg, symbolic, on_built, hosts) -> Stats:
+def compiled_rank(build: BuildFn, collective: str, size: int, rank: int, layout: tuple,
+                  root: int = 0, seg: int = 1 << 30, hosts: tuple = ()
+                  ) -> tuple[Schedule, tuple[list, list]]:
+    """``rank``'s schedule for a global ``layout``, checked for bounds
+    (:func:`validate`), and its compiled ``(regions, steps)``
+    (:func:`ringcomm.execution.plan.compile_steps`)."""
+    s = _built(build, Context(collective, size, rank, local_layout(collective, layout, rank, root),
+                              root, seg, tuple(hosts)))
+    validate(s)
+    return s, compile_steps(s, [*buffer_lengths(s.ctx), *s.scratch])
+
+
+def world_of(build: BuildFn, collective: str, size: int, layout: tuple, root: int = 0,
+             seg: int = 1 << 30, hosts: tuple = (),
+             on_built: Callable[[Schedule], None] | None = None) -> tuple[World, list]:
+    """Every rank's compiled steps in one :class:`~ringcomm.execution.world.World`, not
+    yet run, and per rank its buffer lengths ``(caller buffers, scratch)``. Each rank's
+    schedule is built, checked for bounds and compiled in turn, then dropped.
+
+    Raises:
+        ScheduleError: a builder's or the bounds check's refusal, or a message to a
+            peer that is no other rank (with its :class:`Finding`).
+    """
     shapes: list[tuple[list, list]] = []  # per rank: caller buffer lengths, scratch
 
     def compiled():
         for r in range(size):
-            s = _built(build, Context(collective, size, r,
-                                      local_layout(collective, layout, r, root), root, seg,
-                                      tuple(hosts)))
-            validate(s)
+            s, steps = compiled_rank(build, collective, size, r, layout, root, seg, hosts)
             if on_built is not None:
                 on_built(s)
-            lens = buffer_lengths(s.ctx)
-            shapes.append(([n or 0 for n in lens], list(s.scratch)))
-            yield compile_steps(s, [*lens, *s.scratch])
+            shapes.append(([n or 0 for n in buffer_lengths(s.ctx)], list(s.scratch)))
+            yield steps
 
     try:
-        world = World(compiled(), size)
+        return World(compiled(), size), shapes
     except ScheduleError as e:
         if not hasattr(e, "bad_peer"):  # the builder's or validate's own
             raise
         r, i, peer = e.bad_peer  # a peer that is no other rank
         raise refusal(str(e), Finding("peer", rank=r, step=i, peer=peer)) from None
+
+
+def _check(build, collective, size, layout, root, seg, symbolic, on_built, hosts) -> Stats:
+    world, shapes = world_of(build, collective, size, layout, root, seg, hosts, on_built)
     contents = Contents(world, shapes, collective, layout, root) if symbolic else None
     try:
         counts = world.run(contents and contents.local, contents and contents.messages)

@@ -1,0 +1,6 @@
+"""``python -m ringcomm.sim``: see :mod:`ringcomm.sim.cli`."""
+import sys
+
+from ringcomm.sim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,362 @@
+"""Time a program on a network: messages as flows that share each link's bandwidth
+max-min fairly, in NCCL's order of groups.
+
+The order is :class:`ringcomm.execution.world.World`'s: a rank's slots run one after
+another; entering a slot it runs the slot's local work (reductions at
+``reduce_gbps``, copies at ``copy_gbps``), pays the per-step cost, and posts the
+slot's group; a message starts when both its groups are posted, and a slot ends
+when all its messages have. A message that starts at ``s`` waits out its route's
+latency (plus the per-message cost), then moves its bytes at the rate max-min
+fairness gives it among the messages moving at that moment on any link of its
+route (progressive filling: the link whose equal share is smallest fixes the rate
+of every message on it, and the rest share what is left), recomputed whenever a
+message starts or ends. So two messages on one link take twice as long as one,
+and a route is as fast as its busiest link.
+
+Time moves from event to event (a message becomes ready, a message ends), and each
+event is handled for every message and rank it concerns at once, as array
+operations: a 1,024-rank ring, all ranks in lockstep, is about 4,000 events.
+
+Each rank carries the critical path to its current slot split four ways, the
+route latency, the moving of bytes (contention included), local work and
+software costs, so that the report can say what the call's time is made of.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time as _time
+
+import numpy as np
+
+from ringcomm.execution.world import RECV, SEND
+from ringcomm.schedule import ScheduleError
+from ringcomm.sim.network import Network
+
+#: the critical path's parts, in the order the arrays hold them
+PARTS = ("latency", "bandwidth", "local", "software")
+
+
+@dataclasses.dataclass
+class Costs:
+    """The software's costs (seconds, bytes per second) and the element size."""
+    call: float = 0.0
+    step: float = 0.0
+    message: float = 0.0
+    reduce_bw: float = 1e10
+    copy_bw: float = 1e10
+    esize: int = 4
+
+
+@dataclasses.dataclass
+class Timing:
+    """One simulated call.
+
+    Attributes:
+        time: seconds, from the call to the last rank's end.
+        finish: when each rank ended.
+        critical: the last rank's critical path, seconds per part of :data:`PARTS`.
+        link_bytes: bytes that crossed each link of the network.
+        events: event times handled.
+        messages: messages timed.
+        seconds: what the simulation itself took.
+    """
+    time: float
+    finish: np.ndarray
+    critical: dict
+    link_bytes: np.ndarray
+    events: int
+    messages: int
+    seconds: float
+
+
+class OutOfTime(RuntimeError):
+    """The simulation passed its deadline (the message says how far it got)."""
+
+
+def max_min(hop_flow: np.ndarray, hop_link: np.ndarray, nflows: int,
+            capacity: np.ndarray) -> np.ndarray:
+    """Max-min fair rates of ``nflows`` flows whose routes are the pairs
+    ``(hop_flow[i], hop_link[i])``, on links of ``capacity`` (progressive filling)."""
+    rate = np.zeros(nflows)
+    if not len(hop_flow):
+        return rate
+    left = capacity.astype(float, copy=True)
+    live = np.ones(len(hop_flow), bool)
+    fixed = np.zeros(nflows, bool)
+    nl = len(capacity)
+    while True:
+        cnt = np.bincount(hop_link[live], minlength=nl)
+        used = cnt > 0
+        share = np.full(nl, np.inf)
+        share[used] = left[used] / cnt[used]
+        m = share.min()
+        if not np.isfinite(m):
+            return rate
+        now = np.zeros(nflows, bool)
+        now[hop_flow[live & (share[hop_link] <= m * (1 + 1e-9))]] = True
+        rate[now] = m
+        fixed |= now
+        taken = live & now[hop_flow]
+        left -= np.bincount(hop_link[taken], minlength=nl) * m
+        live &= ~taken
+        if not live.any():
+            return rate
+
+
+class _Flows:
+    """The messages started and not ended, as growable arrays."""
+    FIELDS = (("src", np.int64), ("dst", np.int64), ("rem", float), ("ready", float),
+              ("route", np.int64), ("lat", float))
+
+    def __init__(self):
+        for name, t in self.FIELDS:
+            setattr(self, name, np.zeros(0, t))
+        self.crit = np.zeros((0, len(PARTS)))
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def add(self, **cols) -> None:
+        for name, _ in self.FIELDS:
+            setattr(self, name, np.concatenate((getattr(self, name), cols[name])))
+        self.crit = np.concatenate((self.crit, cols["crit"]))
+
+    def keep(self, mask: np.ndarray) -> None:
+        for name, _ in self.FIELDS:
+            setattr(self, name, getattr(self, name)[mask])
+        self.crit = self.crit[mask]
+
+
+def run(program, net: Network, costs: Costs, deadline: float | None = None) -> Timing:
+    """Time one call of ``program`` (:mod:`ringcomm.sim.program`) on ``net``.
+
+    Args:
+        deadline: a ``time.monotonic()`` reading after which to give up.
+    Raises:
+        OutOfTime: past ``deadline``.
+        ScheduleError: nothing can move while ranks have work left (a schedule that
+            deadlocks; the checker names why).
+    """
+    began = _time.perf_counter()
+    p = program.size
+    nparts = len(PARTS)
+    head = np.zeros(p, np.int64)
+    last = program.nslots - 1
+    post = np.zeros(p)
+    crit = np.zeros((p, nparts))  # the critical path to each rank's post
+    crit_end = np.zeros((p, nparts))  # ... to the end of its last message
+    pend = np.zeros(p, np.int64)
+    finish = np.full(p, np.nan)
+    entering_now = np.zeros(p, bool)
+    flows = _Flows()
+    route_bytes = np.zeros(0)
+    counted = [0, 0]  # events, messages
+
+    def enter(ranks: np.ndarray, t: float, c: np.ndarray) -> None:
+        nonlocal route_bytes
+        slots = head[ranks]
+        nmsg, red, cop = program.slot_work(ranks, slots)
+        local = (red * (costs.esize / costs.reduce_bw) + cop * (costs.esize / costs.copy_bw))
+        stepc = np.where(nmsg > 0, costs.step, 0.0)
+        post[ranks] = t + local + stepc
+        c = c.copy()
+        c[:, 2] += local
+        c[:, 3] += stepc
+        crit[ranks] = c
+        pend[ranks] = nmsg
+        ends = slots == last[ranks]
+        finish[ranks[ends]] = post[ranks[ends]]
+        go = ranks[~ends]
+        if not len(go):
+            return
+        ids, own = program.slot_messages(go, head[go])
+        kind, peer, n, pslot = program.message(ids)
+        me = go[own]
+        entering_now[go] = True
+        keep = (head[peer] == pslot) & ((kind == SEND) | ~entering_now[peer])
+        entering_now[go] = False
+        if not keep.any():
+            return
+        kind, peer, n, me = kind[keep], peer[keep], n[keep], me[keep]
+        src = np.where(kind == SEND, me, peer)
+        dst = np.where(kind == SEND, peer, me)
+        later = np.where(post[src] >= post[dst], src, dst)
+        start = post[later]
+        routes = net.routes(src, dst)
+        lat = net.route_latency[routes]
+        fc = crit[later].copy()
+        fc[:, 0] += lat
+        fc[:, 3] += costs.message
+        nbytes = n.astype(float) * costs.esize
+        if len(route_bytes) < len(net.route_latency):
+            route_bytes = np.concatenate((route_bytes,
+                                          np.zeros(len(net.route_latency) - len(route_bytes))))
+        np.add.at(route_bytes, routes, nbytes)
+        flows.add(src=src, dst=dst, rem=nbytes, ready=start + lat + costs.message,
+                  route=routes, lat=lat, crit=fc)
+        counted[1] += len(src)
+
+    enter(np.arange(p), costs.call, np.tile([0.0, 0.0, 0.0, costs.call], (p, 1)))
+    t = 0.0
+    prev_routes = None
+    rate_active = None
+    while len(flows):
+        counted[0] += 1
+        if deadline is not None and counted[0] % 256 == 0 and _time.monotonic() > deadline:
+            raise OutOfTime(f"{counted[1]:,} messages timed, {int(np.isnan(finish).sum())} of "
+                            f"{p} ranks not done at {t * 1e6:.1f} us simulated")
+        tol = 1e-9 * max(t, 1e-9)
+        active = flows.ready <= t + tol
+        moving = active & (flows.rem > 0)
+        routes = flows.route[moving]
+        if prev_routes is None or len(routes) != len(prev_routes) or \
+                not np.array_equal(routes, prev_routes):
+            hf, hl = net.hops(routes)
+            rate_active = max_min(hf, hl, len(routes), net.capacity)
+            prev_routes = routes
+        rate = np.zeros(len(flows))
+        rate[moving] = rate_active
+        with np.errstate(divide="ignore", invalid="ignore"):
+            fin = np.where(moving, t + flows.rem / rate, np.where(active, t, np.inf))
+        waiting = flows.ready[~active]
+        t_next = min(fin.min(), waiting.min() if len(waiting) else np.inf)
+        flows.rem = np.where(moving, flows.rem - rate * (t_next - t), flows.rem)
+        t = t_next
+        done = active & (fin <= t + 1e-9 * max(t, 1e-9))
+        if not done.any():
+            continue
+        # the messages that ended: both ranks' slots have one fewer to wait for
+        src, dst = flows.src[done], flows.dst[done]
+        fc = flows.crit[done]
+        fc[:, 1] += t - flows.ready[done]
+        flows.keep(~done)
+        both = np.concatenate((src, dst))
+        np.subtract.at(pend, both, 1)
+        crit_end[both] = np.concatenate((fc, fc))
+        touched = np.unique(both)
+        ready = touched[pend[touched] == 0]
+        if len(ready):
+            head[ready] += 1
+            enter(ready, t, crit_end[ready])
+    if np.isnan(finish).any():
+        stuck = np.nonzero(np.isnan(finish))[0]
+        raise ScheduleError(f"simulation: {len(stuck)} of {p} ranks never end (rank "
+                            f"{int(stuck[0])} waits in its slot {int(head[stuck[0]])}): the "
+                            "schedule deadlocks")
+    end = int(np.argmax(finish))
+    link_bytes = np.bincount(net.route_links,
+                             np.repeat(route_bytes, np.diff(net.route_start)),
+                             len(net.capacity)) if len(route_bytes) else \
+        np.zeros(len(net.capacity))
+    return Timing(float(finish[end]), finish, dict(zip(PARTS, crit[end].tolist())),
+                  link_bytes, counted[0], counted[1], _time.perf_counter() - began)
+
+
+class _RoundShape:
+    """What a round's offsets fix, whatever its sizes and times: every rank's sends'
+    receivers, routes, latencies and max-min rates (all of them moving at once), and
+    where each rank's receives are among the sends (row, sender)."""
+
+    def __init__(self, program, net: Network, js, rj, by_offset: dict, ranks):
+        p, sk = program.size, program.sk
+        offs = sk.offset[js].tolist()
+        for d in offs:
+            if d not in by_offset:
+                by_offset[d] = net.routes(ranks, (ranks + d) % p)
+        self.routes = np.stack([by_offset[d] for d in offs])  # (sends, p)
+        hf, hl = net.hops(self.routes.ravel())
+        self.rate = max_min(hf, hl, self.routes.size, net.capacity).reshape(self.routes.shape)
+        self.dst = (ranks[None, :] + sk.offset[js][:, None]) % p
+        self.lat = net.route_latency[self.routes]
+        self.recv_row = np.searchsorted(js, program.partner[rj])[:, None]
+        self.recv_src = (ranks[None, :] + sk.offset[rj][:, None]) % p
+
+
+def run_rounds(program, net: Network, costs: Costs, deadline: float | None = None) -> Timing:
+    """Time a :class:`~ringcomm.sim.program.RotatedProgram` round by round: round ``k``
+    is every rank's slot ``k`` (in a program whose ranks are rotations of one another,
+    a message joins the same slot on both ranks). A round's messages share the links
+    max-min fairly as if they all moved at once, whenever each starts; messages of
+    different rounds do not share. Where the ranks move in lockstep (every rank alike
+    on the network) this is :func:`run`'s result; where they drift apart (ranks that
+    reach other hosts, next to ranks that do not) it is an approximation, whose
+    distance from :func:`run` tests/test_sim.py measures. Each round costs a few array
+    operations over the ranks, whatever the network: a 16,384-rank ring's 32,766
+    rounds are seconds.
+
+    Raises:
+        OutOfTime: past ``deadline``.
+    """
+    began = _time.perf_counter()
+    p, sk = program.size, program.sk
+    ranks = np.arange(p)
+    post = np.full(p, costs.call)
+    # the critical path to each rank's post: its latency per rank; local work and
+    # software costs are every path's alike (every rank runs every round's), and the
+    # moving of bytes is the rest
+    path_lat = np.zeros(p)
+    local_sum, soft_sum = 0.0, costs.call
+    by_offset: dict[int, np.ndarray] = {}  # offset -> route of every rank's message
+    sent: dict[int, float] = {}  # offset -> bytes sent per rank
+    shapes: dict[tuple, _RoundShape] = {}  # a round's offsets -> what they fix
+    durations: dict[tuple, np.ndarray] = {}
+    nmsg = 0
+    for k in range(sk.nslots):
+        if deadline is not None and k % 256 == 255 and _time.monotonic() > deadline:
+            raise OutOfTime(f"{k} of {sk.nslots} rounds timed ({nmsg:,} messages), "
+                            f"{post.max() * 1e6:.1f} us simulated")
+        a, b = int(program.start[k]), int(program.start[k + 1])
+        local = (sk.reduce_elems[k] * costs.esize / costs.reduce_bw
+                 + sk.copy_elems[k] * costs.esize / costs.copy_bw)
+        stepc = costs.step if b > a else 0.0
+        post = post + (local + stepc)
+        local_sum += local
+        soft_sum += stepc
+        if b == a:
+            break
+        soft_sum += costs.message
+        js = a + np.nonzero(sk.kind[a:b] == SEND)[0]
+        rj = a + np.nonzero(sk.kind[a:b] == RECV)[0]
+        key = (tuple(sk.offset[js].tolist()), tuple(sk.offset[rj].tolist()),
+               tuple((program.partner[rj] - a).tolist()))
+        sh = shapes.get(key)
+        if sh is None:
+            sh = shapes[key] = _RoundShape(program, net, js, rj, by_offset, ranks)
+        sizes = tuple(sk.n[js].tolist())
+        for d, n in zip(key[0], sizes):
+            sent[d] = sent.get(d, 0.0) + n * costs.esize
+        nmsg += sh.routes.size
+        dur = durations.get((key, sizes))
+        if dur is None:
+            nbytes = np.asarray(sizes, float)[:, None] * costs.esize
+            move = np.divide(nbytes, sh.rate, out=np.zeros(sh.rate.shape), where=nbytes > 0)
+            dur = durations[(key, sizes)] = sh.lat + costs.message + move
+        pd = post[sh.dst]
+        mine = post >= pd  # the sender posted last: the message waited for it
+        end = np.maximum(post, pd) + dur
+        lat_end = np.where(mine, path_lat, path_lat[sh.dst]) + sh.lat
+        # every rank's slot ends with the last of its sends and of the sends it receives
+        post, path_lat = end[0], lat_end[0]
+        for i in range(1, len(end)):
+            later = end[i] > post
+            post, path_lat = np.where(later, end[i], post), np.where(later, lat_end[i], path_lat)
+        for i in range(len(sh.recv_row)):
+            e = end[sh.recv_row[i, 0], sh.recv_src[i]]
+            later = e > post
+            post = np.where(later, e, post)
+            path_lat = np.where(later, lat_end[sh.recv_row[i, 0], sh.recv_src[i]], path_lat)
+    link_bytes = np.zeros(len(net.capacity))
+    for d, routes in by_offset.items():
+        hf, hl = net.hops(routes)
+        link_bytes += np.bincount(hl, minlength=len(net.capacity)) * sent.get(d, 0.0)
+    end = int(np.argmax(post))
+    total = float(post[end])
+    crit = {"latency": float(path_lat[end]),
+            "bandwidth": max(total - float(path_lat[end]) - local_sum - soft_sum, 0.0),
+            "local": local_sum, "software": soft_sum}
+    return Timing(total, post, crit, link_bytes, sk.nslots, nmsg,
+                  _time.perf_counter() - began)
+
+
+__all__ = ["Costs", "Timing", "OutOfTime", "PARTS", "run", "run_rounds", "max_min", "RECV",
+           "SEND"]

@@ -1,0 +1,202 @@
+"""What the simulator times: every rank's slots (the local work before a group,
+then the group's messages, as :class:`ringcomm.execution.world.World` orders them),
+each message's peer, size and partner.
+
+Two sources give the same arrays:
+
+* :class:`FullProgram`: every rank's schedule, built and paired by
+  :class:`~ringcomm.execution.world.World` (any algorithm; its cost grows with all
+  ranks' steps: a ring's 2p(p - 1));
+* :class:`RotatedProgram`: rank 0's schedule alone, every other rank's taken as
+  its rotation (rank r sends to ``r + d`` where rank 0 sends to ``d``). For the
+  algorithms whose ranks all do the same thing (ring, Bruck, direct), so a
+  ring of 16,384 ranks costs one rank's 32,766 steps.
+  :func:`ringcomm.sim.cell.program_for` takes it only after sampled ranks were
+  found to be rotations of rank 0 (structure exact, sizes within
+  :data:`SIZE_SLACK`).
+
+A program's message ``m`` of rank ``r`` in its slot ``s`` (slots numbered from 0 on
+every rank) has ``kind`` (:data:`SEND` or :data:`RECV`), ``peer``, ``n`` elements
+and ``partner_slot``, the peer's slot that holds the matching message.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ringcomm.execution.plan import COPY
+from ringcomm.execution.world import RECV, SEND, World, expand_ranges
+
+#: sampled ranks may differ from rank 0's rotation by this share of a message's or
+#: local operation's size (uneven chunks differ by one element)
+SIZE_SLACK = 0.01
+
+
+class FullProgram:
+    """Every rank's slots from a :class:`World` (built, not run)."""
+
+    exact = True
+
+    def __init__(self, world: World):
+        self.world = w = world
+        self.size = w.size
+        self.first = w.first_slot
+        self.nslots = np.diff(w.first_slot)
+        reg_n = w.regions[:, 3] - w.regions[:, 2]
+        nslot = int(w.first_slot[-1])
+        l_slot = np.searchsorted(w.s_loc, np.arange(len(w.l_rank)), "right") - 1
+        n_loc = reg_n[w.l_dst]
+        copy = w.l_kind == COPY
+        self.reduce_elems = np.bincount(l_slot[~copy], n_loc[~copy], nslot)
+        self.copy_elems = np.bincount(l_slot[copy], n_loc[copy], nslot)
+        self.partner_slot = np.where(w.partner >= 0, w.m_slot[np.maximum(w.partner, 0)]
+                                     - w.first_slot[w.m_peer], -1)
+
+    def slot_messages(self, ranks: np.ndarray, slots: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """The messages of ``ranks``' slots ``slots``: their numbers, and for each the
+        position in ``ranks`` it belongs to."""
+        g = self.first[ranks] + slots
+        a, b = self.world.s_msg[g], self.world.s_msg[g + 1]
+        return expand_ranges(a, b), np.repeat(np.arange(len(ranks)), b - a)
+
+    def slot_work(self, ranks: np.ndarray, slots: np.ndarray):
+        """``(messages, reduced elements, copied elements)`` of each slot."""
+        g = self.first[ranks] + slots
+        return (self.world.s_msg[g + 1] - self.world.s_msg[g], self.reduce_elems[g],
+                self.copy_elems[g])
+
+    def message(self, ids: np.ndarray):
+        """``(kind, peer, n, partner_slot)`` of messages ``ids``."""
+        w = self.world
+        return w.m_kind[ids], w.m_peer[ids], w.m_n[ids], self.partner_slot[ids]
+
+
+@dataclasses.dataclass
+class _Skeleton:
+    """One rank's slots with peers relative to it (``offset = (peer - rank) mod p``)."""
+    kind: np.ndarray
+    offset: np.ndarray
+    n: np.ndarray
+    slot: np.ndarray
+    nslots: int
+    reduce_elems: np.ndarray
+    copy_elems: np.ndarray
+
+
+def skeleton(rank: int, size: int, compiled: tuple[list, list]) -> _Skeleton:
+    """Rank ``rank``'s compiled ``(regions, steps)`` as a :class:`_Skeleton`, its slots
+    as :class:`World` makes them (a step's local work goes before the next group)."""
+    regions, steps = compiled
+    reg_n = [e - a for _, a, e, _ in regions]
+    kind, offset, n, slot = [], [], [], []
+    red: list[int] = [0]
+    cop: list[int] = [0]
+    for sends, recvs, local in steps:
+        if sends or recvs:
+            s = len(red) - 1
+            for k, part in ((SEND, sends), (RECV, recvs)):
+                for q, v in part:
+                    kind.append(k)
+                    offset.append((q - rank) % size)
+                    n.append(reg_n[v])
+                    slot.append(s)
+            red.append(0)
+            cop.append(0)
+        for k, d, _ in local:
+            if k == COPY:
+                cop[-1] += reg_n[d]
+            else:
+                red[-1] += reg_n[d]
+    a = (lambda x, t=np.int64: np.asarray(x, t))
+    return _Skeleton(a(kind, np.int8), a(offset), a(n), a(slot), len(red), a(red), a(cop))
+
+
+class NotRotation(ValueError):
+    """Rank 0's schedule rotated is not the other ranks' (the message says where)."""
+
+
+class RotatedProgram:
+    """Every rank as rank 0's :class:`_Skeleton` rotated."""
+
+    exact = False
+
+    def __init__(self, size: int, sk: _Skeleton):
+        self.size = p = size
+        self.sk = sk
+        self.nslots = np.full(p, sk.nslots, np.int64)
+        self.m = m = len(sk.kind)
+        order = np.lexsort((np.arange(m), sk.slot))  # slot order (it is already)
+        assert np.all(order == np.arange(m))
+        self.start = np.searchsorted(sk.slot, np.arange(sk.nslots + 1), "left")
+        self.partner = self._pair()
+
+    def _pair(self) -> np.ndarray:
+        """The k-th send to offset d pairs with rank d's k-th receive from rank 0,
+        which is (rotated) rank 0's k-th receive from offset -d."""
+        sk, p = self.sk, self.size
+        # key: (kind, the offset as the message's sender sees it toward its receiver)
+        toward = np.where(sk.kind == SEND, sk.offset, (p - sk.offset) % p)
+        key = toward * 2 + sk.kind
+        order = np.argsort(key, kind="stable")
+        sk_sorted = key[order]
+        first = np.searchsorted(sk_sorted, sk_sorted, "left")
+        seq = np.empty(self.m, np.int64)
+        seq[order] = np.arange(self.m) - first
+        partner = np.full(self.m, -1, np.int64)
+        lookup = {(int(k), int(s)): i for i, (k, s) in enumerate(zip(key, seq))}
+        for i in range(self.m):
+            j = lookup.get((int(key[i]) ^ 1, int(seq[i])))
+            if j is None:
+                raise NotRotation(f"rank 0's {'send to' if sk.kind[i] == SEND else 'receive from'} "
+                                  f"rank {int(sk.offset[i])} (its {int(seq[i]) + 1}th) has no "
+                                  "match among the rotated ranks")
+            if sk.n[j] != sk.n[i]:
+                raise NotRotation(f"rank 0's message to/from rank {int(sk.offset[i])} has "
+                                  f"{int(sk.n[i])} elements, its rotated match {int(sk.n[j])}")
+            partner[i] = j
+        return partner
+
+    def slot_messages(self, ranks: np.ndarray, slots: np.ndarray):
+        a, b = self.start[slots], self.start[slots + 1]
+        own = np.repeat(np.arange(len(ranks)), b - a)
+        j = expand_ranges(a, b)
+        return ranks[own] * self.m + j, own
+
+    def slot_work(self, ranks: np.ndarray, slots: np.ndarray):
+        return (self.start[slots + 1] - self.start[slots], self.sk.reduce_elems[slots],
+                self.sk.copy_elems[slots])
+
+    def message(self, ids: np.ndarray):
+        r, j = np.divmod(ids, self.m)
+        sk = self.sk
+        return sk.kind[j], (r + sk.offset[j]) % self.size, sk.n[j], sk.slot[self.partner[j]]
+
+
+def same_rotation(base: _Skeleton, other: _Skeleton, rank: int) -> None:
+    """Raise :class:`NotRotation` unless ``other`` (rank ``rank``'s) is ``base``
+    rotated: the same slots, kinds and offsets, sizes within :data:`SIZE_SLACK`."""
+    if other.nslots != base.nslots or len(other.kind) != len(base.kind):
+        raise NotRotation(f"rank {rank} has {other.nslots - 1} groups and {len(other.kind)} "
+                          f"messages, rank 0 {base.nslots - 1} and {len(base.kind)}")
+    for name in ("kind", "offset", "slot"):
+        diff = np.nonzero(getattr(other, name) != getattr(base, name))[0]
+        if len(diff):
+            raise NotRotation(f"rank {rank}'s message {int(diff[0])} differs from rank 0's "
+                              f"rotated ({name})")
+    for name in ("n", "reduce_elems", "copy_elems"):
+        a, b = getattr(base, name), getattr(other, name)
+        if np.any(np.abs(a - b) > np.maximum(SIZE_SLACK * np.maximum(a, b), 1)):
+            raise NotRotation(f"rank {rank}'s sizes ({name}) differ from rank 0's by more "
+                              f"than {SIZE_SLACK:.0%}")
+
+
+def sample_ranks(size: int, k: int = 4) -> list[int]:
+    """Ranks to compare with rank 0: the neighbours, the middle, the last, and
+    spread ones (deterministic)."""
+    picks = {1, 2, size // 2, size - 1, size // 3, (2 * size) // 3, size // 4 + 1,
+             size - 2}
+    rng = np.random.default_rng(size)
+    picks.update(int(x) for x in rng.integers(1, max(size, 2), size=k))
+    return sorted(r for r in picks if 0 < r < size)
