@@ -129,6 +129,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("RINGCOMM_TUNING", "path", None,
             "JSON table that replaces `auto`'s built-in size thresholds",
             option="tuning_file"),
+    Setting("RINGCOMM_TOPOLOGY", "path", None,
+            "a topology file (docs/simulator.md): `auto` picks by simulated time where "
+            "its measured tables do not cover a call; the group must have the file's ranks",
+            option="topology"),
     Setting("RINGCOMM_NUM_CHANNELS", "int", 1,
             "communicators per group, used in turn by successive collectives (round-robin), "
             "so several collectives progress at once", option="num_channels", minimum=1),
@@ -230,6 +234,8 @@ class Options:
             win over ``RINGCOMM_ALGO``'s.
         segment_bytes: pipeline segment size in bytes.
         tuning_file: JSON tuning table for ``auto``.
+        topology: a topology file (docs/simulator.md); ``auto`` then picks by simulated
+            time for the calls its measured tables do not cover.
         num_channels: communicators of the group (K MPI communicators, or K NCCL
             communicators per device); successive collectives use them in turn, so up
             to K progress at once.
@@ -245,6 +251,7 @@ class Options:
     algorithms: dict[str, str] = dataclasses.field(default_factory=dict)
     segment_bytes: int | None = None
     tuning_file: str | None = None
+    topology: str | None = None
     num_channels: int | None = None
     local_size: int | None = None
     shared_memory: bool | None = None
@@ -263,6 +270,7 @@ class Options:
         return Options(algorithms=algos,
                        segment_bytes=self._count("segment_bytes", environ, "bytes"),
                        tuning_file=tuning,
+                       topology=self.topology or get("RINGCOMM_TOPOLOGY", environ),
                        num_channels=self._count("num_channels", environ, "communicators"),
                        local_size=self._count("local_size", environ, "ranks"),
                        shared_memory=self._flag("shared_memory", environ),

@@ -129,6 +129,24 @@ for _coll, _rows in json.loads(MEASURED.read_text()).items():
 _KEY = re.compile(r"default|hosts|\d+|>=\d+")
 
 
+def measured_keys(path: str | None = None) -> dict[str, set[str]]:
+    """collective -> the world sizes whose rows were measured, not modelled: the
+    committed 2-rank rows (:data:`MEASURED`) and the exact world sizes of the tuning
+    file at ``path`` (a user's own table counts as measured).
+
+    Raises:
+        ValueError: as :func:`load_tuning`.
+    """
+    out = {c: {k for k in rows if k.isdigit()}
+           for c, rows in json.loads(MEASURED.read_text()).items()}
+    if path:
+        load_tuning(path)  # the same checks and errors
+        with open(path) as f:
+            for coll, rows in json.load(f).items():
+                out.setdefault(coll, set()).update(k for k in rows if str(k).isdigit())
+    return out
+
+
 def load_tuning(path: str | None = None) -> dict[str, dict[str, list]]:
     """The tuning table: DEFAULT_TUNING overlaid with the JSON file at ``path``
     (None: none; the planner passes ``RINGCOMM_TUNING``'s, resolved by

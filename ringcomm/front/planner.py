@@ -63,6 +63,13 @@ class Planner:
         self.algos: dict[str, str] = {c: "auto" for c in REGISTRY}
         self.algos.update(expand_choices(options.algorithms))
         self._tuning = select.load_tuning(options.tuning_file)
+        self._measured = select.measured_keys(options.tuning_file)
+        self._sim = None
+        if options.topology:
+            from ringcomm.sim.choose import Chooser  # numpy-heavy: only when asked for
+            self._sim = Chooser(options.topology, size, options.segment_bytes)
+            if self._sim.why_not:
+                log.info("ringcomm auto: no simulated choices: %s", self._sim.why_not)
         self._plans: collections.OrderedDict = collections.OrderedDict()
         self._plan_bytes = 0  # over all cached plans
         #: bumped by :meth:`refused`; part of every message tag
@@ -74,18 +81,39 @@ class Planner:
 
     def choose(self, collective: str, nbytes: int, bands: bool = True) -> str:
         """The algorithm a ``collective`` of ``nbytes`` per rank runs (``bands``:
-        :data:`ringcomm.algorithms.select.BANDS` too)."""
+        :data:`ringcomm.algorithms.select.BANDS` too). ``auto`` asks, in turn: a band,
+        the measured rows of its table, the simulator (``Options.topology``), the
+        modelled rows; ``RINGCOMM_DEBUG=INFO`` logs which decided."""
         name = self.algos[collective]
-        if name == "auto":
-            name = select.choose(self._tuning, collective, nbytes, self.size, self.hosts,
-                                 bands)
-            if log.isEnabledFor(logging.INFO):
-                key = (collective, name, max(nbytes, 1).bit_length())
-                if key not in self._logged:
-                    self._logged.add(key)
-                    log.info("ringcomm auto: %s of %d B on %d ranks -> %s",
-                             collective, nbytes, self.size, name)
+        if name != "auto":
+            return name
+        name = select.choose(self._tuning, collective, nbytes, self.size, self.hosts, bands)
+        banded = bands and name != select.choose(self._tuning, collective, nbytes, self.size,
+                                                 self.hosts, False)
+        if banded:
+            source = "a band (register_msccl)"
+        elif str(self.size) in self._measured.get(collective, ()):
+            source = "measured table"
+        else:
+            source = "modelled table"
+            picked = self._sim and self._sim.choose(collective, nbytes, self._candidates(
+                collective))
+            if picked:
+                name, source = picked[0], f"simulated on {self._sim.path}"
+        if log.isEnabledFor(logging.INFO):
+            key = (collective, name, max(nbytes, 1).bit_length())
+            if key not in self._logged:
+                self._logged.add(key)
+                log.info("ringcomm auto: %s of %d B on %d ranks -> %s (%s)",
+                         collective, nbytes, self.size, name, source)
         return name
+
+    def _candidates(self, collective: str) -> dict[str, Callable]:
+        """The schedule algorithms the simulator may pick among for ``collective``: every
+        registered one, but those written for another world size."""
+        return {n: b for n, b in REGISTRY[collective].items()
+                if algorithms.is_schedule(b) and getattr(b, "fixed_world_size", None)
+                in (None, self.size)}
 
     def prepare(self, lane: Lane, collective: str, layout: tuple, dtype: torch.dtype, *,
                 nbytes: int, root: int = 0, op: Any = None, name: str | None = None,
