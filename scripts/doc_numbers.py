@@ -30,8 +30,9 @@ docs/msccl.md's ``generated:msccl-run`` block comes from
 ``docs/data/msccl_2ranks.json`` (``python -m ringcomm.bench --msccl ...``), its
 ``generated:msccl-tools`` block from ``docs/data/msccl_tools.json``
 (``scripts/msccl_tools_check.py``). docs/simulator.md's ``generated:sim-*`` blocks
-come from ``ringcomm/sim/software.json`` and ``docs/data/sim_speed.json``
-(``scripts/bench_sim.py``).
+come from ``ringcomm/sim/software.json``, ``docs/data/sim_speed.json``
+(``scripts/bench_sim.py``) and ``docs/data/sim_published.json``
+(``scripts/sim_published.py``).
 Needs ringcomm importable (an installed checkout, or ``PYTHONPATH`` set to it).
 """
 from __future__ import annotations
@@ -88,6 +89,12 @@ MSCCL_TOOLS = ROOT / "docs" / "data" / "msccl_tools.json"
 #: scripts/bench_sim.py: what the simulator itself takes at 1,024 and 16,384 ranks
 SIM_SPEED = ROOT / "docs" / "data" / "sim_speed.json"
 SIM_SOFTWARE = ROOT / "ringcomm" / "sim" / "software.json"
+#: python -m ringcomm.sim on the 1,024-GPU fat tree: which algorithm wins where
+SIM_STUDY = ROOT / "docs" / "data" / "sim_fat_tree_1024.json"
+#: scripts/validate_sim.py: predicted against measured on emulated clusters
+SIM_VALIDATION = ROOT / "docs" / "data" / "sim_validation.json"
+#: scripts/sim_published.py: the simulator beside published measurements
+SIM_PUBLISHED = ROOT / "docs" / "data" / "sim_published.json"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -786,7 +793,84 @@ def simulator_blocks() -> dict:
     rows.append(f"\n(Ring allreduce of {format_size(speed['runs'][0]['bytes'])}, best of "
                 f"{speed['repeat']}, from `{_relative(SIM_SPEED)}`, measured {speed['started']} "
                 f"on {speed['cores']} cores.)")
-    return {"sim-software": software, "sim-speed": "\n".join(rows)}
+    pub = json.loads(SIM_PUBLISHED.read_text())
+    lines = ["| measurement | ranks | size | published busbw | simulated: links alone | "
+             "simulated: ringcomm's ring | links alone / published |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in pub["rows"]:
+        lines.append(f"| [{r['name']}]({r['source']}) | {r['ranks']} | "
+                     f"{format_size(r['bytes'])} | {r['published_busbw_gbps']:.1f} GB/s | "
+                     f"{r['simulated_links_busbw_gbps']:.1f} GB/s | "
+                     f"{r['simulated_ringcomm_busbw_gbps']:.1f} GB/s | "
+                     f"{r['links_over_published']:.2f}x |")
+    lines.append(f"\n(From `{_relative(SIM_PUBLISHED)}`, written by `scripts/sim_published.py` "
+                 f"{pub['started']}.)")
+    return {"sim-software": software, "sim-speed": "\n".join(rows),
+            "sim-published": "\n".join(lines),
+            "sim-study": _sim_study(json.loads(SIM_STUDY.read_text()), _relative(SIM_STUDY)),
+            "sim-validation": _sim_validation(json.loads(SIM_VALIDATION.read_text()),
+                                              _relative(SIM_VALIDATION))}
+
+
+def _sim_study(doc: dict, source: str) -> str:
+    """A ``python -m ringcomm.sim --json`` run as a table: time per size and
+    algorithm (ms), the best in bold, and what the best's time is made of."""
+    cells = {(r["algorithm"], r["nbytes"]): r for r in doc["results"]}
+    algos = list(dict.fromkeys(r["algorithm"] for r in doc["results"]))
+    sizes = sorted({r["nbytes"] for r in doc["results"]})
+    out = ["| size | " + " | ".join(f"`{a}`" for a in algos) + " | best: made of, busiest link |",
+           "|---:|" + "---:|" * len(algos) + "---|"]
+    for n in sizes:
+        done = [cells[a, n] for a in algos if cells[a, n]["seconds"] is not None]
+        best = min(done, key=lambda r: r["seconds"])
+        row = []
+        for a in algos:
+            r = cells[a, n]
+            t = "refused" if r["seconds"] is None else f"{r['seconds'] * 1e3:,.3g}"
+            row.append(f"**{t}**" if r is best else t)
+        total = sum(best["critical"].values())
+        parts = ", ".join(f"{k} {v / total:.0%}" for k, v in best["critical"].items()
+                          if v / total >= 0.005)
+        out.append(f"| {format_size(n)} | " + " | ".join(row) + f" | {parts}; "
+                   f"{best['busiest_link']} ({best['busiest_utilisation']:.0%} busy) |")
+    return ("\n".join(out) + f"\n\n(Simulated ms per call on {doc['description']}; from "
+            f"`{source}`, written by `python -m ringcomm.sim {doc['topology']} --json`.)")
+
+
+def _sim_validation(doc: dict, source: str) -> str:
+    """scripts/validate_sim.py's runs: the summary against the targets, then per
+    topology its calibration and every cell's predicted against measured time."""
+    s = doc["summary"]
+    t = s["targets"]
+    met = (s["within_20"] >= t["within_20_share"], s["max_error"] <= t["every_within"],
+           s["best_within_10"] >= 1.0)
+    out = [f"**{s['cells']} cells**: {s['within_20']:.0%} within 20% (target "
+           f"{t['within_20_share']:.0%}: {'met' if met[0] else 'MISSED'}), the worst "
+           f"{s['max_error']:.0%} off (target {t['every_within']:.0%}: "
+           f"{'met' if met[1] else 'MISSED'}), geometric mean {s['geomean_error']:.1%}; the "
+           f"predicted best algorithm measured best or within 10% of it at "
+           f"{s['best_within_10']:.0%} of the sizes (target all: "
+           f"{'met' if met[2] else 'MISSED'}).", ""]
+    for run in doc["runs"]:
+        sw = run["software"]
+        out += [f"**{run['name']}** (`{run['topology']}`: {run['ranks']} ranks on "
+                f"{run['hosts']} hosts, shaped with {run['qdisc']}; fitted: call "
+                f"{sw['call_us']} us, step {sw['step_us']} us)", "",
+                "| algorithm | size | measured | predicted | error |",
+                "|---|---:|---:|---:|---:|"]
+        for c in run["cells"]:
+            out.append(f"| `{c['algorithm']}` | {format_size(c['bytes'])} | "
+                       f"{c['measured_us'] / 1e3:,.2f} ms | {c['predicted_us'] / 1e3:,.2f} ms | "
+                       f"{c['error']:+.1%} |")
+        picks = "; ".join(f"{format_size(b['bytes'])}: predicted `{b['predicted_best']}`, "
+                          f"measured `{b['measured_best']}`"
+                          + ("" if b["predicted_best"] == b["measured_best"] else
+                             f" ({b['predicted_best_over_measured_best']:.2f}x)")
+                          for b in run["best"])
+        out += ["", f"Best per size: {picks}.", ""]
+    out.append(f"(From `{source}`, measured {doc['started']} on {doc['cores']} cores, "
+               f"written by `scripts/validate_sim.py`.)")
+    return "\n".join(out)
 
 
 def replace_blocks(text: str, blocks: dict, where: str) -> str:

@@ -50,8 +50,10 @@ class Batch:
     Locals: ``rank``, ``step``, ``kind`` (:data:`ringcomm.execution.plan.COPY` or a
     reduce), ``dst``, ``src`` (global region numbers, :attr:`World.regions`).
     Messages: ``rank`` (the sender), ``peer`` (the receiver), ``step`` and ``peer_step``,
-    ``n`` (elements), ``src`` and ``dst`` (global region numbers)."""
-    __slots__ = ("rank", "step", "kind", "dst", "src", "peer", "peer_step", "n")
+    ``n`` (elements), ``src`` and ``dst`` (global region numbers), ``msg`` and
+    ``peer_msg`` (the send's and the receive's message numbers)."""
+    __slots__ = ("rank", "step", "kind", "dst", "src", "peer", "peer_step", "n", "msg",
+                 "peer_msg")
 
     def __init__(self, **fields):
         for k in self.__slots__:
@@ -269,7 +271,7 @@ class World:
                     on_messages(Batch(rank=self.m_rank[snd], peer=self.m_rank[rcv],
                                       step=self.m_step[snd], peer_step=self.m_step[rcv],
                                       n=self.m_n[snd], src=self.m_reg[snd],
-                                      dst=self.m_reg[rcv]))
+                                      dst=self.m_reg[rcv], msg=snd, peer_msg=rcv))
                 rounds += 1
                 flow_out = np.bincount(self.m_rank[snd], self.m_n[snd], p)
                 flow_in = np.bincount(self.m_rank[rcv], self.m_n[snd], p)

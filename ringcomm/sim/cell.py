@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from ringcomm.execution import checker
-from ringcomm.schedule import ScheduleError
+from ringcomm.schedule import ScheduleError, ShapeNotServed
 from ringcomm.sim import costs as _costs
 from ringcomm.sim.layouts import layout_for
 from ringcomm.sim.engine import PARTS, OutOfTime, run, run_rounds
@@ -31,9 +31,12 @@ PROOF_RANKS = 16
 FULL_MESSAGES = 200_000
 #: and never above this many (the build alone would take minutes)
 FULL_LIMIT = 4_000_000
-#: a rotated program of more messages than this is timed round by round
-#: (:func:`ringcomm.sim.engine.run_rounds`), not event by event
-EVENT_MESSAGES = 1_000_000
+#: a program of more messages than this is timed round by round
+#: (:func:`ringcomm.sim.engine.run_rounds`), not event by event: a rotated one (whose
+#: rounds are exact where its ranks move in lockstep), and every rank's (whose rounds
+#: are an approximation where messages of different rounds overlap: below this many,
+#: the exact events cost seconds at most)
+EVENT_MESSAGES = {"rotated": 1_000_000, "full": 20_000}
 
 
 @dataclasses.dataclass
@@ -85,9 +88,19 @@ def network(topo: Topology) -> Network:
 
 
 @functools.lru_cache(maxsize=256)
-def _proof(build: Callable, collective: str, q: int, hosts: tuple, seg_small: int) -> None:
+def _proof(build: Callable, collective: str, q: int, hosts: tuple) -> None:
+    """The checker's shapes (even, uneven, empty chunks) that ``build`` serves; an
+    algorithm written for some counts only (an MSCCL file's multiples of its chunks)
+    is proven on those it takes, and refused when it takes none."""
+    not_served, proven = None, 0
     for layout, seg in checker.shapes(collective, q, 2):
-        checker.check(build, collective, q, layout, seg=seg, hosts=hosts)
+        try:
+            checker.check(build, collective, q, layout, seg=seg, hosts=hosts)
+            proven += 1
+        except ShapeNotServed as e:
+            not_served = e
+    if not proven:
+        raise not_served
 
 
 def prove(build: Callable, collective: str, topo: Topology) -> int:
@@ -99,7 +112,7 @@ def prove(build: Callable, collective: str, topo: Topology) -> int:
     """
     q = min(topo.size, PROOF_RANKS)
     hosts = tuple(topo.rank_host[:q]) if len(set(topo.rank_host[:q])) > 1 else ()
-    _proof(build, collective, q, hosts, 3)
+    _proof(build, collective, q, hosts)
     return q
 
 
@@ -136,8 +149,9 @@ def program_for(build: Callable, collective: str, topo: Topology, layout: tuple,
         raise OutOfTime(f"every rank's schedule would be about {estimate:,} messages, over "
                         f"the {FULL_LIMIT:,} the simulator builds{why}")
     world, _ = checker.world_of(build, collective, p, layout, root, seg, hosts)
-    world.run()  # the structure at the full size: matching, sizes, no deadlock
-    return FullProgram(world), "every rank's"
+    prog = FullProgram(world)
+    prog.rounds()  # the structure at the full size: matching, sizes, no deadlock
+    return prog, "every rank's"
 
 
 def simulate(collective: str, algorithm: str, build: Callable, topo: Topology, nbytes: int,
@@ -147,9 +161,9 @@ def simulate(collective: str, algorithm: str, build: Callable, topo: Topology, n
     ``topo``'s ranks, moving ``nbytes`` bytes as nccl-tests counts them.
 
     ``mode``: the program's source (:func:`program_for`); ``engine``: ``"events"``
-    (:func:`ringcomm.sim.engine.run`), ``"rounds"`` (:func:`~ringcomm.sim.engine.run_rounds`,
-    rotated programs only) or ``"auto"``: rounds for a rotated program of more than
-    :data:`EVENT_MESSAGES` messages, else events. A refusal (the checker's, or the
+    (:func:`ringcomm.sim.engine.run`), ``"rounds"`` (:func:`~ringcomm.sim.engine.run_rounds`)
+    or ``"auto"``: rounds for a program of more than :data:`EVENT_MESSAGES` messages,
+    else events. A refusal (the checker's, or the
     budget's) is returned in ``Result.refused``, never raised: a table of many
     cells goes on.
     """
@@ -162,12 +176,12 @@ def simulate(collective: str, algorithm: str, build: Callable, topo: Topology, n
         seg = max(1, segment_bytes // esize)
         prog, out.source = program_for(build, collective, topo, layout, root, seg, mode)
         net = network(topo)
-        rotated = isinstance(prog, RotatedProgram)
-        if engine == "rounds" and not rotated:
-            raise NotRotation("the rounds engine times rank 0's rotated schedule; "
-                              f"this one is {out.source}")
-        by_rounds = engine == "rounds" or (engine == "auto" and rotated and
-                                           prog.m * prog.size > EVENT_MESSAGES)
+        if isinstance(prog, RotatedProgram):
+            kind, messages = "rotated", prog.m * prog.size
+        else:
+            kind, messages = "full", len(prog.world.m_rank)
+        by_rounds = engine == "rounds" or (engine == "auto"
+                                           and messages > EVENT_MESSAGES[kind])
         out.engine = "rounds" if by_rounds else "events"
         t = (run_rounds if by_rounds else run)(prog, net, _costs.costs(topo, esize), deadline)
     except (ScheduleError, OutOfTime, NotRotation) as e:

@@ -155,29 +155,38 @@ def details(results: list[Result], sizes: list[int]) -> str:
 
 
 def plot(results: list[Result], algos: list[str], path: str, title: str) -> None:
-    """Time against size, one line per algorithm, the sizes in bytes."""
+    """Time against size, one line per algorithm (left), and each algorithm's time
+    over the best's at that size (right: the winner lies on 1), the sizes in bytes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for a in algos:
-        pts = sorted((r.nbytes, r.seconds * 1e6) for r in results
-                     if r.algorithm == a and r.seconds is not None)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=a)
+    fig, (ax, rel) = plt.subplots(1, 2, figsize=(12, 4.6))
     sizes = sorted({r.nbytes for r in results})
-    ax.set_xscale("log", base=2)
+    best = {n: min((r.seconds for r in results if r.nbytes == n and r.seconds is not None),
+                   default=None) for n in sizes}
+    for a in algos:
+        pts = sorted((r.nbytes, r.seconds) for r in results
+                     if r.algorithm == a and r.seconds is not None)
+        if not pts:
+            continue
+        line, = ax.plot([n for n, _ in pts], [t * 1e6 for _, t in pts], marker="o", label=a)
+        rel.plot([n for n, _ in pts], [t / best[n] for n, t in pts], marker="o",
+                 color=line.get_color(), label=a)
+    for axis in (ax, rel):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sizes)
+        axis.set_xticklabels([format_size(n) for n in sizes], rotation=30)
+        axis.set_xlabel("message size")
+        axis.grid(True, which="both", alpha=0.3)
     ax.set_yscale("log")
-    ax.set_xticks(sizes)
-    ax.set_xticklabels([format_size(n) for n in sizes], rotation=30)
-    ax.set_xlabel("message size")
     ax.set_ylabel("simulated time per call (us)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8, frameon=True)
+    rel.set_yscale("log")
+    rel.set_ylabel("time / the best algorithm's at that size")
+    rel.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

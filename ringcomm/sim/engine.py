@@ -273,6 +273,100 @@ class _RoundShape:
 
 
 def run_rounds(program, net: Network, costs: Costs, deadline: float | None = None) -> Timing:
+    """Time a program round by round: a :class:`~ringcomm.sim.program.RotatedProgram`
+    by :func:`_rotated_rounds`, a :class:`~ringcomm.sim.program.FullProgram` by
+    :func:`_world_rounds`.
+
+    Raises:
+        OutOfTime: past ``deadline``.
+    """
+    if hasattr(program, "rounds"):
+        return _world_rounds(program, net, costs, deadline)
+    return _rotated_rounds(program, net, costs, deadline)
+
+
+def _world_rounds(program, net: Network, costs: Costs, deadline: float | None) -> Timing:
+    """Time a :class:`~ringcomm.sim.program.FullProgram` by NCCL's rounds of its world
+    (:meth:`~ringcomm.sim.program.FullProgram.rounds`): a round's messages share the
+    links max-min fairly as if they all moved at once, whenever each starts;
+    messages of different rounds do not share. Each rank posts a slot when its
+    previous slot's last message ended, as in :func:`run`. A round costs array
+    operations over its messages: a pipelined tree of 1,024 ranks is a few hundred
+    rounds, where :func:`run` handles an event for nearly every message."""
+    began = _time.perf_counter()
+    w, p = program.world, program.size
+    cur = np.zeros(p, np.int64)  # each rank's slot
+    first = program.first
+    # each rank's post and the end of its current slot's messages so far, and the
+    # critical path to each: latency, local work, software (the rest moved bytes)
+    post = np.zeros(p)
+    done = np.zeros(p)
+    path = np.zeros((3, p))
+    done_path = np.zeros((3, p))
+    link_bytes = np.zeros(len(net.capacity))
+    nmsg = 0
+
+    def enter(ranks: np.ndarray, at: np.ndarray, carried: np.ndarray) -> None:
+        g = first[ranks] + cur[ranks]
+        local = (program.reduce_elems[g] * (costs.esize / costs.reduce_bw)
+                 + program.copy_elems[g] * (costs.esize / costs.copy_bw))
+        stepc = np.where(w.s_msg[g + 1] > w.s_msg[g], costs.step, 0.0)
+        post[ranks] = at + local + stepc
+        done[ranks] = post[ranks]
+        path[:, ranks] = carried + np.stack((np.zeros(len(ranks)), local, stepc))
+        done_path[:, ranks] = path[:, ranks]
+
+    everyone = np.arange(p)
+    enter(everyone, np.full(p, costs.call), np.array([[0.0], [0.0], [costs.call]]))
+    for k, (snd, rcv) in enumerate(program.rounds()):
+        if deadline is not None and k % 256 == 255 and _time.monotonic() > deadline:
+            raise OutOfTime(f"{k} of {len(program.rounds())} rounds timed ({nmsg:,} messages)")
+        a, b = w.m_rank[snd], w.m_rank[rcv]
+        both = np.unique(np.concatenate((a, b)))
+        need = np.concatenate((w.m_slot[snd] - first[a], w.m_slot[rcv] - first[b]))
+        want = np.zeros(p, np.int64)
+        np.maximum.at(want, np.concatenate((a, b)), need)
+        moving = both[want[both] > cur[both]]  # their slot ended in an earlier round
+        if len(moving):
+            cur[moving] += 1
+            enter(moving, done[moving], done_path[:, moving])
+        routes = net.routes(a, b)
+        hf, hl = net.hops(routes)
+        rate = max_min(hf, hl, len(routes), net.capacity)
+        nbytes = w.m_n[snd].astype(float) * costs.esize
+        np.add.at(link_bytes, hl, nbytes[hf])
+        lat = net.route_latency[routes]
+        later = np.where(post[a] >= post[b], a, b)
+        move = np.divide(nbytes, rate, out=np.zeros(len(rate)), where=nbytes > 0)
+        end = post[later] + lat + costs.message + move
+        carried = path[:, later] + np.stack((lat, np.zeros(len(lat)),
+                                             np.full(len(lat), costs.message)))
+        nmsg += len(snd)
+        # each rank's slot so far ends with the last of its messages: ascending order,
+        # so that the last write of a rank is its latest message
+        ends = np.concatenate((end, end))
+        who = np.concatenate((a, b))
+        order = np.argsort(ends, kind="stable")
+        ends, who, carried = ends[order], who[order], np.concatenate((carried, carried),
+                                                                     axis=1)[:, order]
+        later_than = ends > done[who]
+        done[who[later_than]] = ends[later_than]
+        done_path[:, who[later_than]] = carried[:, later_than]
+    # every rank's last slot: the local work after its last group
+    last = program.nslots - 1
+    moving = np.nonzero(cur < last)[0]
+    cur[moving] = last[moving]
+    enter(moving, done[moving], done_path[:, moving])
+    end = int(np.argmax(post))
+    total = float(post[end])
+    lat, local, soft = (float(x) for x in path[:, end])
+    crit = {"latency": lat, "bandwidth": max(total - lat - local - soft, 0.0), "local": local,
+            "software": soft}
+    return Timing(total, post.copy(), crit, link_bytes, len(program.rounds()), nmsg,
+                  _time.perf_counter() - began)
+
+
+def _rotated_rounds(program, net: Network, costs: Costs, deadline: float | None) -> Timing:
     """Time a :class:`~ringcomm.sim.program.RotatedProgram` round by round: round ``k``
     is every rank's slot ``k`` (in a program whose ranks are rotations of one another,
     a message joins the same slot on both ranks). A round's messages share the links

@@ -52,6 +52,18 @@ class FullProgram:
         self.copy_elems = np.bincount(l_slot[copy], n_loc[copy], nslot)
         self.partner_slot = np.where(w.partner >= 0, w.m_slot[np.maximum(w.partner, 0)]
                                      - w.first_slot[w.m_peer], -1)
+        self._rounds: list | None = None
+
+    def rounds(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """NCCL's rounds of the world, as :meth:`World.run` finds them: per round the
+        send and the receive message numbers of the messages it completes. The first
+        call runs the world: the structure at the full size (matching, sizes, no
+        deadlock), raising its refusal."""
+        if self._rounds is None:
+            out: list[tuple[np.ndarray, np.ndarray]] = []
+            self.world.run(on_messages=lambda b: out.append((b.msg, b.peer_msg)))
+            self._rounds = out
+        return self._rounds
 
     def slot_messages(self, ranks: np.ndarray, slots: np.ndarray
                       ) -> tuple[np.ndarray, np.ndarray]:
