@@ -81,7 +81,7 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # ringcomm itself, when run from a checkout
 import nshosts  # noqa: E402
 from ringcomm.sim.network import Network  # noqa: E402
-from ringcomm.sim.topology import Topology, load  # noqa: E402
+from ringcomm.sim.topology import Components, Topology, load  # noqa: E402
 
 #: at most this many hosts (as nshosts): a namespace and processes each
 MAX_HOSTS = 200
@@ -197,24 +197,15 @@ def plan(topo: Topology, prefix: str) -> Plan:
     switches = [f"{prefix}s{j}" for j in range(len(switch_nodes))]
     ns_of = {**dict(enumerate(hosts)), **dict(zip(switch_nodes, switches))}
 
-    # switches joined by cables form a segment: union-find, refusing a loop
-    parent = {s: s for s in switch_nodes}
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+    # switches joined by cables form a segment, refusing a loop
+    parts = Components(switch_nodes)
     for ln in topo.links:
-        if ln.a >= nh and ln.b >= nh:
-            ra, rb = find(ln.a), find(ln.b)
-            if ra == rb:
-                raise ValueError(
-                    f"nscluster: {topo.name}: the cable {topo.nodes[ln.a]} - "
-                    f"{topo.nodes[ln.b]} ({ln.key}) closes a loop among switches; Linux "
-                    "bridges without spanning tree would flood it, so the switches must "
-                    "form a tree")
-            parent[ra] = rb
+        if ln.a >= nh and ln.b >= nh and not parts.join(ln.a, ln.b):
+            raise ValueError(
+                f"nscluster: {topo.name}: the cable {topo.nodes[ln.a]} - "
+                f"{topo.nodes[ln.b]} ({ln.key}) closes a loop among switches; Linux "
+                "bridges without spanning tree would flood it, so the switches must "
+                "form a tree")
 
     # segments, numbered as the cables that make them come: a switch tree, or a
     # cable between two NICs
@@ -248,7 +239,7 @@ def plan(topo: Topology, prefix: str) -> Plan:
             seg = len(seg_cables)
             seg_cables.append([])
         else:
-            root = find(ln.b if ln.b >= nh else ln.a)
+            root = parts.find(ln.b if ln.b >= nh else ln.a)
             if root not in tree_segment:
                 tree_segment[root] = len(seg_cables)
                 seg_cables.append([])

@@ -287,6 +287,28 @@ def _software(spec) -> dict[str, float]:
     return out
 
 
+class Components:
+    """Which nodes cables join (union-find over node numbers)."""
+
+    def __init__(self, nodes):
+        self.parent = {x: x for x in nodes}
+
+    def find(self, x: int) -> int:
+        """The representative of ``x``'s component."""
+        parent = self.parent
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def join(self, a: int, b: int) -> bool:
+        """Join ``a``'s and ``b``'s components; False when they were one already (the
+        cable closes a loop)."""
+        ra, rb = self.find(a), self.find(b)
+        self.parent[ra] = rb
+        return ra != rb
+
+
 class _Net:
     """The nodes and cables as they are added, checked as they come."""
 
@@ -351,18 +373,12 @@ class _Net:
             if not any(self.nic(h, k) in cabled for k in range(self.nper)):
                 raise TopologyError(f"switches: host {name} is attached to no switch and "
                                     "no link")
-        parent = list(range(len(self.nodes)))
-
-        def find(x: int) -> int:
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
+        parts = Components(range(len(self.nodes)))
         for ln in self.links:
-            parent[find(ln.a)] = find(ln.b)
+            parts.join(ln.a, ln.b)
         nics = range(len(self.hosts) * self.nper)
-        root = find(0)
-        apart = [n for n in nics if find(n) != root]
+        root = parts.find(0)
+        apart = [n for n in nics if parts.find(n) != root]
         if apart:
             raise TopologyError(f"links: the network is disconnected: {self.nodes[apart[0]]} "
                                 f"cannot reach {self.nodes[0]} ({len(apart)} NICs apart)")
