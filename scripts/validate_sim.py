@@ -24,7 +24,8 @@ Per topology:
    TCP's payload share of a full frame (1448 of 1514 bytes: the shaper counts
    Ethernet, IP and TCP headers, the messages do not).
 3. **Predicted**: every (algorithm, size) cell simulated on the file with the
-   calibrated software, and its error against the measured time.
+   calibrated software, in the order of the executor that ran (ringcomm's on MPI:
+   ``order="mpi"``), and its error against the measured time.
 
 The JSON keeps every cell; ``--plot`` draws predicted against measured per
 topology. Targets (docs/simulator.md): within 20% for at least 90% of the cells
@@ -91,7 +92,8 @@ def measure(topo_path: Path, algos: str, sizes: list[int], timeout: float, out: 
 
 
 def _sim(topo: Topology, algo: str, nbytes: int) -> float:
-    r = simulate("allreduce", algo, REGISTRY["allreduce"][algo], topo, nbytes)
+    # the order of the executor that runs here: ringcomm's on MPI
+    r = simulate("allreduce", algo, REGISTRY["allreduce"][algo], topo, nbytes, order="mpi")
     if r.seconds is None:
         raise SystemExit(f"validate_sim: {algo} at {nbytes} B: {r.refused}")
     return r.seconds
@@ -151,10 +153,13 @@ def validate(topo_path: Path, algos: list[str], calib: list[int], sizes: list[in
         best.append({"bytes": n, "measured_best": m["algorithm"], "predicted_best": p["algorithm"],
                      "predicted_best_over_measured_best": round(
                          p["measured_us"] / m["measured_us"], 4)})
+    calibration = [{"algorithm": a, "bytes": n, "measured_us": round(t * 1e6, 1)}
+                   for (a, n), t in sorted(measured.items()) if n in calib]
     return {"topology": topo_path.relative_to(ROOT).as_posix() if topo_path.is_relative_to(ROOT)
             else str(topo_path), "name": topo.name, "ranks": topo.size,
             "hosts": len(topo.hosts), "qdisc": run["qdisc"], "software": software,
-            "measured_started": run["meta"]["started"], "cells": cells, "best": best}
+            "measured_started": run["meta"]["started"], "calibration": calibration,
+            "cells": cells, "best": best}
 
 
 def summary(runs: list[dict]) -> dict:
@@ -234,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{run['name']:>32} {c['algorithm']:>20} {format_size(c['bytes']):>8}: "
                   f"measured {c['measured_us'] / 1e3:9.2f} ms, predicted "
                   f"{c['predicted_us'] / 1e3:9.2f} ms ({c['error']:+.0%})", flush=True)
-    doc = {"schema": "ringcomm.validate_sim/1", "started": time.strftime(
+    doc = {"schema": "ringcomm.validate_sim/1", "order": "mpi", "started": time.strftime(
         "%Y-%m-%dT%H:%M:%S%z", time.localtime(began)), "cores": os.cpu_count(),
         "tcp_share": round(TCP_SHARE, 4), "calibration_sizes": calib, "runs": runs,
         "summary": summary(runs)}

@@ -230,6 +230,62 @@ def test_binomial_tree_broadcast_on_one_switch(p):
     assert r.seconds == pytest.approx(max(reached(x) for x in range(p)), rel=1e-6)
 
 
+# -- the point-to-point executor's order (MPI) -------------------------------------------------
+def _stream_builder(k: int, seg: int):
+    """Rank 0 sends ``k`` segments to rank 1, one a step; rank 1 receives each into a
+    scratch slot of its own and copies it into place (nothing rank 0 sends depends on
+    what it receives, and no receive overwrites what a copy still reads, so on MPI
+    every send and receive may start at once)."""
+    from ringcomm.schedule import Copy
+
+    def build(ctx):
+        b = Builder(ctx)
+        if ctx.rank == 0:
+            for i in range(k):
+                b.step(sends=[(1, Region(0, i * seg, seg))])
+        else:
+            tmp = b.scratch(k * seg)
+            for i in range(k):
+                b.step(recvs=[(0, Region(tmp, i * seg, seg))],
+                       local=[Copy(Region(0, i * seg, seg), Region(tmp, i * seg, seg))])
+        return b.build()
+    return build
+
+
+def test_mpi_order_streams_what_nccl_order_steps_through():
+    """MPI: rank 0's k sends go at once, one after another on the pair's connection;
+    rank 1 copies each while the next arrives: alpha + k T + L. NCCL: one group a
+    step, so every step pays the latency, the transfer and the copy: k (alpha + T + L)."""
+    from ringcomm.sim.cell import mpi_program
+    k, seg, alpha, bw = 6, 1 << 14, 20e-6, 125e6
+    topo = parse(cluster(hosts={"count": 2, "ranks_per_host": 1}))
+    copy_bw = 1e9
+    costs = engine.Costs(reduce_bw=1e12, copy_bw=copy_bw, esize=4)
+    big_t, local = 4 * seg / bw, 4 * seg / copy_bw
+    build = _stream_builder(k, seg)
+    mpi = engine.run(mpi_program(build, "allreduce", topo, (k * seg,), 0, 1 << 30),
+                     Network(topo), costs)
+    world, _ = checker.world_of(build, "allreduce", 2, (k * seg,))
+    nccl = engine.run(FullProgram(world), Network(topo), costs)
+    assert mpi.time == pytest.approx(alpha + k * big_t + local, rel=1e-9)
+    assert nccl.time == pytest.approx(k * (alpha + big_t + local), rel=1e-9)
+
+
+def test_what_the_mpi_order_gains_where():
+    """A ring's sends carry what the step before reduced: only its receives go early
+    (the next chunk arrives while this one is reduced), a few percent; a pipelined
+    tree's leaves send every segment ahead, a sixth and more."""
+    topo = load(ROOT / "examples" / "topologies" / "two_racks.json")
+    for n in (1 << 16, 1 << 22):
+        mpi = _sim(topo, "allreduce", "ring", n, order="mpi")
+        nccl = _sim(topo, "allreduce", "ring", n, mode="full")
+        assert mpi.source == "every rank's, in MPI's order"
+        assert 0.95 * nccl.seconds <= mpi.seconds <= nccl.seconds
+    mpi = _sim(topo, "allreduce", "tree", 16 << 20, order="mpi")
+    nccl = _sim(topo, "allreduce", "tree", 16 << 20)
+    assert mpi.seconds < 0.85 * nccl.seconds
+
+
 # -- program sources and engines ------------------------------------------------------------
 @pytest.mark.parametrize("path", ["two_racks", "two_hosts_2x2", "torus_4x4"])
 def test_rotated_ring_is_every_ranks_ring(path):

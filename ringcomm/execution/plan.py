@@ -147,7 +147,7 @@ class Plan:
         self.scratch = schedule.scratch
         regions, steps = compile_steps(schedule, self.lengths)
         self.nsteps = len(steps)
-        self._pack(regions, steps, _dependencies(regions, steps, self.lengths))
+        self._pack(regions, steps, dependencies(regions, steps, self.lengths))
         self._held: np.ndarray | None = None  # see held_receives
 
     def _pack(self, regions: list, steps: list, deps: dict) -> None:
@@ -258,7 +258,7 @@ def _split(flat: list, at: np.ndarray) -> list:
     return [tuple(flat[a[i]:a[i + 1]]) for i in range(len(a) - 1)]
 
 
-def _dependencies(regions: list, steps: list, lengths: list) -> dict:
+def dependencies(regions: list, steps: list, lengths: list) -> dict:
     """For the point-to-point executor: when each send may go out and each receive be
     posted (as a count of retired steps), and which sends must have completed before
     a receive or a step's local work overwrites their data (the lists of

@@ -14,13 +14,14 @@ import time
 from typing import Callable
 
 from ringcomm.execution import checker
-from ringcomm.schedule import ScheduleError, ShapeNotServed
+from ringcomm.execution.plan import compile_steps, dependencies
+from ringcomm.schedule import ScheduleError, ShapeNotServed, buffer_lengths
 from ringcomm.sim import costs as _costs
-from ringcomm.sim.layouts import layout_for
 from ringcomm.sim.engine import PARTS, OutOfTime, run, run_rounds
+from ringcomm.sim.layouts import layout_for
 from ringcomm.sim.network import Network
-from ringcomm.sim.program import (FullProgram, NotRotation, RotatedProgram, same_rotation,
-                                  sample_ranks, skeleton)
+from ringcomm.sim.program import (FullProgram, MpiProgram, NotRotation, RotatedProgram,
+                                  same_rotation, sample_ranks, skeleton)
 from ringcomm.sim.topology import Topology
 
 #: the contents are proven on at most this many ranks (the structure, matching and
@@ -36,7 +37,7 @@ FULL_LIMIT = 4_000_000
 #: rounds are exact where its ranks move in lockstep), and every rank's (whose rounds
 #: are an approximation where messages of different rounds overlap: below this many,
 #: the exact events cost seconds at most)
-EVENT_MESSAGES = {"rotated": 1_000_000, "full": 20_000}
+EVENT_MESSAGES = {"rotated": 1_000_000, "full": 20_000, "mpi": 1 << 62}
 
 
 @dataclasses.dataclass
@@ -117,10 +118,12 @@ def prove(build: Callable, collective: str, topo: Topology) -> int:
 
 
 def program_for(build: Callable, collective: str, topo: Topology, layout: tuple, root: int,
-                seg: int, mode: str = "auto"):
+                seg: int, mode: str = "auto", order: str = "nccl"):
     """The program to time, and how it was had (see the module docstring).
 
     ``mode``: ``"auto"``, ``"full"`` (every rank's schedule) or ``"rotated"``.
+    ``order``: ``"nccl"`` (a step's messages one group: what runs on GPUs) or
+    ``"mpi"`` (ringcomm's point-to-point executor, on CPUs: every rank's schedule).
 
     Raises:
         ScheduleError: a schedule is refused (bounds, peers, matching).
@@ -129,6 +132,9 @@ def program_for(build: Callable, collective: str, topo: Topology, layout: tuple,
     """
     p = topo.size
     hosts = topo.host_numbers()
+    if order == "mpi":
+        return mpi_program(build, collective, topo, layout, root, seg), \
+            "every rank's, in MPI's order"
     _, steps0 = checker.compiled_rank(build, collective, p, 0, layout, root, seg, hosts)
     base = skeleton(0, p, steps0)
     estimate = len(base.kind) * p
@@ -154,13 +160,43 @@ def program_for(build: Callable, collective: str, topo: Topology, layout: tuple,
     return prog, "every rank's"
 
 
+def mpi_program(build: Callable, collective: str, topo: Topology, layout: tuple, root: int,
+                seg: int) -> MpiProgram:
+    """Every rank's schedule in the point-to-point executor's order
+    (:class:`~ringcomm.sim.program.MpiProgram`), its structure checked at the full size.
+
+    Raises:
+        ScheduleError: a schedule is refused.
+        OutOfTime: it would be more than :data:`FULL_LIMIT` messages.
+    """
+    p = topo.size
+    _, steps0 = checker.compiled_rank(build, collective, p, 0, layout, root, seg,
+                                      topo.host_numbers())
+    estimate = sum(len(a) + len(b) for a, b, _ in steps0[1]) * p
+    if estimate > FULL_LIMIT:
+        raise OutOfTime(f"every rank's schedule would be about {estimate:,} messages, over "
+                        f"the {FULL_LIMIT:,} the simulator builds")
+    deps: list[dict] = []
+
+    def keep(s) -> None:
+        lengths = [*buffer_lengths(s.ctx), *s.scratch]
+        regions, steps = compile_steps(s, lengths)
+        deps.append(dependencies(regions, steps, lengths))
+    world, _ = checker.world_of(build, collective, p, layout, root, seg, topo.host_numbers(),
+                                on_built=keep)
+    world.run()  # the structure at the full size: matching, sizes, no deadlock
+    return MpiProgram(world, deps)
+
+
 def simulate(collective: str, algorithm: str, build: Callable, topo: Topology, nbytes: int,
              *, esize: int = 4, segment_bytes: int = 1 << 21, root: int = 0,
-             mode: str = "auto", engine: str = "auto", budget_s: float = 60.0) -> Result:
+             mode: str = "auto", engine: str = "auto", order: str = "nccl",
+             budget_s: float = 60.0) -> Result:
     """Simulate one call of ``algorithm`` (builder ``build``) for ``collective`` on
     ``topo``'s ranks, moving ``nbytes`` bytes as nccl-tests counts them.
 
-    ``mode``: the program's source (:func:`program_for`); ``engine``: ``"events"``
+    ``mode`` and ``order``: the program's source and order (:func:`program_for`; the
+    MPI order is timed by events only); ``engine``: ``"events"``
     (:func:`ringcomm.sim.engine.run`), ``"rounds"`` (:func:`~ringcomm.sim.engine.run_rounds`)
     or ``"auto"``: rounds for a program of more than :data:`EVENT_MESSAGES` messages,
     else events. A refusal (the checker's, or the
@@ -174,9 +210,14 @@ def simulate(collective: str, algorithm: str, build: Callable, topo: Topology, n
         out.proven = prove(build, collective, topo)
         layout = layout_for(collective, topo.size, max(int(nbytes) // esize, 0))
         seg = max(1, segment_bytes // esize)
-        prog, out.source = program_for(build, collective, topo, layout, root, seg, mode)
+        prog, out.source = program_for(build, collective, topo, layout, root, seg, mode,
+                                       order)
         net = network(topo)
-        if isinstance(prog, RotatedProgram):
+        if order == "mpi" and engine == "rounds":
+            raise NotRotation("the MPI order has no rounds: time it by events")
+        if isinstance(prog, MpiProgram):
+            kind, messages = "mpi", 0
+        elif isinstance(prog, RotatedProgram):
             kind, messages = "rotated", prog.m * prog.size
         else:
             kind, messages = "full", len(prog.world.m_rank)

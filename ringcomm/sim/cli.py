@@ -49,6 +49,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("auto", "full", "rotated"), default="auto",
                    help="every rank's schedule (full), rank 0's rotated, or auto: full "
                         "unless that is large and the ranks are alike")
+    p.add_argument("--order", choices=("nccl", "mpi"), default="nccl",
+                   help="the step order timed: nccl (a step's messages one group, as on "
+                        "GPUs) or mpi (ringcomm's executor on CPUs: sends as soon as their "
+                        "data is final, receives posted ahead; every rank's schedule, by "
+                        "events)")
     p.add_argument("--engine", choices=("auto", "events", "rounds"), default="auto",
                    help="time event by event, or round by round (rotated programs); auto: "
                         "rounds for rotated programs of over a million messages")
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in a.size_list:
             results.append(simulate(a.collective, name, build, a.topo, n, esize=esize,
                                     segment_bytes=a.segment_bytes, root=a.root, mode=a.mode,
-                                    engine=a.engine, budget_s=a.budget))
+                                    engine=a.engine, order=a.order, budget_s=a.budget))
     algos = list(a.builders)
     print(table(results, algos, a.size_list))
     print(details(results, a.size_list))
@@ -213,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'; '.join(sources)}")
     if a.json:
         doc = {"schema": SCHEMA, "topology": a.topology, "description": a.topo.describe(),
-               "collective": a.collective, "dtype": a.dtype,
+               "collective": a.collective, "dtype": a.dtype, "order": a.order,
                "segment_bytes": a.segment_bytes,
                "results": [{**dataclasses.asdict(r), "busbw_gbps": busbw(r)} for r in results]}
         with open(a.json, "w") as f:

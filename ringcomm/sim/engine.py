@@ -1,11 +1,13 @@
 """Time a program on a network: messages as flows that share each link's bandwidth
 max-min fairly, in NCCL's order of groups.
 
-The order is :class:`ringcomm.execution.world.World`'s: a rank's slots run one after
-another; entering a slot it runs the slot's local work (reductions at
-``reduce_gbps``, copies at ``copy_gbps``), pays the per-step cost, and posts the
-slot's group; a message starts when both its groups are posted, and a slot ends
-when all its messages have. A message that starts at ``s`` waits out its route's
+The order is the program's (:mod:`ringcomm.sim.program`): a rank's slots run one
+after another; entering a slot it runs the slot's local work (reductions at
+``reduce_gbps``, copies at ``copy_gbps``), pays the per-step cost, starts the
+message sides the slot starts, and leaves the slot when the sides it waits for have
+ended (in NCCL's order, :class:`~ringcomm.execution.world.World`'s, a slot starts
+and waits for its group; in MPI's, sends and receives start earlier). A message
+moves when both its sides have started, after the pair's messages before it. A message that starts at ``s`` waits out its route's
 latency (plus the per-message cost), then moves its bytes at the rate max-min
 fairness gives it among the messages moving at that moment on any link of its
 route (progressive filling: the link whose equal share is smallest fixes the rate
@@ -23,6 +25,7 @@ software costs, so that the report can say what the call's time is made of.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time as _time
 
@@ -69,6 +72,11 @@ class Timing:
     seconds: float
 
 
+#: the events engine keeps a few flags and its critical path for every message side
+#: (about 50 bytes each): at most this many
+MAX_SIDES = 20_000_000
+
+
 class OutOfTime(RuntimeError):
     """The simulation passed its deadline (the message says how far it got)."""
 
@@ -103,10 +111,20 @@ def max_min(hop_flow: np.ndarray, hop_link: np.ndarray, nflows: int,
             return rate
 
 
+def _repeats(keys: np.ndarray) -> np.ndarray:
+    """Whether each key appeared earlier in ``keys``."""
+    out = np.zeros(len(keys), bool)
+    if len(keys) > 1:
+        order = np.argsort(keys, kind="stable")
+        sk = keys[order]
+        out[order[1:]] = sk[1:] == sk[:-1]
+    return out
+
+
 class _Flows:
     """The messages started and not ended, as growable arrays."""
     FIELDS = (("src", np.int64), ("dst", np.int64), ("rem", float), ("ready", float),
-              ("route", np.int64), ("lat", float))
+              ("route", np.int64), ("lat", float), ("send", np.int64), ("recv", np.int64))
 
     def __init__(self):
         for name, t in self.FIELDS:
@@ -130,6 +148,11 @@ class _Flows:
 def run(program, net: Network, costs: Costs, deadline: float | None = None) -> Timing:
     """Time one call of ``program`` (:mod:`ringcomm.sim.program`) on ``net``.
 
+    A rank enters a slot (``program.slot_work``: its local work, then the per-step
+    cost), starts the slot's message sides (``slot_posts``), and leaves it when the
+    sides it waits for (``slot_waits``) have ended, or at once when they ended before.
+    A message moves when both its sides have started.
+
     Args:
         deadline: a ``time.monotonic()`` reading after which to give up.
     Raises:
@@ -140,51 +163,51 @@ def run(program, net: Network, costs: Costs, deadline: float | None = None) -> T
     began = _time.perf_counter()
     p = program.size
     nparts = len(PARTS)
+    if program.nsides > MAX_SIDES:
+        raise OutOfTime(f"{program.nsides:,} message sides, over the {MAX_SIDES:,} the "
+                        "events engine holds (the rounds engine times more)")
     head = np.zeros(p, np.int64)
     last = program.nslots - 1
     post = np.zeros(p)
     crit = np.zeros((p, nparts))  # the critical path to each rank's post
-    crit_end = np.zeros((p, nparts))  # ... to the end of its last message
+    crit_end = np.zeros((p, nparts))  # ... to the end of its last awaited message
     pend = np.zeros(p, np.int64)
     finish = np.full(p, np.nan)
-    entering_now = np.zeros(p, bool)
+    started = np.zeros(program.nsides, bool)
+    started_at = np.zeros(program.nsides)
+    started_crit = np.zeros((program.nsides, nparts))
+    ended = np.zeros(program.nsides, bool)
+    now_started = np.zeros(program.nsides, bool)
     flows = _Flows()
+    queued: dict[int, collections.deque] = {}  # pair -> messages behind the moving one
     route_bytes = np.zeros(0)
     counted = [0, 0]  # events, messages
 
-    def enter(ranks: np.ndarray, t: float, c: np.ndarray) -> None:
+    def start(ranks: np.ndarray) -> None:
+        """Start what ``ranks``' slots start; messages whose both sides started move."""
         nonlocal route_bytes
-        slots = head[ranks]
-        nmsg, red, cop = program.slot_work(ranks, slots)
-        local = (red * (costs.esize / costs.reduce_bw) + cop * (costs.esize / costs.copy_bw))
-        stepc = np.where(nmsg > 0, costs.step, 0.0)
-        post[ranks] = t + local + stepc
-        c = c.copy()
-        c[:, 2] += local
-        c[:, 3] += stepc
-        crit[ranks] = c
-        pend[ranks] = nmsg
-        ends = slots == last[ranks]
-        finish[ranks[ends]] = post[ranks[ends]]
-        go = ranks[~ends]
-        if not len(go):
+        ids, own = program.slot_posts(ranks, head[ranks])
+        if not len(ids):
             return
-        ids, own = program.slot_messages(go, head[go])
-        kind, peer, n, pslot = program.message(ids)
-        me = go[own]
-        entering_now[go] = True
-        keep = (head[peer] == pslot) & ((kind == SEND) | ~entering_now[peer])
-        entering_now[go] = False
+        started[ids] = True
+        started_at[ids] = post[ranks[own]]
+        started_crit[ids] = crit[ranks[own]]
+        kind, me, peer, n, partner, _ = program.sides(ids)
+        now_started[ids] = True
+        keep = (partner >= 0) & started[np.maximum(partner, 0)] & (
+            (kind == SEND) | ~now_started[np.maximum(partner, 0)])
+        now_started[ids] = False
         if not keep.any():
             return
-        kind, peer, n, me = kind[keep], peer[keep], n[keep], me[keep]
+        ids, kind, me, peer, n, partner = (x[keep] for x in (ids, kind, me, peer, n, partner))
+        send = np.where(kind == SEND, ids, partner)
+        recv = np.where(kind == SEND, partner, ids)
         src = np.where(kind == SEND, me, peer)
         dst = np.where(kind == SEND, peer, me)
-        later = np.where(post[src] >= post[dst], src, dst)
-        start = post[later]
+        later = np.where(started_at[send] >= started_at[recv], send, recv)
         routes = net.routes(src, dst)
         lat = net.route_latency[routes]
-        fc = crit[later].copy()
+        fc = started_crit[later]
         fc[:, 0] += lat
         fc[:, 3] += costs.message
         nbytes = n.astype(float) * costs.esize
@@ -192,11 +215,45 @@ def run(program, net: Network, costs: Costs, deadline: float | None = None) -> T
             route_bytes = np.concatenate((route_bytes,
                                           np.zeros(len(net.route_latency) - len(route_bytes))))
         np.add.at(route_bytes, routes, nbytes)
-        flows.add(src=src, dst=dst, rem=nbytes, ready=start + lat + costs.message,
-                  route=routes, lat=lat, crit=fc)
+        ready = started_at[later] + lat + costs.message
+        # a pair's messages follow one another (one connection, in issue order): one
+        # behind another of its pair moves when that one has ended
+        pair = src * p + dst
+        busy = np.isin(pair, flows.src * p + flows.dst) | _repeats(pair)
+        for i in np.nonzero(busy)[0].tolist():
+            queued.setdefault(int(pair[i]), collections.deque()).append(
+                dict(src=src[i:i + 1], dst=dst[i:i + 1], rem=nbytes[i:i + 1],
+                     ready=ready[i:i + 1], route=routes[i:i + 1], lat=lat[i:i + 1],
+                     crit=fc[i:i + 1], send=send[i:i + 1], recv=recv[i:i + 1]))
+        go = ~busy
+        flows.add(src=src[go], dst=dst[go], rem=nbytes[go], ready=ready[go], route=routes[go],
+                  lat=lat[go], crit=fc[go], send=send[go], recv=recv[go])
         counted[1] += len(src)
 
-    enter(np.arange(p), costs.call, np.tile([0.0, 0.0, 0.0, costs.call], (p, 1)))
+    def enter(ranks: np.ndarray, at: np.ndarray, c: np.ndarray) -> None:
+        """``ranks`` enter their slot ``head`` at times ``at`` with critical paths ``c``;
+        those with nothing left to wait for go on at once, slot after slot."""
+        while len(ranks):
+            slots = head[ranks]
+            nwork, red, cop = program.slot_work(ranks, slots)
+            local = red * (costs.esize / costs.reduce_bw) + cop * (costs.esize / costs.copy_bw)
+            stepc = np.where(nwork > 0, costs.step, 0.0)
+            post[ranks] = at + local + stepc
+            c = c.copy()
+            c[:, 2] += local
+            c[:, 3] += stepc
+            crit[ranks] = c
+            start(ranks)
+            ids, own = program.slot_waits(ranks, slots)
+            pend[ranks] = np.bincount(own[~ended[ids]], minlength=len(ranks))
+            free = pend[ranks] == 0
+            ends = free & (slots == last[ranks])
+            finish[ranks[ends]] = post[ranks[ends]]
+            ranks = ranks[free & ~ends]
+            head[ranks] += 1
+            at, c = post[ranks], crit[ranks]
+
+    enter(np.arange(p), np.full(p, costs.call), np.tile([0.0, 0.0, 0.0, costs.call], (p, 1)))
     t = 0.0
     prev_routes = None
     rate_active = None
@@ -225,19 +282,40 @@ def run(program, net: Network, costs: Costs, deadline: float | None = None) -> T
         done = active & (fin <= t + 1e-9 * max(t, 1e-9))
         if not done.any():
             continue
-        # the messages that ended: both ranks' slots have one fewer to wait for
-        src, dst = flows.src[done], flows.dst[done]
+        # the messages that ended: a rank waiting for one of their sides has one fewer
+        sides = np.concatenate((flows.send[done], flows.recv[done]))
         fc = flows.crit[done]
         fc[:, 1] += t - flows.ready[done]
+        fc = np.concatenate((fc, fc))
+        ended_pairs = (flows.src[done] * p + flows.dst[done]).tolist()
         flows.keep(~done)
-        both = np.concatenate((src, dst))
-        np.subtract.at(pend, both, 1)
-        crit_end[both] = np.concatenate((fc, fc))
-        touched = np.unique(both)
+        for key in ended_pairs:  # the next message of each pair moves now
+            line = queued.get(key)
+            if line:
+                nxt = line.popleft()
+                nxt["ready"] = np.maximum(nxt["ready"], t)
+                flows.add(**nxt)
+                if not line:
+                    del queued[key]
+        ended[sides] = True
+        _, rank, _, _, _, wait_slot = program.sides(sides)
+        waited = head[rank] == wait_slot
+        rank, fc = rank[waited], fc[waited]
+        np.subtract.at(pend, rank, 1)
+        crit_end[rank] = fc
+        touched = np.unique(rank)
         ready = touched[pend[touched] == 0]
         if len(ready):
-            head[ready] += 1
-            enter(ready, t, crit_end[ready])
+            # a rank goes on when it has posted and its last awaited message ended
+            late = post[ready] > t
+            ends = head[ready] == last[ready]
+            at = np.where(late, post[ready], t)
+            c = np.where(late[:, None], crit[ready], crit_end[ready])
+            finish[ready[ends]] = at[ends]
+            crit[ready[ends]] = c[ends]
+            go = ~ends
+            head[ready[go]] += 1
+            enter(ready[go], at[go], c[go])
     if np.isnan(finish).any():
         stuck = np.nonzero(np.isnan(finish))[0]
         raise ScheduleError(f"simulation: {len(stuck)} of {p} ranks never end (rank "

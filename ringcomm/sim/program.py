@@ -15,9 +15,14 @@ Two sources give the same arrays:
   found to be rotations of rank 0 (structure exact, sizes within
   :data:`SIZE_SLACK`).
 
-A program's message ``m`` of rank ``r`` in its slot ``s`` (slots numbered from 0 on
-every rank) has ``kind`` (:data:`SEND` or :data:`RECV`), ``peer``, ``n`` elements
-and ``partner_slot``, the peer's slot that holds the matching message.
+Both follow NCCL's order, what runs on GPUs: a slot starts its group's messages
+and waits for all of them. :class:`MpiProgram` is every rank's schedule in the
+order of ringcomm's executor on MPI, which starts messages earlier.
+
+A program is read by the engines through: ``nslots`` (per rank), ``nsides`` (message
+sides: one rank's send or receive of a message), ``slot_work(ranks, slots)``,
+``slot_posts`` and ``slot_waits`` (the sides a slot starts and waits for, and whose
+each is) and ``sides(ids)``: ``(kind, rank, peer, n, partner side, wait slot)``.
 """
 from __future__ import annotations
 
@@ -50,8 +55,6 @@ class FullProgram:
         copy = w.l_kind == COPY
         self.reduce_elems = np.bincount(l_slot[~copy], n_loc[~copy], nslot)
         self.copy_elems = np.bincount(l_slot[copy], n_loc[copy], nslot)
-        self.partner_slot = np.where(w.partner >= 0, w.m_slot[np.maximum(w.partner, 0)]
-                                     - w.first_slot[w.m_peer], -1)
         self._rounds: list | None = None
 
     def rounds(self) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -79,10 +82,110 @@ class FullProgram:
         return (self.world.s_msg[g + 1] - self.world.s_msg[g], self.reduce_elems[g],
                 self.copy_elems[g])
 
-    def message(self, ids: np.ndarray):
-        """``(kind, peer, n, partner_slot)`` of messages ``ids``."""
+    # in NCCL's order a slot posts its group's messages and waits for all of them
+    slot_posts = slot_waits = slot_messages
+
+    @property
+    def nsides(self) -> int:
+        return len(self.world.m_rank)
+
+    def sides(self, ids: np.ndarray):
+        """``(kind, rank, peer, n, partner, wait slot)`` of message sides ``ids`` (a
+        side: one rank's send or receive of a message)."""
         w = self.world
-        return w.m_kind[ids], w.m_peer[ids], w.m_n[ids], self.partner_slot[ids]
+        return (w.m_kind[ids], w.m_rank[ids], w.m_peer[ids], w.m_n[ids], w.partner[ids],
+                w.m_slot[ids] - self.first[w.m_rank[ids]])
+
+
+
+class MpiProgram:
+    """Every rank's schedule in the order ringcomm's point-to-point executor
+    (:class:`ringcomm.execution.executors.P2PProgram`, MPI and shared memory) runs it:
+    a send goes out as soon as its data is final, a receive is posted up to
+    :data:`ringcomm.execution.plan.RECV_AHEAD` ahead, and a step waits only for its
+    own receives and for the sends whose data its work overwrites
+    (:func:`ringcomm.execution.plan.dependencies`). Slot ``i`` of a rank is: step
+    ``i - 1``'s local work, then what step ``i`` starts, then what it waits for; the
+    last slot (one past the last step) waits for the sends no step waited for.
+
+    Args:
+        world: every rank's compiled steps (pairs the messages).
+        deps: per rank, :func:`~ringcomm.execution.plan.dependencies` of its steps.
+    """
+
+    exact = True
+
+    def __init__(self, world: World, deps: list[dict]):
+        self.world = w = world
+        self.size = p = w.size
+        n = len(w.m_rank)
+        post, wait = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        m_first = np.searchsorted(w.m_rank, np.arange(p + 1))
+        for r in range(p):
+            ms = np.arange(m_first[r], m_first[r + 1])
+            sends, recvs = ms[w.m_kind[ms] == SEND], ms[w.m_kind[ms] == RECV]
+            d = deps[r]
+            nsteps = int(w.steps[r])
+            s_post = np.searchsorted(np.asarray(d["send_upto"], np.int64),
+                                     np.arange(len(sends)), "right")
+            r_post = np.searchsorted(np.asarray(d["recv_upto"], np.int64),
+                                     np.arange(len(recvs)), "right")
+            s_wait = np.full(len(sends), nsteps, np.int64)  # else: the last slot
+            for i, ks in enumerate(d["step_send_waits"]):
+                for k in ks:
+                    s_wait[k] = min(s_wait[k], i)
+            for j, ks in enumerate(d["recv_waits"]):
+                for k in ks:
+                    s_wait[k] = min(s_wait[k], r_post[j])
+            post[sends], wait[sends] = s_post, np.maximum(s_wait, s_post)
+            post[recvs], wait[recvs] = r_post, w.m_step[recvs]
+        self.post_slot, self.wait_slot = post, wait
+        self.nslots = w.steps + 1
+        self.first = np.concatenate(([0], np.cumsum(self.nslots)))
+        g_post = self.first[w.m_rank] + post
+        g_wait = self.first[w.m_rank] + wait
+        total = int(self.first[-1])
+        self._posts = np.argsort(g_post, kind="stable")
+        self._post_at = np.searchsorted(g_post[self._posts], np.arange(total + 1))
+        self._waits = np.argsort(g_wait, kind="stable")
+        self._wait_at = np.searchsorted(g_wait[self._waits], np.arange(total + 1))
+        reg_n = w.regions[:, 3] - w.regions[:, 2]
+        # step i's local work comes before slot i + 1's starts
+        l_slot = self.first[w.l_rank] + w.l_step + 1
+        n_loc = reg_n[w.l_dst]
+        copy = w.l_kind == COPY
+        self.reduce_elems = np.bincount(l_slot[~copy], n_loc[~copy], total)
+        self.copy_elems = np.bincount(l_slot[copy], n_loc[copy], total)
+
+    def _slot_list(self, order, at, ranks, slots):
+        g = self.first[ranks] + slots
+        a, b = at[g], at[g + 1]
+        return order[expand_ranges(a, b)], np.repeat(np.arange(len(ranks)), b - a)
+
+    def slot_posts(self, ranks: np.ndarray, slots: np.ndarray):
+        """The message sides ``ranks`` start in slots ``slots``, and whose each is."""
+        return self._slot_list(self._posts, self._post_at, ranks, slots)
+
+    def slot_waits(self, ranks: np.ndarray, slots: np.ndarray):
+        """The message sides ``ranks`` wait for in slots ``slots``, and whose each is."""
+        return self._slot_list(self._waits, self._wait_at, ranks, slots)
+
+    def slot_work(self, ranks: np.ndarray, slots: np.ndarray):
+        """``(sides started or waited for, reduced elements, copied elements)``."""
+        g = self.first[ranks] + slots
+        return ((self._post_at[g + 1] - self._post_at[g]) + (self._wait_at[g + 1]
+                                                              - self._wait_at[g]),
+                self.reduce_elems[g], self.copy_elems[g])
+
+    @property
+    def nsides(self) -> int:
+        return len(self.world.m_rank)
+
+    def sides(self, ids: np.ndarray):
+        """As :meth:`FullProgram.sides`."""
+        w = self.world
+        return (w.m_kind[ids], w.m_rank[ids], w.m_peer[ids], w.m_n[ids], w.partner[ids],
+                self.wait_slot[ids])
 
 
 @dataclasses.dataclass
@@ -180,10 +283,18 @@ class RotatedProgram:
         return (self.start[slots + 1] - self.start[slots], self.sk.reduce_elems[slots],
                 self.sk.copy_elems[slots])
 
-    def message(self, ids: np.ndarray):
+    slot_posts = slot_waits = slot_messages
+
+    @property
+    def nsides(self) -> int:
+        return self.size * self.m
+
+    def sides(self, ids: np.ndarray):
+        """As :meth:`FullProgram.sides`."""
         r, j = np.divmod(ids, self.m)
         sk = self.sk
-        return sk.kind[j], (r + sk.offset[j]) % self.size, sk.n[j], sk.slot[self.partner[j]]
+        peer = (r + sk.offset[j]) % self.size
+        return sk.kind[j], r, peer, sk.n[j], peer * self.m + self.partner[j], sk.slot[j]
 
 
 def same_rotation(base: _Skeleton, other: _Skeleton, rank: int) -> None:
