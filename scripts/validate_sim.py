@@ -74,7 +74,7 @@ def measure(topo_path: Path, algos: str, sizes: list[int], timeout: float, out: 
     """The benchmark's JSON of ``algos`` at ``sizes`` on the emulated cluster."""
     lo, hi = min(sizes), max(sizes)
     args = ["-m", "ringcomm.bench", "-b", str(lo), "-e", str(hi), "-f", "4", "--algos", algos,
-            "--peers", "none", "-w", "1", "-n", "3", "--min-time", "0", "--rounds", "1",
+            "--peers", "none", "-w", "1", "-n", "5", "--min-time", "0", "--rounds", "1",
             "--links", "off", "--no-model", "--threads", "1", "--timeout", "300",
             "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -126,11 +126,20 @@ def calibrate(topo: Topology, measured: dict, sizes: list[int]) -> dict:
 
 
 def validate(topo_path: Path, algos: list[str], calib: list[int], sizes: list[int],
-             timeout: float, tmp: Path) -> dict:
+             timeout: float, tmp: Path, earlier: dict | None = None) -> dict:
+    """One topology: measured (or ``earlier``'s measurements of it), calibrated,
+    predicted."""
     topo = load(topo_path)
-    run = measure(topo_path, ",".join(algos), calib + sizes, timeout, tmp / "bench.json")
-    measured = {(r["column"], r["size"]): r["time_us"] * 1e-6 for r in run["results"]
-                if r["status"] == "ok" and r["column"] in algos}
+    if earlier is None:
+        run = measure(topo_path, ",".join(algos), calib + sizes, timeout, tmp / "bench.json")
+        qdisc, started = run["qdisc"], run["meta"]["started"]
+        measured = {(r["column"], r["size"]): r["time_us"] * 1e-6 for r in run["results"]
+                    if r["status"] == "ok" and r["column"] in algos}
+    else:
+        qdisc, started = earlier["qdisc"], earlier["measured_started"]
+        measured = {(c["algorithm"], c["bytes"]): c["measured_us"] * 1e-6
+                    for c in earlier["calibration"] + earlier["cells"]
+                    if c["algorithm"] in algos}
     software = calibrate(topo, measured, calib)
     model = emulated(topo, software)
     cells = []
@@ -157,8 +166,8 @@ def validate(topo_path: Path, algos: list[str], calib: list[int], sizes: list[in
                    for (a, n), t in sorted(measured.items()) if n in calib]
     return {"topology": topo_path.relative_to(ROOT).as_posix() if topo_path.is_relative_to(ROOT)
             else str(topo_path), "name": topo.name, "ranks": topo.size,
-            "hosts": len(topo.hosts), "qdisc": run["qdisc"], "software": software,
-            "measured_started": run["meta"]["started"], "calibration": calibration,
+            "hosts": len(topo.hosts), "qdisc": qdisc, "software": software,
+            "measured_started": started, "calibration": calibration,
             "cells": cells, "best": best}
 
 
@@ -218,8 +227,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per topology's run")
     ap.add_argument("--json", help="write every cell here")
     ap.add_argument("--plot", metavar="OUT.png")
+    ap.add_argument("--measured", metavar="JSON",
+                    help="take the measurements from this earlier run's JSON (calibrate and "
+                         "predict again, after a change to the simulator; no root needed)")
     a = ap.parse_args(argv)
-    why = nshosts.unavailable()
+    earlier = {}
+    if a.measured:
+        old = json.loads(Path(a.measured).read_text())
+        earlier = {r["topology"]: r for r in old["runs"]}
+        missing = [r["topology"] for r in old["runs"] if "calibration" not in r]
+        if missing:
+            ap.error(f"--measured {a.measured}: no calibration cells for {missing} (a run "
+                     "before they were kept)")
+    why = None if a.measured else nshosts.unavailable()
     if why:
         print(f"validate_sim: {why}", file=sys.stderr)
         return 2
@@ -232,8 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     began = time.time()
     for path in a.topologies:
+        key = path.resolve().relative_to(ROOT).as_posix() if path.resolve().is_relative_to(
+            ROOT) else str(path)
+        if a.measured and key not in earlier:
+            ap.error(f"--measured {a.measured} has no run of {key}")
         with tempfile.TemporaryDirectory() as tmp:
-            run = validate(path.resolve(), algos, calib, sizes, a.timeout, Path(tmp))
+            run = validate(path.resolve(), algos, calib, sizes, a.timeout, Path(tmp),
+                           earlier.get(key))
         runs.append(run)
         for c in run["cells"]:
             print(f"{run['name']:>32} {c['algorithm']:>20} {format_size(c['bytes']):>8}: "

@@ -282,3 +282,37 @@ def test_the_command_line_prints_the_plan_without_root():
     assert r.returncode == 0, r.stderr
     assert "6 hosts in a ring: 6 hosts, 0 switches, 6 cables" in r.stdout
     assert "node0: 10.214.2.4/32 via 10.214.0.2 dev eth0" in r.stdout
+
+
+def test_validation_predicts_again_from_earlier_measurements(tmp_path):
+    """scripts/validate_sim.py --measured: an earlier run's measurements calibrated
+    and predicted again (no root): the software is fitted on the calibration cells
+    alone, and a cell measured at what the fitted model predicts has no error."""
+    import validate_sim
+    from ringcomm.sim import simulate
+    from ringcomm.algorithms import REGISTRY
+
+    topo = load(TOPOLOGIES / "one_switch.json")
+    truth = validate_sim.emulated(topo, {"call_us": 300.0, "step_us": 50.0})
+
+    def t(algo, n):
+        return simulate("allreduce", algo, REGISTRY["allreduce"][algo], truth, n,
+                        order="mpi").seconds * 1e6
+    run = {"topology": "examples/topologies/one_switch.json", "qdisc": "htb+bfifo",
+           "measured_started": "then",
+           "calibration": [{"algorithm": a, "bytes": n, "measured_us": t(a, n)}
+                           for a in ("ring", "tree") for n in (4096, 16384)],
+           "cells": [{"algorithm": a, "bytes": n, "measured_us": t(a, n)}
+                     for a in ("ring", "tree") for n in (65536, 1 << 20)]}
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"runs": [run]}))
+    out = tmp_path / "again.json"
+    assert validate_sim.main(["examples/topologies/one_switch.json", "--algos", "ring,tree",
+                              "--sizes", "64K,1M", "--measured", str(earlier),
+                              "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    fitted = doc["runs"][0]["software"]
+    assert fitted["call_us"] == pytest.approx(300.0, abs=1) and \
+        fitted["step_us"] == pytest.approx(50.0, abs=1)
+    assert doc["summary"]["cells"] == 4 and doc["summary"]["max_error"] < 0.01
+    assert doc["summary"]["best_within_10"] == 1.0
