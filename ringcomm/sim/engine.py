@@ -124,7 +124,7 @@ def _repeats(keys: np.ndarray) -> np.ndarray:
 class _Flows:
     """The messages started and not ended, as growable arrays."""
     FIELDS = (("src", np.int64), ("dst", np.int64), ("rem", float), ("ready", float),
-              ("route", np.int64), ("lat", float), ("send", np.int64), ("recv", np.int64))
+              ("route", np.int64), ("send", np.int64), ("recv", np.int64))
 
     def __init__(self):
         for name, t in self.FIELDS:
@@ -223,11 +223,11 @@ def run(program, net: Network, costs: Costs, deadline: float | None = None) -> T
         for i in np.nonzero(busy)[0].tolist():
             queued.setdefault(int(pair[i]), collections.deque()).append(
                 dict(src=src[i:i + 1], dst=dst[i:i + 1], rem=nbytes[i:i + 1],
-                     ready=ready[i:i + 1], route=routes[i:i + 1], lat=lat[i:i + 1],
-                     crit=fc[i:i + 1], send=send[i:i + 1], recv=recv[i:i + 1]))
+                     ready=ready[i:i + 1], route=routes[i:i + 1], crit=fc[i:i + 1],
+                     send=send[i:i + 1], recv=recv[i:i + 1]))
         go = ~busy
         flows.add(src=src[go], dst=dst[go], rem=nbytes[go], ready=ready[go], route=routes[go],
-                  lat=lat[go], crit=fc[go], send=send[go], recv=recv[go])
+                  crit=fc[go], send=send[go], recv=recv[go])
         counted[1] += len(src)
 
     def enter(ranks: np.ndarray, at: np.ndarray, c: np.ndarray) -> None:

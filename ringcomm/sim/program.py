@@ -41,7 +41,6 @@ SIZE_SLACK = 0.01
 class FullProgram:
     """Every rank's slots from a :class:`World` (built, not run)."""
 
-    exact = True
 
     def __init__(self, world: World):
         self.world = w = world
@@ -113,7 +112,6 @@ class MpiProgram:
         deps: per rank, :func:`~ringcomm.execution.plan.dependencies` of its steps.
     """
 
-    exact = True
 
     def __init__(self, world: World, deps: list[dict]):
         self.world = w = world
@@ -235,15 +233,12 @@ class NotRotation(ValueError):
 class RotatedProgram:
     """Every rank as rank 0's :class:`_Skeleton` rotated."""
 
-    exact = False
 
     def __init__(self, size: int, sk: _Skeleton):
         self.size = p = size
         self.sk = sk
         self.nslots = np.full(p, sk.nslots, np.int64)
-        self.m = m = len(sk.kind)
-        order = np.lexsort((np.arange(m), sk.slot))  # slot order (it is already)
-        assert np.all(order == np.arange(m))
+        self.m = len(sk.kind)
         self.start = np.searchsorted(sk.slot, np.arange(sk.nslots + 1), "left")
         self.partner = self._pair()
 
