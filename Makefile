@@ -82,6 +82,10 @@ test-parallel: install
 # and their outputs checked (tests/test_bench*.py; about a minute and a half)
 test-bench: install
 	$(call pytest,-m bench)
+	# the project's own speed targets, checked on the committed 2-rank run (a user's
+	# run prints no verdicts)
+	$(PY) -m ringcomm.bench --model-from docs/data/compare_2ranks.json \
+	    --targets ringcomm/bench/targets.json --no-model
 
 # PyTorch Lightning, HF Accelerate and transformers training on ringcomm under
 # torchrun, DeepSpeed's ZeRO under torchrun, its own launcher and mpiexec against

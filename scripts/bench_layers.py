@@ -23,10 +23,14 @@ import sys
 import time
 import timeit
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import ringcomm
+from ringcomm.bench.cli import parse_gap
+from ringcomm.bench.report import gap_text
+from ringcomm.bench.timing import make_gap
 from ringcomm.front import reductions
 from ringcomm.trace import flight
 
@@ -45,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time DeepSpeed's shared-memory allreduce op (same ranks)")
     ap.add_argument("--flight", action="store_true",
                     help="a last row: dist.all_reduce with the flight recorder on")
+    ap.add_argument("--gap", type=parse_gap, default=None, metavar="US|busy:US|compute[:N]",
+                    help="before each call an MPI barrier and this pause (as ringcomm.bench's "
+                         "--gap), each call timed alone and the median kept")
     ap.add_argument("--json", help="write the results here (rank 0)")
     a = ap.parse_args(argv)
     dist.init_process_group("ringcomm")
@@ -97,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
 
     peers = [("MPI's own Allreduce (mpi4py)", lambda: comm.Allreduce(MPI.IN_PLACE, t.numpy()))]
     if a.deepspeed:
-        from ringcomm.bench.columns import deepspeed_allreduce
+        from ringcomm.bench.columns import deepspeed_allreduce, release_deepspeed_segment
 
         ds, ds_t = deepspeed_allreduce(p), torch.ones(n)
+        world.Barrier()  # every rank mapped every segment: none needs the names any more
+        release_deepspeed_segment(rank)
         peers.append(("DeepSpeed's shared-memory allreduce (its op, no dispatch)",
                       lambda: ds(ds_t)))
     layers = [
@@ -131,21 +140,46 @@ def main(argv: list[str] | None = None) -> int:
     # rounds visit every layer in turn, so a slow spell of the machine touches them
     # all alike instead of the layers timed during it
     best = [float("inf")] * len(layers)
+    gap = make_gap(a.gap)
+
+    late = [float("inf")] * len(layers)
+
+    def after_gaps(i: int, fn) -> float:
+        """The median of ``a.calls`` calls, each after a barrier and the gap; and
+        (into ``late[i]``) the median from the last rank's start of a call to this
+        rank's end of it (the ranks share one clock on one host), which leaves out
+        how far apart the gap left them."""
+        t0s, t1s = [], []
+        for _ in range(a.calls):
+            world.Barrier()
+            gap()
+            t0s.append(time.perf_counter())
+            fn()
+            t1s.append(time.perf_counter())
+        starts = np.max(world.allgather(np.array(t0s)), axis=0)
+        late[i] = min(late[i], float(np.median(np.array(t1s) - starts)) * 1e6)
+        return float(np.median(np.array(t1s) - np.array(t0s))) * 1e6
+
     for _ in range(a.rounds):
         for i, (_, fn) in enumerate(layers):
             world.Barrier()
             recording(i, True)
-            best[i] = min(best[i], timeit.timeit(fn, number=a.calls) / a.calls * 1e6)
+            best[i] = min(best[i], after_gaps(i, fn) if gap else
+                          timeit.timeit(fn, number=a.calls) / a.calls * 1e6)
             recording(i, False)
     rows = [(name, max(world.allgather(us))) for (name, _), us in zip(layers, best)]
+    lates = [max(world.allgather(us)) for us in late]
     if rank == 0:
-        print(f"| {a.bytes} B allreduce, {a.algo}, 2 ranks | time per call | added |")
-        print("|---|---:|---:|")
+        how = f", after {gap_text(a.gap)}" if a.gap else ""
+        last = " from the last rank's start |" if a.gap else ""
+        print(f"| {a.bytes} B allreduce, {a.algo}, 2 ranks{how} | time per call | added |{last}")
+        print("|---|---:|---:|" + ("---:|" if a.gap else ""))
         prev = None
         for i, (name, us) in enumerate(rows):
             # the rows after the peers each add one layer to the row before
             added = f"{us - prev:+.1f} us" if prev is not None and i > len(peers) else ""
-            print(f"| {name} | {us:.1f} us | {added} |")
+            after = f" {lates[i]:.1f} us |" if a.gap else ""
+            print(f"| {name} | {us:.1f} us | {added} |{after}")
             prev = us
         if a.flight:
             print(f"flight recorder: {rows[-1][1] / rows[-2][1] - 1:+.1%} of dist.all_reduce's "
@@ -155,8 +189,11 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"schema": "ringcomm.bench_layers/1",
                            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                            "bytes": a.bytes, "algorithm": a.algo, "world_size": p,
+                           "gap": a.gap,
                            "peers": [name for name, _ in peers],
-                           "rows": [{"layer": k, "time_us": v} for k, v in rows]}, f, indent=1)
+                           "rows": [{"layer": k, "time_us": v,
+                                     **({"from_last_start_us": w} if a.gap else {})}
+                                    for (k, v), w in zip(rows, lates)]}, f, indent=1)
     for q in by_hand:
         q.Free()
     carrier.free(list(through.handles))

@@ -193,7 +193,7 @@ def analyse(docs: list[dict], args: argparse.Namespace, out: Callable[[str], Non
     analysis: dict = {}
     results = docs[-1]["results"]
     p = int(docs[-1]["meta"]["world_size"])
-    if not args.model_from and args.targets:  # one run's side-by-side numbers
+    if args.targets:  # one run's side-by-side numbers (the last file's, offline)
         text, recs = check_targets(results, p, load_targets(args.targets))
         if text:
             out(text)

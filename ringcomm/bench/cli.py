@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Sequence
 
 import torch.distributed as dist
@@ -35,6 +36,9 @@ from ringcomm.launch.launchers import MPI_LAUNCHER_VARS
 #: the program name in usage and error messages when run as the script
 PROG = "compare_collectives.py"
 DEFAULT_ALGOS = "ring,tree,auto"
+#: the peers of a CPU run unless --peers names others: the quick ones (DeepSpeed's
+#: column builds its op on first use, so it runs when asked for by name)
+DEFAULT_PEERS = ("mpi", "gloo", "floor")
 
 
 def _env_rank() -> int:
@@ -120,6 +124,12 @@ def _size_flags(g: argparse._ArgumentGroup) -> None:
                    help="a barrier (MPI's, not timed) before each timed call, as the OSU "
                         "benchmarks do: each call then pays its own start-up, which calls "
                         "back to back overlap")
+    g.add_argument("--gap", type=parse_gap, default=None, metavar="US|busy:US|compute[:N]",
+                   help="before each timed call, an untimed MPI barrier and then a pause, as "
+                        "a training loop's compute puts one before each collective: US "
+                        "microseconds asleep; busy:US, as long in a busy loop (the core "
+                        "stays awake); or compute, an NxN fp32 matmul on the caller's "
+                        f"thread (N {GAP_MATMUL} unless given as compute:N)")
 
 
 def _what_flags(g: argparse._ArgumentGroup) -> None:
@@ -148,7 +158,8 @@ def _what_flags(g: argparse._ArgumentGroup) -> None:
                         "dispatch into a do-nothing process group + mpi's time; needs mpi), "
                         "deepspeed (allreduce: DeepSpeed's shared-memory inference_all_reduce "
                         "with DS_ACCELERATOR=cpu; its op is built on first use); "
-                        "'none' for none (default: all with --device cpu, nccl with cuda)")
+                        "'none' for none (default: " + ",".join(DEFAULT_PEERS) + " with --device "
+                        "cpu, nccl with cuda; deepspeed only when named)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where ringcomm's algorithms run: CPU tensors over MPI, or CUDA "
                         "tensors over NCCL (one GPU per rank, or one shared GPU with "
@@ -201,13 +212,48 @@ def _output_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--predict-sizes", default="4K,1M,64M",
                    help="message sizes shown in the predictions")
     g.add_argument("--no-model", action="store_true", help="skip the cost-model fit")
-    g.add_argument("--targets", metavar="JSON", default=DEFAULT_TARGETS,
-                   help="speed targets to check (see ringcomm/bench/targets.json); 'none' for none")
+    g.add_argument("--targets", metavar="JSON", default="none",
+                   help="speed targets to check after the run (or, with --model-from, on the "
+                        "last file's results); the project's own are "
+                        f"{Path(DEFAULT_TARGETS).relative_to(Path(DEFAULT_TARGETS).parents[2])}, "
+                        "which make test-bench checks on the committed runs")
     g.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="progress on rank 0's stderr (auto: when it is a terminal)")
     g.add_argument("--model-from", nargs="+", metavar="JSON",
                    help="no run: fit the cost model (and --write-tuning) from saved --json "
                         "results, possibly of several world sizes")
+
+
+#: the matmul of ``--gap compute`` (N of an NxN fp32 product)
+GAP_MATMUL = 256
+
+
+def parse_gap(text: str) -> dict:
+    """``--gap``: ``{"sleep_us": US}``, ``{"busy_us": US}`` or ``{"matmul": N}``.
+
+    Raises:
+        argparse.ArgumentTypeError: neither a number of at least 0, busy:US, nor
+            compute[:N] with N of at least 1.
+    """
+    t = text.strip().lower()
+    kind, _, value = t.partition(":")
+    if kind == "compute":
+        n = value or str(GAP_MATMUL)
+        if not n.isdigit() or int(n) < 1:
+            raise argparse.ArgumentTypeError(
+                f"--gap {text!r}: compute:N takes a whole N of at least 1 (the matmul's size)")
+        return {"matmul": int(n)}
+    key, number = ("busy_us", value) if kind == "busy" else ("sleep_us", t)
+    try:
+        us = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--gap {text!r}: give microseconds (a number of at least 0), busy:US or "
+            "compute[:N]") from None
+    if not 0 <= us < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"--gap {text!r}: the pause must be a finite number of microseconds of at least 0")
+    return {key: us}
 
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.Namespace:
@@ -255,7 +301,7 @@ def _parse_lists(a: argparse.Namespace) -> None:
         if name not in a.algo_list and "all" not in a.algo_list:
             a.algo_list.append(name)
     if a.peers is None:
-        a.peers = "nccl" if a.device == "cuda" else ",".join(PEER_NAMES)
+        a.peers = "nccl" if a.device == "cuda" else ",".join(DEFAULT_PEERS)
     if a.peers.strip().lower() in ("", "none"):
         a.peer_list = []
     else:

@@ -92,7 +92,11 @@ def host_id_per_rank() -> None:
 def cuda_missing(local_size: int) -> str | None:
     """Why CUDA columns cannot run here with ``local_size`` ranks on this node (None: they can)."""
     if not torch.cuda.is_available():
-        return "no CUDA device"
+        if torch.version.cuda is None:
+            return f"no CUDA: torch {torch.__version__} is built without it"
+        return (f"no CUDA device (torch {torch.__version__} is built for CUDA "
+                f"{torch.version.cuda}, but torch.cuda.is_available() is False: no GPU or "
+                "no driver)")
     if torch.cuda.device_count() < local_size and not gpu_sharing():
         return (f"{local_size} ranks per node share {torch.cuda.device_count()} GPU(s); "
                 "NCCL needs one GPU per rank (or NCCL_MULTI_RANK_GPU_ENABLE=1 with "
@@ -210,6 +214,21 @@ def deepspeed_allreduce(p: int) -> Callable[[torch.Tensor], Any]:
         raise RuntimeError("DeepSpeed's shared-memory op did not build here (it "
                            "falls back to torch's all_reduce)")
     return fn
+
+
+def deepspeed_segment(rank: int) -> str:
+    """The shared-memory file DeepSpeed's op made for ``rank`` (its shm.cpp names it by
+    user, ``MASTER_ADDR``, ``MASTER_PORT`` and rank) and never removes."""
+    return (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_"
+            f"{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def release_deepspeed_segment(rank: int) -> None:
+    """Remove this rank's DeepSpeed segment from ``/dev/shm`` once every rank has
+    mapped every other's (the mappings live on until the processes end), so that a
+    run leaves nothing behind, even one that fails later."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(deepspeed_segment(rank))
 
 
 #: the dtypes DeepSpeed's shared-memory allreduce reduces

@@ -51,6 +51,9 @@ def header_text(meta: dict, columns: list[Column], args: argparse.Namespace) -> 
         *([f"# concurrent: {a.concurrent} collectives in flight per timed call (each on its "
             "own buffers); time = all of them, algbw and busbw aggregate"]
           if a.concurrent > 1 else []),
+        *(["# before each timed call: an MPI barrier (untimed)"
+           + (f", then {gap_text(a.gap)} (untimed)" if a.gap else "")]
+          if a.barrier_each or a.gap else []),
         "# load average at start: " + " ".join(f"{x:.2f}"
                                                for x in (meta["load_average"]["start"] or [])),
         "# columns: " + "; ".join(f"{c.name} = {c.describe()}" for c in runs),
@@ -58,6 +61,16 @@ def header_text(meta: dict, columns: list[Column], args: argparse.Namespace) -> 
     if skipped:
         lines.append("# skipped: " + "; ".join(skipped))
     return "\n".join(lines)
+
+
+def gap_text(gap: dict) -> str:
+    """What ``--gap`` pauses with, in words."""
+    if "matmul" in gap:
+        n = gap["matmul"]
+        return f"a {n}x{n} fp32 matmul"
+    if "busy_us" in gap:
+        return f"a {gap['busy_us']:g} us busy wait"
+    return f"a {gap['sleep_us']:g} us sleep"
 
 
 def _width(c: Column, pick_width: int) -> int:
@@ -186,40 +199,67 @@ def write_markdown(path: str, doc: dict) -> None:
         f.write(markdown_tables(doc))
 
 
+#: what the plot's caption says of a peer column, where one ran
+_CAPTIONS = {
+    "floor": "floor: dist.all_reduce into a do-nothing process group plus MPI's own "
+             "allreduce, the least a collective written in Python can take",
+    "deepspeed": "deepspeed: DeepSpeed's shared-memory allreduce op, called without "
+                 "torch's dispatch",
+    "mpi": "mpi: the MPI library's own collective",
+}
+
+
 def plot(path: str, doc: dict) -> None:
-    """busbw vs size and latency vs size, one panel pair per (collective, dtype, op)."""
+    """busbw vs size and time vs size, one panel pair per (collective, dtype, op); one
+    legend below the panels (it covers no line) and a caption saying how the calls
+    were timed and what the peers are."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = doc["results"]
+    results, meta = doc["results"], doc["meta"]
     keys = group_keys(results)
-    columns = [c["name"] for c in doc["meta"]["columns"] if not c["skipped"]]
-    fig, axes = plt.subplots(len(keys), 2, figsize=(12, 4.2 * len(keys)), squeeze=False)
-    p = doc["meta"]["world_size"]
+    columns = [c["name"] for c in meta["columns"] if not c["skipped"]]
+    columns_drawn = [c for c in columns if any(ok_points(results, *k, c) for k in keys)]
+    notes_h = 0.17 * (1 + sum(1 for n in _CAPTIONS if n in columns_drawn)) + 0.05
+    legend_h = 0.25 * -(-len(columns_drawn) // 8)
+    bottom = notes_h + legend_h + 0.15  # inches below the panels: legend, then caption
+    height = 4.2 * len(keys) + 0.3 + bottom
+    fig, axes = plt.subplots(len(keys), 2, figsize=(12, height), squeeze=False)
+    p = meta["world_size"]
+    drawn: dict[str, object] = {}
     for (coll, dt, op), (ax_bw, ax_t) in zip(keys, axes):
+        sizes = []
         for c in columns:
             pts = ok_points(results, coll, dt, op, c)
             if not pts:
                 continue
             x = [r["size"] for r in pts]
+            sizes += x
             # the column's own look (by name), the same in every panel and figure
             style = dict(markersize=4, linewidth=1.5, **styles.style(c))
-            ax_bw.plot(x, [r["busbw"] for r in pts], label=c, **style)
+            drawn[c], = ax_bw.plot(x, [r["busbw"] for r in pts], label=c, **style)
             ax_t.plot(x, [r["time_us"] for r in pts], label=c, **style)
         title = f"{coll} {dt}" + (f" {op}" if op != "none" else "") + f", {p} ranks"
         for ax, ylab in ((ax_bw, "bus bandwidth (GB/s)"), (ax_t, "time per call (us)")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("message size (bytes)")
+            styles.size_axis(ax, sizes)
             ax.set_ylabel(ylab)
             ax.set_title(title)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend()
         ax_t.set_yscale("log")
-    fig.suptitle(f"compare_collectives: {doc['meta']['device']['cpu']}, "
-                 f"{doc['meta']['started']}", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (4.2 * len(keys))))
+    timing = meta.get("timing", {})
+    how = ("each call after " + gap_text(timing["gap"]) if timing.get("gap") else
+           "each call after an MPI barrier" if timing.get("barrier_each") else
+           "calls back to back")
+    notes = [f"time: max over ranks of each rank's median, {how}"]
+    notes += [text for name, text in _CAPTIONS.items() if name in drawn]
+    fig.suptitle(f"compare_collectives: {meta['device']['cpu']}, {meta['started']}", fontsize=9)
+    fig.legend(list(drawn.values()), list(drawn), loc="lower center",
+               ncol=max(1, min(len(drawn), 8)), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, notes_h / height))
+    fig.text(0.5, 0.02 / height, "\n".join(notes), ha="center", va="bottom", fontsize=8)
+    fig.tight_layout(rect=(0, (bottom + 0.1) / height, 1, 1 - 0.3 / height))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -103,6 +103,14 @@ class Session:
         if self.ctrl.allgather(mine) != [mine] * self.p:
             raise RuntimeError("compare_collectives: ranks disagree on the columns to run "
                                "(different CUDA/gloo availability?)")
+        if all(c.skipped for c in cols):
+            # an empty table that exits 0 reads as a run; say what is missing instead
+            by_reason: dict[str, list[str]] = {}
+            for c in cols:
+                by_reason.setdefault(c.skipped, []).append(c.name)
+            why = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())
+            flag = "--device cuda" if self.args.device == "cuda" else "--algos/--peers"
+            raise SystemExit(self.fail(f"{flag}: no column can run here ({why})"))
         if nccl_needed(cols):
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
         return cols
@@ -139,6 +147,8 @@ class Session:
                        "concurrent": a.concurrent,
                        # a barrier before each timed call (OSU's method)
                        "barrier_each": a.barrier_each,
+                       # --gap: a barrier, then this pause, before each timed call
+                       "gap": a.gap,
                        "min_time_s": a.min_time, "max_iters": a.max_iters,
                        "statistic": "max over ranks of the per-rank median"},
             "load_average": {"start": self.load_start, "end": load_end},

@@ -1,6 +1,7 @@
 """One look (colour, marker, line style) per implementation, shared by every plot
 the benchmark tools draw: :func:`ringcomm.bench.report.plot` (compare_collectives)
-and :func:`ddp.bench.plots.plot` (bench_ddp).
+and :func:`ddp.bench.plots.plot` (bench_ddp); and one axis of message sizes
+(:func:`size_axis`), labelled in bytes, for every plot against size.
 
 A name always gets the same look, in every panel and every figure, whatever else a
 panel shows: the look comes from the name alone, never from a column's position.
@@ -19,6 +20,11 @@ panel shows: the look comes from the name alone, never from a column's position.
 from __future__ import annotations
 
 import zlib
+
+from ringcomm.bench.sizes import format_size
+
+#: at most this many labelled sizes on a size axis
+MAX_SIZE_TICKS = 10
 
 #: ringcomm's algorithms and DDP: name -> (colour, marker), drawn solid
 ALGORITHMS: dict[str, tuple[str, str]] = {
@@ -84,3 +90,15 @@ def style(name: str) -> dict[str, str]:
     return dict(color=colours[h % len(colours)],
                 marker=SPARE_MARKERS[(h // len(colours)) % len(SPARE_MARKERS)],
                 linestyle="--" if peer else "-")
+
+
+def size_axis(ax, sizes) -> None:
+    """A log-2 x axis of message sizes on ``ax``, ticks at the measured ``sizes``
+    (every k-th, at most :data:`MAX_SIZE_TICKS`) labelled in B, KiB, MiB, GiB."""
+    sizes = sorted(set(sizes))
+    ax.set_xscale("log", base=2)
+    if sizes:
+        ticks = sizes[::-(-len(sizes) // MAX_SIZE_TICKS)]
+        ax.set_xticks(ticks, [format_size(n) for n in ticks], rotation=30)
+        ax.minorticks_off()
+    ax.set_xlabel("message size")

@@ -24,7 +24,8 @@ import ringcomm
 from ringcomm import ops
 from ringcomm.bench import cost_model
 from ringcomm.bench.check import check
-from ringcomm.bench.columns import TORCH_PG_METHOD, Column, buffers, static_unsupported, torch_dtype
+from ringcomm.bench.columns import (TORCH_PG_METHOD, Column, buffers, release_deepspeed_segment,
+                                    static_unsupported, torch_dtype)
 from ringcomm.bench.report import header_text, table_footer, table_heading, table_row
 from ringcomm.bench.results import SCHEMA, Point
 from ringcomm.bench.session import Session, loadavg
@@ -116,6 +117,9 @@ class Bench:
                 self._unsupported[key] = err
                 return Point(col.name, "unsupported", reason=err)
             return Point(col.name, "error", reason=err)
+        if first and col.kind == "deepspeed":
+            # every rank has made its segment and mapped its peers' (agreed above)
+            release_deepspeed_segment(self.s.rank)
         self._ran.add(key)
         return call, sync, wrong
 
@@ -146,10 +150,13 @@ class Bench:
         clock = time.perf_counter
         barrier = self.s.ctrl.barrier
         barrier()
-        each = self.args.barrier_each
+        gap = make_gap(self.args.gap)
+        each = self.args.barrier_each or gap is not None
         for k in range(n):
             if each:
                 barrier()
+            if gap is not None:
+                gap()
             t0 = clock()
             call()
             sync()
@@ -321,6 +328,27 @@ class Bench:
     def document(self) -> dict:
         """Everything this run measured, in the JSON schema (``SCHEMA``)."""
         return {"schema": SCHEMA, "meta": self.meta(), "results": self.results}
+
+
+def make_gap(spec: dict | None) -> Callable[[], None] | None:
+    """The pause ``--gap`` puts before each timed call (None: none): a sleep, a busy
+    wait, or a matmul on buffers made here, once."""
+    if spec is None:
+        return None
+    if "matmul" in spec:
+        n = spec["matmul"]
+        a, b, out = torch.rand(n, n), torch.rand(n, n), torch.empty(n, n)
+        return lambda: torch.mm(a, b, out=out)
+    if "busy_us" in spec:
+        seconds, clock = spec["busy_us"] * 1e-6, time.perf_counter
+
+        def busy() -> None:
+            end = clock() + seconds
+            while clock() < end:
+                pass
+        return busy
+    seconds = spec["sleep_us"] * 1e-6
+    return lambda: time.sleep(seconds)
 
 
 def floor_point(null: Point, mpi: Point | None, coll: str, size: int, p: int) -> Point:

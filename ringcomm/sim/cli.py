@@ -20,6 +20,7 @@ import time
 
 from ringcomm.bench.sizes import (BUSBW_FACTOR, DTYPE_ALIASES, ELEMENT_SIZE, format_size,
                                   message_sizes, parse_size)
+from ringcomm.bench.styles import size_axis
 from ringcomm.sim.cell import Result, simulate
 from ringcomm.sim.layouts import SIZED
 from ringcomm.sim.topology import TopologyError, load
@@ -179,10 +180,7 @@ def plot(results: list[Result], algos: list[str], path: str, title: str) -> None
         rel.plot([n for n, _ in pts], [t / best[n] for n, t in pts], marker="o",
                  color=line.get_color(), label=a)
     for axis in (ax, rel):
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(sizes)
-        axis.set_xticklabels([format_size(n) for n in sizes], rotation=30)
-        axis.set_xlabel("message size")
+        size_axis(axis, sizes)
         axis.grid(True, which="both", alpha=0.3)
     ax.set_yscale("log")
     ax.set_ylabel("simulated time per call (us)")
