@@ -86,6 +86,8 @@ test-bench: install
 	# run prints no verdicts)
 	$(PY) -m ringcomm.bench --model-from docs/data/compare_2ranks.json \
 	    --targets ringcomm/bench/targets.json --no-model
+	$(PY) -m ringcomm.bench --model-from docs/data/pause_2ranks_gap100.json \
+	    --targets ringcomm/bench/targets_pause.json --no-model
 
 # PyTorch Lightning, HF Accelerate and transformers training on ringcomm under
 # torchrun, DeepSpeed's ZeRO under torchrun, its own launcher and mpiexec against

@@ -13,7 +13,12 @@ on (:mod:`ringcomm.trace.flight`): what recording each call costs.
 ``--algo`` picks the algorithm (default recursive doubling: one exchange and
 one add at 2 ranks). ``--deepspeed`` adds a row before ringcomm's: DeepSpeed's
 shared-memory allreduce op called directly (no ProcessGroup dispatch), where
-DeepSpeed is installed and its CPU op builds.
+DeepSpeed is installed and its CPU op builds; ``--dispatch`` one of torch's
+dispatch alone, ``dist.all_reduce`` into a process group that does nothing.
+``--gap`` puts a barrier and a pause (``ringcomm.bench``'s ``--gap``) before
+each call and times each alone: the median, and the median from the last rank's
+start of the call (one clock on one host), which leaves out how far apart the
+pause left the ranks.
 """
 from __future__ import annotations
 
@@ -29,11 +34,15 @@ import torch.distributed as dist
 
 import ringcomm
 from ringcomm.bench.cli import parse_gap
+from ringcomm.bench.columns import register_null_backend
 from ringcomm.bench.report import gap_text
 from ringcomm.bench.timing import make_gap
 from ringcomm.front import reductions
 from ringcomm.trace import flight
 
+#: the row of --dispatch: no collective (no peer to wait for), so it has no time
+#: "from the last rank's start"
+DISPATCH = "torch's dispatch alone (dist.all_reduce into a do-nothing group)"
 #: the flight recorder's size in the last row (torch's default)
 FLIGHT_ENTRIES = 2000
 
@@ -47,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds over all layers; each layer's best round is kept")
     ap.add_argument("--deepspeed", action="store_true",
                     help="also time DeepSpeed's shared-memory allreduce op (same ranks)")
+    ap.add_argument("--dispatch", action="store_true",
+                    help="also time torch's dispatch alone: dist.all_reduce into a process "
+                         "group that does nothing (the floor column's first part)")
     ap.add_argument("--flight", action="store_true",
                     help="a last row: dist.all_reduce with the flight recorder on")
     ap.add_argument("--gap", type=parse_gap, default=None, metavar="US|busy:US|compute[:N]",
@@ -103,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         tp.end()
 
     peers = [("MPI's own Allreduce (mpi4py)", lambda: comm.Allreduce(MPI.IN_PLACE, t.numpy()))]
+    if a.dispatch:
+        null = dist.new_group(backend=register_null_backend())
+        peers.append((DISPATCH, lambda: dist.all_reduce(t, group=null)))
     if a.deepspeed:
         from ringcomm.bench.columns import deepspeed_allreduce, release_deepspeed_segment
 
@@ -178,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, (name, us) in enumerate(rows):
             # the rows after the peers each add one layer to the row before
             added = f"{us - prev:+.1f} us" if prev is not None and i > len(peers) else ""
-            after = f" {lates[i]:.1f} us |" if a.gap else ""
+            after = ("" if not a.gap else " |" if name == DISPATCH else f" {lates[i]:.1f} us |")
             print(f"| {name} | {us:.1f} us | {added} |{after}")
             prev = us
         if a.flight:
@@ -192,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                            "gap": a.gap,
                            "peers": [name for name, _ in peers],
                            "rows": [{"layer": k, "time_us": v,
-                                     **({"from_last_start_us": w} if a.gap else {})}
+                                     **({"from_last_start_us": w}
+                                        if a.gap and k != DISPATCH else {})}
                                     for (k, v), w in zip(rows, lates)]}, f, indent=1)
     for q in by_hand:
         q.Free()

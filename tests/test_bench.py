@@ -596,14 +596,33 @@ def test_a_gap_before_each_call_is_recorded_said_and_plotted(tmp_path):
     assert Path(png).stat().st_size > 0
 
 
-def test_the_project_targets_are_checked_on_a_committed_run(capsys):
-    """What make test-bench prints: every shipped target's verdict on the committed
+@pytest.mark.parametrize("run,targets", [
+    ("compare_2ranks.json", DEFAULT_TARGETS),
+    ("pause_2ranks_gap100.json", str(Path(DEFAULT_TARGETS).with_name("targets_pause.json")))])
+def test_the_project_targets_are_checked_on_a_committed_run(run, targets, capsys):
+    """What make test-bench prints: every shipped target's verdict on its committed
     2-rank run (a verdict, met or missed, for each; not measured only where the run
     lacks the columns)."""
     from ringcomm.bench.cli import main
-    committed = str(ROOT / "docs" / "data" / "compare_2ranks.json")
-    assert main(["--model-from", committed, "--targets", DEFAULT_TARGETS, "--no-model"]) == 0
+    committed = str(ROOT / "docs" / "data" / run)
+    assert main(["--model-from", committed, "--targets", targets, "--no-model"]) == 0
     text = capsys.readouterr().out
-    for t in load_targets(DEFAULT_TARGETS):
+    for t in load_targets(targets):
         line = next(x for x in text.splitlines() if x.lstrip("# ").startswith(t["name"] + " ("))
         assert line.endswith((" MET", " MISSED", " NOT MEASURED")), line
+
+
+def test_bench_layers_after_a_pause_times_each_call_alone_beside_torchs_dispatch(tmp_path):
+    """scripts/bench_layers.py --gap --dispatch, as the committed layers_pause_* runs
+    were made: the gap is recorded, every collective row has its time from the last
+    rank's start, torch's dispatch alone (no collective) has none."""
+    out = tmp_path / "layers.json"
+    mpirun(2, str(ROOT / "scripts" / "bench_layers.py"), "--calls", "20", "--rounds", "1",
+           "--dispatch", "--gap", "busy:50", "--json", str(out), timeout=300)
+    doc = json.loads(out.read_text())
+    assert doc["gap"] == {"busy_us": 50.0}
+    rows = {r["layer"]: r for r in doc["rows"]}
+    dispatch = next(r for name, r in rows.items() if name.startswith("torch's dispatch alone"))
+    assert "from_last_start_us" not in dispatch and dispatch["time_us"] > 0
+    others = [r for r in doc["rows"] if r is not dispatch]
+    assert others and all(r["time_us"] > 0 and "from_last_start_us" in r for r in others)

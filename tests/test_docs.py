@@ -53,7 +53,7 @@ def test_stale_benchmarks_doc_is_detected(tmp_path, run_doc_numbers):
     # every generated block of docs/benchmarks.md, each with a made-up number in it
     names = ("example", "shipped-targets", "run", "tables", "targets", "model", "layers",
              "concurrent", "cuda-path", "one-host", "one-host-others", "layers-shm",
-             "auto-at-scale")
+             "auto-at-scale", "pause", "pause-targets", "layers-pause")
     doc = tmp_path / "benchmarks.md"
     doc.write_text("".join(f"x\n<!-- generated:{n} begin -->\n| 4 KiB | 1 us |\n"
                            f"<!-- generated:{n} end -->\n" for n in names))
@@ -72,6 +72,9 @@ def test_stale_benchmarks_doc_is_detected(tmp_path, run_doc_numbers):
     assert "auto / DeepSpeed SHM" in text                        # the one-host ratios
     assert "| collective | size | shm_direct | best schedule | MPI |" in text  # the others
     assert "| above the program: dispatch and per-call Python |" in text  # shm_direct's layers
+    assert "| what the pause adds to a call |" in text              # the pause runs
+    assert "after a 100 us pause, 4 KiB: auto <= 2x DeepSpeed" in text  # their targets
+    assert "| after a 100 us sleep | added |" in text                # the layers after it
     assert "| 16,384 | rd | rd |" in text                             # auto at scale
     assert readme.read_text() == (ROOT / "README.md").read_text()  # current: not rewritten
     assert run_doc_numbers(*cmd, "--check")[0] == 0
