@@ -47,6 +47,8 @@ class Bench:
         self.results: list[dict] = []
         self.gamma: dict[str, float] = {}
         self.load_end: list[float] | None = None
+        #: --gap's pause before each timed call (None: none), made once for the run
+        self.gap = make_gap(self.args.gap)
 
     # -- agreeing across ranks -------------------------------------------------
     def _agree(self, err: str | None) -> str | None:
@@ -150,7 +152,7 @@ class Bench:
         clock = time.perf_counter
         barrier = self.s.ctrl.barrier
         barrier()
-        gap = make_gap(self.args.gap)
+        gap = self.gap
         each = self.args.barrier_each or gap is not None
         for k in range(n):
             if each:
@@ -332,7 +334,7 @@ class Bench:
 
 def make_gap(spec: dict | None) -> Callable[[], None] | None:
     """The pause ``--gap`` puts before each timed call (None: none): a sleep, a busy
-    wait, or a matmul on buffers made here, once."""
+    wait, or a matmul on buffers made here (make it once, call it every time)."""
     if spec is None:
         return None
     if "matmul" in spec:
