@@ -120,7 +120,8 @@ SETTINGS: tuple[Setting, ...] = (
             "`allreduce=tree,broadcast=ring`; unlisted ones use `auto`",
             option="algorithms"),
     Setting("RINGCOMM_TRANSPORT", "name", "mpi",
-            "the transport of CPU tensors: `mpi`, or the name of one given to "
+            "the transport of CPU tensors: `mpi`, `tcp` (sockets, no MPI: "
+            "`ringcomm.transport.tcp`), or the name of one given to "
             "`ringcomm.register_transport` (docs/architecture.md, \"Writing a transport\")",
             option="transport"),
     Setting("RINGCOMM_SEGMENT_BYTES", "int", 2 * 1024 * 1024,
@@ -142,7 +143,8 @@ SETTINGS: tuple[Setting, ...] = (
             minimum=0),
     Setting("RINGCOMM_SHM", "bool", True,
             "ranks of a group on one host exchange messages through shared memory "
-            "(`ringcomm.transport.shm`); off: over MPI", option="shared_memory"),
+            "(`ringcomm.transport.shm`, under the `mpi` transport); off: over MPI",
+            option="shared_memory"),
     Setting("RINGCOMM_SHM_DIR", "path", "/dev/shm",
             "directory (a tmpfs) where shared-memory segments are made; each is unlinked "
             "as soon as every rank mapped it"),
@@ -244,7 +246,7 @@ class Options:
         shared_memory: whether ranks of the group on one host exchange messages
             through shared memory (False: every message over MPI); off on every rank
             where it is off on any.
-        transport: the transport of CPU tensors (``"mpi"``, or a name given to
+        transport: the transport of CPU tensors (``"mpi"``, ``"tcp"``, or a name given to
             :func:`ringcomm.register_transport`); every rank of a group names the same.
     """
 

@@ -225,6 +225,25 @@ def test_torchrun_launch_with_concurrent_collectives_on_channels(tmp_path):
                if r["collective"] == "allreduce")
 
 
+def test_a_torchrun_run_on_the_tcp_transport_skips_only_what_needs_mpi(tmp_path):
+    """Under torchrun on the tcp transport no MPI world exists: the mpi and floor
+    columns are skipped with that reason, ringcomm's algorithms and gloo run and are
+    checked (-c), and the untimed exchanges go over gloo."""
+    out = str(tmp_path / "t.json")
+    proc = torchrun(2, SCRIPT, "-b", "1K", "-e", "64K", "-f", "64", "-n", "2", "-w", "0",
+                    "--min-time", "0", "--rounds", "1", "-c", "--algos", "ring,auto",
+                    "--peers", "mpi,gloo,floor", "--no-model", "--barrier-each",
+                    "--json", out, env={"RINGCOMM_TRANSPORT": "tcp"}, timeout=120)
+    assert "wrong values in total: 0 OK" in proc.stdout
+    doc = json.loads(Path(out).read_text())
+    status = {(r["column"], r["size"]): r["status"] for r in doc["results"]}
+    for size in (1024, 65536):
+        assert [status[c, size] for c in ("ring", "auto", "gloo")] == ["ok"] * 3, status
+    skipped = [r for r in doc["results"] if r["column"] in ("mpi", "floor")]
+    assert skipped and all(r["status"] != "ok" for r in skipped), skipped
+    assert "the group's transport is tcp" in proc.stdout + proc.stderr
+
+
 def test_python_m_ringcomm_bench_help_is_the_scripts_help():
     def help_of(*cmd):
         proc = subprocess.run([sys.executable, *cmd, "--help"], cwd=ROOT, capture_output=True,

@@ -1,6 +1,8 @@
 """The transport contract as a user meets it (docs/architecture.md, "Writing a
-transport"): the template, examples/store_transport.py, runs every collective of a
-torchrun world against a single-process oracle without MPI; a transport's own
+transport"): the template, examples/store_transport.py, and ringcomm's own tcp
+transport run every collective of a torchrun world against a single-process
+oracle without MPI (tcp also the rest of torch.distributed against gloo, and a
+rank that ends is named by every rank at once); a transport's own
 collective, declared with ``register_transport_collective``, runs where its
 transport is and is refused by name elsewhere; bad names and mismatched ranks get
 errors that say what was wrong."""
@@ -24,9 +26,10 @@ from ringcomm.testing.local import LocalFabric, LocalTransport
 from ringcomm.transport.shm import direct as shm_direct
 from ringcomm.transport.base import ALONE
 
-from conftest import torchrun
+from conftest import assert_checks, torchrun
 
 STORE = {"RINGCOMM_TRANSPORT": "store"}
+TCP = {"RINGCOMM_TRANSPORT": "tcp"}
 
 
 def test_the_template_transport_runs_every_collective_without_mpi():
@@ -37,9 +40,38 @@ def test_the_template_transport_runs_every_collective_without_mpi():
     assert all(int(n) > 100 for n in passed.values()), passed
 
 
+def test_the_tcp_transport_runs_every_collective_without_mpi():
+    out = torchrun(3, "transport_check.py", "collectives", env=TCP, timeout=240).stdout
+    passed = dict(re.findall(r"rank (\d): (\d+) checks passed over the tcp transport", out))
+    assert sorted(passed) == ["0", "1", "2"], out
+    assert all(int(n) > 100 for n in passed.values()), passed
+
+
+@pytest.mark.wide  # 16 s; every collective on tcp: make test
+def test_the_rest_of_torch_distributed_on_tcp_matches_gloo():
+    """send/recv (tags, any source, batch_isend_irecv rings), gather, scatter,
+    all_to_all, object and coalesced collectives and bad input, against gloo, on 4
+    ranks of the tcp transport."""
+    out = torchrun(4, "more_collectives_check.py", env=TCP, timeout=240).stdout
+    assert_checks(out, "more_collectives_check torchrun tcp n=4", 4)
+
+
+def test_a_rank_that_ends_on_tcp_is_named_by_every_rank_at_once():
+    """Rank 1's process ends while the others wait in an allreduce with it: rank 2
+    sees its connection close and says so to the group; rank 0, which waits for
+    rank 2, learns that rank 1 left (not that rank 2 did), each long before the
+    60 s timeout."""
+    out = torchrun(3, "transport_check.py", "dies", env=TCP, timeout=120).stdout
+    lines = re.findall(r"rank (\d): failed naming rank 1 after ([\d.]+) s: (.*)", out)
+    assert sorted(r for r, _, _ in lines) == ["0", "2"], out
+    assert all(float(s) < 30 for _, s, _ in lines), lines
+    assert all("rank 1: its connection closed" in text for _, _, text in lines), lines
+
+
 @pytest.mark.wide  # 14 s; the MPI transport's missing ranks: make test
-def test_a_rank_missing_on_the_template_transport_is_named_by_the_others():
-    out = torchrun(3, "transport_check.py", "stalled", env=STORE, timeout=120).stdout
+@pytest.mark.parametrize("env", [STORE, {"RINGCOMM_TRANSPORT": "tcp"}], ids=["store", "tcp"])
+def test_a_rank_missing_on_a_transport_without_mpi_is_named_by_the_others(env):
+    out = torchrun(3, "transport_check.py", "stalled", env=env, timeout=120).stdout
     assert out.count("timed out naming rank 1") == 2, out
 
 

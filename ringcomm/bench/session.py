@@ -63,7 +63,17 @@ class Session:
         self.no_mpi = mpi_missing()
         self.rank, self.p = dist.get_rank(), dist.get_world_size()
         self.pg = ringcomm.get_group()
-        self.comm = mpi_comm(self.p) if self.no_mpi is None else None
+        self.comm = None
+        if self.no_mpi is None:
+            try:
+                self.comm = mpi_comm(self.p)
+            except RuntimeError:
+                transport = self.pg._options.transport
+                if transport == "mpi":
+                    raise
+                # torchrun with a transport of no MPI: the MPI columns cannot run
+                self.no_mpi = (f"no MPI world spans the ranks (the group's transport is "
+                               f"{transport}; launch with mpiexec for the mpi columns)")
         self.ctrl = Control(self.comm, self.p)
         self.hosts = self.ctrl.allgather(socket.gethostname())
         self.local_size = self.hosts.count(self.hosts[self.rank])

@@ -291,6 +291,16 @@ def _transports(setup: GroupSetup, MPITransport: type) -> tuple[list, tuple]:
 TRANSPORTS["mpi"] = _mpi_transports
 
 
+def _tcp_transports(setup: GroupSetup) -> tuple[list, tuple]:
+    """The ``"tcp"`` transport: sockets, no MPI (:mod:`ringcomm.transport.tcp`)."""
+    from ringcomm.transport import tcp
+
+    return tcp.connect(setup)
+
+
+TRANSPORTS["tcp"] = _tcp_transports
+
+
 def register() -> None:
     """Register the ``"ringcomm"`` backend with torch (again: nothing happens).
 

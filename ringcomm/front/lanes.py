@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from ringcomm.mismatch import CollectiveMismatch
 from ringcomm.trace import flight
-from ringcomm.transport import Link, Transport, TransportAborted, TransportPeerFailed
+from ringcomm.transport import (Link, Transport, TransportAborted, TransportPeerFailed,
+                                TransportPeerLost)
 
 #: how many reports (a mismatch, a rank that left) the group's store holds: a long wait
 #: reads this one counter, and the reports only once it is not zero
@@ -305,8 +306,10 @@ class Lanes:
             return  # this rank's own shutdown or abort, or the process's end
         if report and self._store is not None and not self._heard:
             cause, mismatch = err, None
-            while cause is not None and not isinstance(
-                    cause, (TransportPeerFailed, TransportAborted)):  # heard from a peer
+            # heard from a peer, unless this rank saw the peer end (it tells the others)
+            while cause is not None and (not isinstance(
+                    cause, (TransportPeerFailed, TransportAborted))
+                    or isinstance(cause, TransportPeerLost)):
                 if isinstance(cause, CollectiveMismatch):
                     mismatch = cause
                 cause = cause.__cause__

@@ -96,6 +96,13 @@ class TransportPeerFailed(RuntimeError):
     where the group's ranks meet, the store) while this rank waited."""
 
 
+class TransportPeerLost(TransportPeerFailed):
+    """A peer's process or connection was seen to end while this rank waited for it,
+    and nothing said why: found here, so the group's front reports it to the other
+    ranks (a rank that waits for this one then names the rank that left, not this
+    one)."""
+
+
 class Handle:
     """One message of a prepared schedule (a persistent request), or a user's send or
     receive. ``buf`` keeps its memory alive where the handle owns that duty (user

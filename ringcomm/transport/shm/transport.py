@@ -12,7 +12,7 @@ import torch
 
 from ringcomm import mpi_serial, ops, settings
 from ringcomm.transport.base import (Handle, Signs, Transport, TransportAborted,
-                                     TransportMismatch, TransportPeerFailed)
+                                     TransportMismatch, TransportPeerFailed, TransportPeerLost)
 from ringcomm.transport.shm.direct import COLLECTIVES, direct_program, peers_ahead
 from ringcomm.transport.shm.fifo import Batch, Msg, Pair, consume, pull, push
 from ringcomm.transport.shm.liveness import Idle, alive
@@ -336,8 +336,10 @@ class ShmTransport(Transport):
             # how it left, if it said so (its last messages cannot come now)
             said = (self.peer_failure((peer,), gone=True) if self.peer_failure is not None
                     else None)
-            raise TransportPeerFailed(said or f"rank {peer} (pid {pid}) on host {self.host} "
-                                      f"exited while rank {self.rank} waited for it {how}")
+            if said is not None:
+                raise TransportPeerFailed(said)
+            raise TransportPeerLost(f"rank {peer} (pid {pid}) on host {self.host} exited "
+                                    f"while rank {self.rank} waited for it {how}")
 
     def failure_of(self, peer: int) -> str | None:
         """What ``peer`` wrote into its segment when it stopped, if it did."""

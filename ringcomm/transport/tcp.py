@@ -1,0 +1,666 @@
+"""TCP transport for CPU tensors: a group's messages over sockets, without MPI.
+
+Chosen with ``RINGCOMM_TRANSPORT=tcp`` or ``Options(transport="tcp")`` on every
+rank. Nothing but torch and the standard library: a torchrun job needs no MPI
+library, and each message is one stream of bytes on its own connection, so a
+full-duplex network carries both directions of an exchange at full rate.
+
+* **Set-up.** The ranks meet once in the group's store to learn whether they span
+  hosts and which interface leads to the others (:func:`ringcomm.launch.network.compare_hosts`,
+  which also names it for the gloo and NCCL groups a job makes beside this one).
+  Each channel of each rank listens on one port of that interface's address
+  (``RINGCOMM_IFACE``'s when set; toward ``MASTER_ADDR`` on one host) and
+  publishes ``address, port, token`` in the store. Nothing else happens until a
+  message moves.
+* **Connections.** A rank opens a connection to a peer the first time it sends to
+  it and sends the peer's token and its own rank first; the peer accepts it in its
+  next wait and refuses a token not its own (another group, another job). A
+  connection carries one direction: rank a's messages to b travel on the one a
+  opened, b's to a on the one b opened. A ring holds two connections a rank, not
+  p - 1.
+* **Messages.** A 16-byte header (stream, tag, length) and the payload, written
+  straight from the tensor's memory and read straight into the receive's buffer
+  when that receive is posted (else into a buffer of its own, copied when the
+  receive is started). Messages between a pair with one tag match in the order
+  they were started, as TCP keeps them. Users' messages (``dist.send``) travel on
+  the same connections as stream 1, never matched with a schedule's.
+* **Progress.** Every wait moves every pending message, sent or received, so a
+  large send never waits for its receiver to be in the same call. A wait blocks in
+  ``epoll`` (at most :data:`POLL_S` at a time, so an interrupt ends it within
+  milliseconds), never spinning a core another rank needs.
+* **Failures.** A receive whose sender's connection closed fails at once, naming
+  the rank; a receive that got another size than its buffer's fails naming both;
+  a peer whose first unreceived message has another tag for
+  :data:`ringcomm.transport.base.MISMATCH_S` runs another call.
+
+Ranks on one host talk over loopback (no shared memory: that needs MPI's
+windows), and the transport has no collectives of its own: ``native`` and
+``shm_direct`` are refused by name.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import os
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+
+from ringcomm.transport.base import (Handle, Signs, Transport, TransportAborted,
+                                     TransportMismatch, TransportPeerFailed, TransportPeerLost,
+                                     TransportTimeout)
+
+_monotonic = time.monotonic
+
+#: the longest one blocking poll lasts (an interrupt, a deadline or a peer's report
+#: is seen within it)
+POLL_S = 0.005
+#: how often a long wait looks for signs of a failed or mismatched peer
+PROBE_S = 0.1
+#: how long a receive from a peer that never connected waits after this rank's
+#: connection to it ended (its own may still be on its way)
+LOST_GRACE_S = 1.0
+_CLOSED = "its connection closed (its process ended or its group was shut down)"
+#: stream, tag, length
+_HEADER = struct.Struct("<BxxxIQ")
+#: the connecting rank's first bytes: the token the accepting rank published, and
+#: the connecting rank
+_HELLO = struct.Struct("<16sI")
+#: streams: a schedule's messages, users' messages
+COLLECTIVE, USER = 0, 1
+_ANY = -1
+
+
+def _memory(buf: torch.Tensor) -> memoryview:
+    """``buf``'s bytes, writable, without a copy (the caller keeps ``buf`` alive)."""
+    if not buf.is_cpu:
+        raise ValueError(f"ringcomm tcp transport: tensor on {buf.device}; only CPU tensors")
+    if not buf.is_contiguous():
+        raise ValueError("ringcomm tcp transport: buffers must be contiguous")
+    n = buf.nbytes
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_ubyte * n).from_address(buf.data_ptr())).cast("B")
+
+
+class _Early:
+    """A message that arrived before its receive was started: its bytes, and the
+    receive that takes it if one is started before the last byte arrives."""
+
+    __slots__ = ("data", "got", "taker", "seq")
+
+    def __init__(self, nbytes: int, seq: int):
+        self.data = bytearray(nbytes)
+        self.got = 0
+        self.taker: Handle | None = None
+        self.seq = seq
+
+
+class _Out:
+    """The connection this rank opened to one peer, and the sends queued on it."""
+
+    __slots__ = ("sock", "queue", "pos", "header", "writing")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.writing = False  # polled for room to write
+        self.queue: collections.deque = collections.deque()
+        self.pos = 0  # bytes of the first queued message (header included) written
+        self.header = b""
+
+
+class _In:
+    """A peer's connection to this rank, and the message being read from it."""
+
+    __slots__ = ("sock", "peer", "header", "hgot", "target", "got", "length", "into")
+
+    def __init__(self, sock: socket.socket, peer: int):
+        self.sock, self.peer = sock, peer
+        self.header = bytearray(_HEADER.size)
+        self.hgot = 0
+        self.target: memoryview | None = None  # None: reading a header
+        self.got = 0
+        self.length = 0
+        self.into: Any = None  # the Handle or _Early the payload completes
+
+
+class TcpTransport(Transport):
+    """Rank ``rank`` of ``size`` over TCP; ``peers(rank) -> (address, port, token)``
+    finds where a peer listens (read from the group's store when first needed).
+
+    A handle's ``req`` is ``(stream, memory)``; its ``status`` is ``None`` while it
+    is active, and the number of bytes moved once complete.
+    """
+
+    def __init__(self, rank: int, size: int, listener: socket.socket, token: bytes,
+                 peers, connect_s: float):
+        super().__init__(rank, size, torch.device("cpu"))
+        self._listener, self._token, self._peers = listener, token, peers
+        self._connect_s = connect_s
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(listener, selectors.EVENT_READ, None)
+        self._lock = threading.RLock()
+        self._out: dict[int, _Out] = {}
+        self._hello: dict[socket.socket, bytearray] = {}  # accepted, rank not yet read
+        self._in: dict[int, _In] = {}
+        self._posted: dict[tuple, collections.deque] = {}
+        self._early: dict[tuple, collections.deque] = {}
+        self._seq = 0
+        # peer -> (how, when) its connection to this rank, or this rank's to it, ended
+        self._closed_in: dict[int, tuple[str, float]] = {}
+        self._closed: dict[int, tuple[str, float]] = {}
+        self._user: set[Handle] = set()
+        self._signs = Signs()
+        self._waiting: Sequence[Handle] = ()
+
+    # -- a schedule's messages -------------------------------------------------------
+    def send_init(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
+        return Handle((COLLECTIVE, _memory(buf)), buf, peer, "send", 0, tag)
+
+    def recv_init(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
+        return Handle((COLLECTIVE, _memory(buf)), buf, peer, "recv", buf.nbytes, tag)
+
+    def start(self, batch: Sequence[Handle]) -> None:
+        with self._lock:
+            for h in batch:
+                self._start(h)
+            self._flush_all()
+
+    def _start(self, h: Handle) -> None:
+        h.status = None
+        stream = h.req[0]
+        if h.kind == "recv":
+            self._post(h, stream)
+        elif h.peer == self.rank:
+            self._arrived(stream, self.rank, h.tag, h.req[1], copy=True)
+            h.status = h.nbytes
+        else:
+            self._conn(h.peer).queue.append(h)
+
+    def wait(self, batch: Sequence[Handle]) -> None:
+        self._waiting = batch
+        self._signs.clear()
+        if not self._until(lambda: all(h.status is not None for h in batch), self._deadline,
+                           batch):
+            raise TransportTimeout(self.timeout_message(
+                [h for h in batch if h.status is None]))
+        for h in batch:
+            if h.kind == "recv" and h.status != h.nbytes:
+                raise RuntimeError(f"received {h.status} bytes from rank {h.peer} where "
+                                   f"{h.nbytes} were expected: ranks passed different sizes "
+                                   "to this collective")
+
+    def waiting_for(self) -> str | None:
+        pending = [h for h in self._waiting if h.status is None]
+        return self.timeout_message(pending) if pending else None
+
+    def abandon(self, handles: Sequence[Handle], keep=None) -> None:
+        super().end()
+        with self._lock:
+            for h in handles:
+                if h.status is not None:
+                    continue
+                if keep is not None:
+                    h.buf = keep  # a message being read may still land in the caller's memory
+                self._unpost(h)
+
+    # -- users' messages (dist.send / dist.recv) ----------------------------------------
+    def p2p_isend(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
+        self._check_tag(tag)
+        h = Handle((USER, _memory(buf)), buf, peer, "send", 0, tag)
+        with self._lock:
+            self._user.add(h)
+            self._start(h)
+            self._flush_all()
+        return h
+
+    def p2p_irecv(self, buf: torch.Tensor, peer: int | None, tag: int) -> Handle:
+        self._check_tag(tag)
+        h = Handle((USER, _memory(buf)), buf, _ANY if peer is None else peer, "recv",
+                   buf.nbytes, tag)
+        with self._lock:
+            self._user.add(h)
+            self._start(h)
+        return h
+
+    def p2p_wait(self, handle: Handle, deadline: float) -> bool:
+        if not self._until(lambda: handle.status is not None, deadline, (handle,)):
+            return False
+        return self._user_done(handle)
+
+    def p2p_done(self, handle: Handle) -> bool:
+        self.poke()
+        return handle.status is not None and self._user_done(handle)
+
+    def _user_done(self, h: Handle) -> bool:
+        self._user.discard(h)
+        if h.kind == "recv" and h.status != h.nbytes:
+            raise RuntimeError(f"ringcomm: dist.recv of {h.nbytes} bytes got a message of "
+                               f"{h.status} bytes from rank {h.peer} (tag {h.tag})")
+        return True
+
+    def p2p_cancel(self, handle: Handle) -> None:
+        with self._lock:
+            self._user.discard(handle)
+            if handle.status is None:
+                self._unpost(handle)
+
+    def user_pending(self) -> bool:
+        return bool(self._user)
+
+    def poke(self) -> None:
+        self._progress(0.0)
+
+    def _check_tag(self, tag: int) -> None:
+        if not 0 <= tag < self.tag_limit:
+            raise ValueError(f"ringcomm: tag {tag} is out of range [0, {self.tag_limit - 1}]")
+
+    # -- matching ------------------------------------------------------------------------
+    def _post(self, h: Handle, stream: int) -> None:
+        """Start receive ``h``: it takes the first early message that matches, else
+        waits in line for one."""
+        early = self._first_early(stream, h.peer, h.tag)
+        if early is None:
+            self._posted.setdefault((stream, h.peer, h.tag), collections.deque()).append(h)
+            return
+        key, msg = early
+        self._early[key].popleft()
+        if h.peer == _ANY:
+            h.peer = key[1]
+        if msg.got == len(msg.data):
+            self._deliver(h, msg.data)
+        else:
+            msg.taker = h
+
+    def _first_early(self, stream: int, peer: int, tag: int):
+        if peer != _ANY:
+            q = self._early.get((stream, peer, tag))
+            return ((stream, peer, tag), q[0]) if q else None
+        heads = [(q[0].seq, key) for key, q in self._early.items()
+                 if q and key[0] == stream and key[2] == tag]
+        if not heads:
+            return None
+        key = min(heads)[1]
+        return key, self._early[key][0]
+
+    def _unpost(self, h: Handle) -> None:
+        if h.kind == "recv":
+            q = self._posted.get((h.req[0], h.peer, h.tag))
+            if q and h in q:
+                q.remove(h)
+        else:
+            out = self._out.get(h.peer)
+            # a message partly written stays: the stream must stay whole
+            if out is not None and h in out.queue and not (out.queue[0] is h and out.pos):
+                out.queue.remove(h)
+
+    def _taker(self, stream: int, peer: int, tag: int) -> Handle | None:
+        for key in ((stream, peer, tag), (stream, _ANY, tag)):
+            q = self._posted.get(key)
+            if q:
+                h = q.popleft()
+                h.peer = peer
+                return h
+        return None
+
+    def _arrived(self, stream: int, peer: int, tag: int, data, copy: bool = False) -> None:
+        """A whole message that needs no reading (a send to this rank itself)."""
+        h = self._taker(stream, peer, tag)
+        if h is not None:
+            self._deliver(h, data)
+            return
+        msg = _Early(len(data), self._next_seq())
+        msg.data[:] = data
+        msg.got = len(data)
+        self._early.setdefault((stream, peer, tag), collections.deque()).append(msg)
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    @staticmethod
+    def _deliver(h: Handle, data) -> None:
+        if len(data) == h.nbytes:
+            h.req[1][:] = data
+        h.status = len(data)
+
+    # -- connections ---------------------------------------------------------------------
+    def _conn(self, peer: int) -> _Out:
+        out = self._out.get(peer)
+        if out is not None:
+            return out
+        if peer in self._closed:
+            raise TransportPeerLost(f"rank {peer}: {self._closed[peer][0]}")
+        if not 0 <= peer < self.size:
+            raise ValueError(f"ringcomm tcp transport: no rank {peer} in a group of {self.size}")
+        address, port, token = self._peers(peer)
+        limit = min(self._connect_s, max(self._deadline - _monotonic(), 0.001))
+        try:
+            sock = socket.create_connection((address, port), timeout=limit)
+            sock.sendall(_HELLO.pack(token, self.rank))
+        except OSError as e:
+            raise RuntimeError(
+                f"ringcomm tcp transport: rank {self.rank} cannot connect to rank {peer} at "
+                f"{address}:{port} ({e}); RINGCOMM_IFACE names the interface every rank "
+                "listens on") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        out = self._out[peer] = _Out(sock)
+        # the peer never writes here: readable means it closed
+        self._sel.register(sock, selectors.EVENT_READ, ("out", peer))
+        return out
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._hello[sock] = bytearray()
+            self._sel.register(sock, selectors.EVENT_READ, ("hello", sock))
+
+    def _read_hello(self, sock: socket.socket) -> None:
+        got = self._hello[sock]
+        try:
+            chunk = sock.recv(_HELLO.size - len(got))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        got += chunk
+        if chunk and len(got) < _HELLO.size:
+            return
+        del self._hello[sock]
+        self._sel.unregister(sock)
+        token, peer = _HELLO.unpack(bytes(got)) if len(got) == _HELLO.size else (b"", -1)
+        if token != self._token or not 0 <= peer < self.size or peer in self._in:
+            sock.close()  # not this group's (another job, a stale rank): refused
+            return
+        self._in[peer] = _In(sock, peer)
+        self._sel.register(sock, selectors.EVENT_READ, ("in", peer))
+
+    def _lost(self, peer: int, how: str, incoming: bool) -> None:
+        """The connection from (``incoming``) or to ``peer`` ended, ``how``. Its other
+        connection stays: the bytes the peer sent before it ended are still read."""
+        closed, conns = (self._closed_in, self._in) if incoming else (self._closed, self._out)
+        closed.setdefault(peer, (how, _monotonic()))
+        conn = conns.pop(peer, None)
+        if conn is not None:
+            self._sel.unregister(conn.sock)
+            conn.sock.close()
+
+    # -- moving bytes ----------------------------------------------------------------------
+    def _flush_all(self) -> None:
+        for peer, out in list(self._out.items()):
+            if out.queue:
+                self._flush(peer, out)
+
+    def _flush(self, peer: int, out: _Out) -> None:
+        sock, queue = out.sock, out.queue
+        while queue:
+            h = queue[0]
+            mem = h.req[1]
+            if out.pos == 0:
+                out.header = _HEADER.pack(h.req[0], h.tag, h.nbytes)
+            hn = len(out.header)
+            parts = [out.header[out.pos:], mem] if out.pos < hn else [mem[out.pos - hn:]]
+            try:
+                n = sock.sendmsg(parts)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as e:
+                self._lost(peer, f"its connection failed ({e})", False)
+                raise TransportPeerLost(f"rank {peer}: its connection failed ({e})") from None
+            out.pos += n
+            if out.pos < hn + h.nbytes:
+                self._poll_writes(peer, out, True)
+                return
+            queue.popleft()
+            out.pos = 0
+            h.status = h.nbytes
+        self._poll_writes(peer, out, False)
+
+    def _poll_writes(self, peer: int, out: _Out, on: bool) -> None:
+        if out.writing != on:
+            out.writing = on
+            self._sel.modify(out.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0),
+                             ("out", peer))
+
+    def _read(self, conn: _In) -> None:
+        sock = conn.sock
+        while True:
+            try:
+                if conn.target is None:
+                    n = sock.recv_into(memoryview(conn.header)[conn.hgot:])
+                else:
+                    n = sock.recv_into(conn.target[conn.got:])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._lost(conn.peer, f"its connection failed ({e})", True)
+                return
+            if n == 0:
+                self._lost(conn.peer, _CLOSED, True)
+                return
+            if conn.target is None:
+                conn.hgot += n
+                if conn.hgot < _HEADER.size:
+                    continue
+                conn.hgot = 0
+                stream, tag, length = _HEADER.unpack(conn.header)
+                self._begin(conn, stream, tag, length)
+            else:
+                conn.got += n
+            if conn.got == conn.length:
+                self._complete(conn)
+
+    def _begin(self, conn: _In, stream: int, tag: int, length: int) -> None:
+        conn.got, conn.length = 0, length
+        h = self._taker(stream, conn.peer, tag)
+        if h is not None and length == h.nbytes:
+            conn.into, conn.target = h, h.req[1]
+        elif h is not None:  # the wrong size: read it aside, then fail the receive
+            conn.into, conn.target = h, memoryview(bytearray(length))
+        else:
+            msg = _Early(length, self._next_seq())
+            self._early.setdefault((stream, conn.peer, tag), collections.deque()).append(msg)
+            conn.into, conn.target = msg, memoryview(msg.data)
+
+    def _complete(self, conn: _In) -> None:
+        into = conn.into
+        if isinstance(into, _Early):
+            into.got = conn.length
+            if into.taker is not None:
+                self._deliver(into.taker, into.data)
+        else:
+            into.status = conn.length
+        conn.target, conn.into = None, None
+
+    def _progress(self, timeout: float) -> None:
+        """Move what can move now, having waited up to ``timeout`` for anything to."""
+        events = self._sel.select(timeout)
+        with self._lock:
+            for key, mask in events:
+                what = key.data
+                if what is None:
+                    self._accept()
+                elif what[0] == "hello":
+                    if what[1] in self._hello:
+                        self._read_hello(what[1])
+                elif what[0] == "in":
+                    conn = self._in.get(what[1])
+                    if conn is not None:
+                        self._read(conn)
+                else:
+                    out = self._out.get(what[1])
+                    if out is None:
+                        continue
+                    if mask & selectors.EVENT_READ:
+                        self._out_readable(what[1], out)
+                    elif out.queue:
+                        self._flush(what[1], out)
+            self._flush_all()
+
+    def _out_readable(self, peer: int, out: _Out) -> None:
+        try:
+            data = out.sock.recv(1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            data, why = b"", f"its connection failed ({e})"
+        else:
+            why = _CLOSED
+        if not data:
+            self._lost(peer, why, False)
+
+    def _until(self, done, deadline: float, handles: Sequence[Handle]) -> bool:
+        """Progress until ``done()`` (True) or ``deadline`` (False); raises once
+        interrupted, or once a peer ``handles`` need is gone or in another call."""
+        self._progress(0.0)
+        if done():
+            return True
+        next_probe = _monotonic() + PROBE_S
+        while True:
+            if self._stop is not None:
+                raise TransportAborted(self._stop)
+            now = _monotonic()
+            if now >= deadline:
+                return False
+            self._check_peers(handles, now >= next_probe)
+            if now >= next_probe:
+                next_probe = now + PROBE_S
+            self._progress(min(POLL_S, deadline - now))
+            if done():
+                return True
+
+    def _check_peers(self, handles: Sequence[Handle], probe: bool) -> None:
+        for h in handles:
+            if h.status is not None:
+                continue
+            how = self._gone(h)
+            if how is not None:
+                # how it left, if it or a rank it failed said so
+                said = (self.peer_failure((h.peer,), gone=True)
+                        if self.peer_failure is not None else None)
+                if said is not None:
+                    raise TransportPeerFailed(said)
+                raise TransportPeerLost(f"rank {h.peer}: {how}, while rank {self.rank} "
+                                        "waited for it")
+            if not probe:
+                continue
+            if h.kind == "recv" and h.req[0] == COLLECTIVE and h.peer != _ANY:
+                found = self._first_tag_from(h.peer)
+                if found is None or found == h.tag:
+                    self._signs.gone(h)
+                elif self._signs.lasted(h, found, _monotonic()):
+                    raise TransportMismatch(h.peer, h.tag, found)
+            reported = (self.peer_failure((h.peer,)) if self.peer_failure is not None
+                        and h.peer != _ANY else None)
+            if reported is not None:
+                raise TransportPeerFailed(reported)
+
+    def _gone(self, h: Handle) -> str | None:
+        """How ``h``'s peer went, if it cannot complete ``h`` any more: a send's
+        connection ended; a receive's connection from the peer ended (every byte
+        before its end was read), or the peer never connected and this rank's
+        connection to it ended :data:`LOST_GRACE_S` ago with no connection waiting."""
+        if h.kind == "send":
+            closed = self._closed.get(h.peer)
+            return None if closed is None else closed[0]
+        closed = self._closed_in.get(h.peer)
+        if closed is not None:
+            return closed[0]
+        closed = self._closed.get(h.peer)
+        if (closed is None or h.peer in self._in or self._hello
+                or _monotonic() - closed[1] < LOST_GRACE_S):
+            return None
+        return closed[0]
+
+    def _first_tag_from(self, peer: int) -> int | None:
+        """The tag of the first early collective message from ``peer`` (messages
+        from one peer arrive in the order it sent them)."""
+        heads = [(q[0].seq, key[2]) for key, q in self._early.items()
+                 if q and key[0] == COLLECTIVE and key[1] == peer]
+        return min(heads)[1] if heads else None
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in [*self._in.values(), *self._out.values()]:
+                conn.sock.close()
+            for sock in self._hello:
+                sock.close()
+            self._in, self._out, self._hello = {}, {}, {}
+            self._sel.close()
+            self._listener.close()
+
+
+# -- the factory ----------------------------------------------------------------------
+def listen_address() -> str:
+    """The address this rank listens on: ``RINGCOMM_IFACE``'s, else the one that
+    carries traffic toward ``MASTER_ADDR``, else the host's advertised address."""
+    from ringcomm.launch import network
+
+    forced = network.chosen_iface()
+    if forced is not None:
+        return network.interfaces()[forced]
+    master = os.environ.get("MASTER_ADDR")
+    address = network.source_address(master) if master else None
+    return address or network.advertised_address()
+
+
+def connect(setup) -> tuple[list, tuple]:
+    """The ``"tcp"`` transport: one listening socket per channel, published in the
+    group's store; connections opened when first used."""
+    from ringcomm.launch import bootstrap, group_store, network
+
+    address = listen_address()
+    if setup.size > 1:
+        # the ranks meet once: whether they span hosts, and the interface toward the
+        # others (set for the gloo and NCCL groups a job makes beside this one too)
+        path = network.compare_hosts(setup.store, setup.rank, setup.size,
+                                     timedelta(seconds=setup.limit_s),
+                                     set_netmod=not bootstrap.mpi_started())
+        if path.spans_hosts and path.address:
+            address = path.address
+    made: list[TcpTransport] = []
+    try:
+        for k in range(setup.options.num_channels):
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                listener.bind((address, 0))
+                listener.listen(min(socket.SOMAXCONN, max(setup.size, 16)))
+                listener.setblocking(False)
+            except OSError as e:
+                listener.close()
+                raise RuntimeError(f"ringcomm tcp transport: cannot listen on {address} ({e}); "
+                                   "RINGCOMM_IFACE names the interface to use") from None
+            token = secrets.token_bytes(16)
+            setup.store.set(f"tcp/{k}/{setup.rank}", json.dumps(
+                {"address": address, "port": listener.getsockname()[1], "token": token.hex()}))
+
+            def peers(peer: int, k: int = k) -> tuple[str, int, bytes]:
+                try:
+                    info = json.loads(group_store.store_wait(
+                        setup.store, f"tcp/{k}/{peer}", timedelta(seconds=setup.limit_s)))
+                except Exception as e:  # noqa: BLE001  (the store's timeout, by any name)
+                    raise RuntimeError(f"ringcomm tcp transport: rank {peer} did not say where "
+                                       f"it listens within {setup.limit_s:g} s ({e})") from None
+                return info["address"], info["port"], bytes.fromhex(info["token"])
+
+            made.append(TcpTransport(setup.rank, setup.size, listener, token, peers,
+                                     setup.limit_s))
+        return made, setup.hosts()
+    except BaseException:
+        for tp in made:
+            tp.close()
+        raise
