@@ -957,8 +957,10 @@ def _sim_validation(doc: dict, source: str) -> str:
                              f" ({b['predicted_best_over_measured_best']:.2f}x)")
                           for b in run["best"])
         out += ["", f"Best per size: {picks}.", ""]
-    out.append(f"(From `{source}`, measured {doc['started']} on {doc['cores']} cores, "
-               f"written by `scripts/validate_sim.py`.)")
+    how = (f"ringcomm's {doc['transport']} transport, each call after a barrier"
+           if doc.get("transport") else "ringcomm's mpi transport, calls back to back")
+    out.append(f"(From `{source}`, measured {doc['started']} on {doc['cores']} cores over "
+               f"{how}, written by `scripts/validate_sim.py`.)")
     return "\n".join(out)
 
 

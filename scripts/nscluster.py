@@ -39,8 +39,17 @@ touched):
   control: BBR, on the machine this was written on, split two flows 1:2); in each
   class a fair queue where the kernel has one
   (``fq_codel``, ``sfq``: TCP connections of one pair share fairly too), else a
-  byte FIFO. ``tbf`` (no classes) where the kernel lacks htb. :attr:`Cluster.qdisc`
-  says which. The rate counts Ethernet frames: TCP's payload gets ~95.6% of it.
+  byte FIFO. Before them all, a class of TCP's bare acknowledgements (IP packets
+  under 128 bytes): left behind a host pair's data in its FIFO they waited up to
+  :data:`QUEUE_S`, an ACK clock no datacenter fabric has, and an exchange (a pair's
+  data one way, its ACKs the other, in one class) ran up to 2x slower than its
+  cables allow. ``tbf`` (no classes) where the kernel lacks htb. :attr:`Cluster.qdisc`
+  says which. The rate counts Ethernet frames: TCP's payload gets ~95.6% of it;
+* every veth end sends packets of at most :data:`GSO_SEGS` frames
+  (``gso_max_segs``): the shaper meters packets, and a 64 KiB segmentation-offload
+  packet passed whole on a few frames' tokens, running a short message faster than
+  its cable; one frame a packet left the two cores short of time for the kernel's
+  per-packet work.
 
 Addresses (only inside the namespaces): host ``h`` is ``10.<214 + s // 256>.<s %
 256>.<h + 1>/24`` on segment ``s``; every address of every host is reachable from
@@ -98,6 +107,19 @@ QUEUE_S = 0.02
 MIN_QUEUE = 256 * 1024
 #: the bytes a host-pair class may send in its turn of the round robin
 QUANTUM = 16 * 1024
+#: the frames one packet may carry on a cable (the kernel's segmentation offload):
+#: with 64 KiB packets allreduces of 64 KiB-256 KiB ran up to 1.3x faster than their
+#: cables allow; with 1 every cable was slower than its rate, the two cores busy
+#: with packets (docs/simulator.md)
+GSO_SEGS = 4
+#: TCP's bare acknowledgements (IP packets under 128 bytes) go first, in a class of
+#: their own assured this share of the cable: behind a host pair's data in its
+#: FIFO they would wait up to QUEUE_S, an ACK clock no datacenter fabric has, and
+#: an exchange's two directions (one's data, the other's ACKs in one class) then
+#: ran up to 2x slower than its cables allow
+ACK_SHARE = 0.05
+ACK_CLASS = "ff"
+ACK_LENGTH_MASK = 0xff80
 #: fair queues to try in each class, best first
 FAIR_QDISCS = ("fq_codel", "sfq")
 #: seconds up() waits for every cable end to carry traffic
@@ -435,7 +457,11 @@ class Cluster(nshosts.NamespaceHosts):
                 _batch("ip", ns, ["link set lo up",
                                   *(f"addr add {a} dev {i}" for i, a in p.interfaces[h].items())])
             for ns in [*p.hosts, *p.switches]:
-                _batch("ip", ns, [f"link set {e.name} up" for e in ends if e.namespace == ns])
+                # one frame per packet: the shaper's buckets meter frames, where a
+                # 64 KiB segmentation-offload packet would pass whole on a few
+                # frames' tokens and run a short message faster than its cable
+                _batch("ip", ns, [f"link set {e.name} gso_max_segs {GSO_SEGS} up"
+                                  for e in ends if e.namespace == ns])
             for h, ns in enumerate(p.hosts):  # a route needs its device up
                 _batch("ip", ns, [f"route add {d} via {v} dev {i}" for d, v, i in p.routes[h]])
             self._settle(ends)
@@ -471,18 +497,25 @@ class Cluster(nshosts.NamespaceHosts):
         pairs = self.plan.pairs(end.link)
         # each class is assured an equal part and may borrow up to the whole cable:
         # backlogged classes then share what is free in equal quanta
-        share = _bits(end.bandwidth / (len(pairs) + 1))
+        share = _bits(end.bandwidth * (1 - ACK_SHARE) / (len(pairs) + 1))
         out = [f"qdisc add dev {dev} root handle 1: htb default 2",
                f"class add dev {dev} parent 1: classid 1:1 htb rate {rate} ceil {rate} "
-               f"burst {burst} cburst {burst} quantum {QUANTUM}"]
+               f"burst {burst} cburst {burst} quantum {QUANTUM}",
+               # TCP's bare acknowledgements first, in a class of their own
+               f"class add dev {dev} parent 1:1 classid 1:{ACK_CLASS} htb rate "
+               f"{_bits(end.bandwidth * ACK_SHARE)} ceil {rate} burst {burst} cburst {burst} "
+               f"prio 0 quantum {QUANTUM}",
+               f"qdisc add dev {dev} parent 1:{ACK_CLASS} handle {ACK_CLASS}: pfifo limit 10000",
+               f"filter add dev {dev} parent 1: prio 1 protocol ip u32 match ip protocol 6 0xff "
+               f"match u16 0x0000 {ACK_LENGTH_MASK:#06x} at 2 flowid 1:{ACK_CLASS}"]
         for k, pair in enumerate([None, *pairs]):
             minor = f"{k + 2:x}"
             out += [f"class add dev {dev} parent 1:1 classid 1:{minor} htb rate {share} "
-                    f"ceil {rate} burst {burst} cburst {burst} quantum {QUANTUM}",
+                    f"ceil {rate} burst {burst} cburst {burst} prio 1 quantum {QUANTUM}",
                     f"qdisc add dev {dev} parent 1:{minor} handle {minor}: {leaf}"]
             if pair is not None:  # the last byte of an address is its host's number + 1
                 s, d = pair
-                out.append(f"filter add dev {dev} parent 1: prio 1 protocol ip u32 "
+                out.append(f"filter add dev {dev} parent 1: prio 2 protocol ip u32 "
                            f"match u8 {s + 1} 0xff at 15 match u8 {d + 1} 0xff at 19 "
                            f"flowid 1:{minor}")
         return out

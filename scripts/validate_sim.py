@@ -70,14 +70,17 @@ def emulated(topo: Topology, software: dict) -> Topology:
     return dataclasses.replace(topo, links=links, intra_latency=0.0, software=dict(software))
 
 
-def measure(topo_path: Path, algos: str, sizes: list[int], timeout: float, out: Path) -> dict:
-    """The benchmark's JSON of ``algos`` at ``sizes`` on the emulated cluster."""
+def measure(topo_path: Path, algos: str, sizes: list[int], timeout: float, out: Path,
+            transport: str) -> dict:
+    """The benchmark's JSON of ``algos`` at ``sizes`` on the emulated cluster, over
+    ``transport``."""
     lo, hi = min(sizes), max(sizes)
     args = ["-m", "ringcomm.bench", "-b", str(lo), "-e", str(hi), "-f", "4", "--algos", algos,
             "--peers", "none", "-w", "1", "-n", "5", "--min-time", "0", "--rounds", "1",
             "--links", "off", "--no-model", "--threads", "1", "--timeout", "300",
+            "--barrier-each",
             "--json", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RINGCOMM_TRANSPORT": transport,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with nscluster.Cluster(topo_path) as cluster:
         print(cluster.describe(), file=sys.stderr, flush=True)
@@ -126,12 +129,14 @@ def calibrate(topo: Topology, measured: dict, sizes: list[int]) -> dict:
 
 
 def validate(topo_path: Path, algos: list[str], calib: list[int], sizes: list[int],
-             timeout: float, tmp: Path, earlier: dict | None = None) -> dict:
-    """One topology: measured (or ``earlier``'s measurements of it), calibrated,
-    predicted."""
+             timeout: float, tmp: Path, earlier: dict | None = None,
+             transport: str = "tcp") -> dict:
+    """One topology: measured over ``transport`` (or ``earlier``'s measurements of
+    it), calibrated, predicted."""
     topo = load(topo_path)
     if earlier is None:
-        run = measure(topo_path, ",".join(algos), calib + sizes, timeout, tmp / "bench.json")
+        run = measure(topo_path, ",".join(algos), calib + sizes, timeout, tmp / "bench.json",
+                      transport)
         qdisc, started = run["qdisc"], run["meta"]["started"]
         measured = {(r["column"], r["size"]): r["time_us"] * 1e-6 for r in run["results"]
                     if r["status"] == "ok" and r["column"] in algos}
@@ -185,7 +190,7 @@ def summary(runs: list[dict]) -> dict:
                         "best_within": TARGET_BEST}}
 
 
-def plot(runs: list[dict], path: str) -> None:
+def plot(runs: list[dict], path: str, transport: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -209,8 +214,8 @@ def plot(runs: list[dict], path: str) -> None:
         ax.set_title(f"{run['name']}\n{run['ranks']} ranks, {run['hosts']} hosts", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle("allreduce, 64 KiB-16 MiB: simulated against measured on emulated clusters "
-                 "(grey: within 20%)", fontsize=10)
+    fig.suptitle(f"allreduce, 64 KiB-16 MiB: simulated against measured on emulated clusters "
+                 f"over ringcomm's {transport} transport (grey: within 20%)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -227,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per topology's run")
     ap.add_argument("--json", help="write every cell here")
     ap.add_argument("--plot", metavar="OUT.png")
+    ap.add_argument("--transport", choices=("tcp", "mpi"), default="tcp",
+                    help="ringcomm's transport in the measured runs: tcp (its sockets, both "
+                         "directions of a connection at full rate) or mpi (MPICH over "
+                         "libfabric's TCP, which loses 15-30%% when messages cross; "
+                         "docs/simulator.md)")
     ap.add_argument("--measured", metavar="JSON",
                     help="take the measurements from this earlier run's JSON (calibrate and "
                          "predict again, after a change to the simulator; no root needed)")
@@ -235,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.measured:
         old = json.loads(Path(a.measured).read_text())
         earlier = {r["topology"]: r for r in old["runs"]}
+        a.transport = old.get("transport", "mpi")
         missing = [r["topology"] for r in old["runs"] if "calibration" not in r]
         if missing:
             ap.error(f"--measured {a.measured}: no calibration cells for {missing} (a run "
@@ -258,13 +269,14 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--measured {a.measured} has no run of {key}")
         with tempfile.TemporaryDirectory() as tmp:
             run = validate(path.resolve(), algos, calib, sizes, a.timeout, Path(tmp),
-                           earlier.get(key))
+                           earlier.get(key), a.transport)
         runs.append(run)
         for c in run["cells"]:
             print(f"{run['name']:>32} {c['algorithm']:>20} {format_size(c['bytes']):>8}: "
                   f"measured {c['measured_us'] / 1e3:9.2f} ms, predicted "
                   f"{c['predicted_us'] / 1e3:9.2f} ms ({c['error']:+.0%})", flush=True)
-    doc = {"schema": "ringcomm.validate_sim/1", "order": "mpi", "started": time.strftime(
+    doc = {"schema": "ringcomm.validate_sim/1", "order": "mpi", "transport": a.transport,
+           "started": time.strftime(
         "%Y-%m-%dT%H:%M:%S%z", time.localtime(began)), "cores": os.cpu_count(),
         "tcp_share": round(TCP_SHARE, 4), "calibration_sizes": calib, "runs": runs,
         "summary": summary(runs)}
@@ -272,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     if a.plot:
-        plot(runs, a.plot)
+        plot(runs, a.plot, a.transport)
     return 0
 
 

@@ -175,6 +175,32 @@ def test_one_switch_reaches_all_shapes_and_runs_ringcomm_under_torchrun(namespac
 
 
 @pytest.mark.cluster
+def test_an_exchange_runs_both_ways_at_the_cables_rate(namespaces):
+    """Two hosts send to each other at once: each direction at the cable's rate.
+    Each pair's bare ACKs go ahead of data (a class of their own), and every cable
+    end sends packets of at most GSO_SEGS frames, which the shaper meters."""
+    topo = parse(_doc(fabric={"kind": "switch"}, hosts={"count": 2}))
+    with nscluster.Cluster(topo) as c:
+        assert c.qdisc.startswith("htb")
+        for ns, dev in ((c.plan.hosts[0], "eth0"), (c.switch_namespaces[0], None)):
+            for link in json.loads(subprocess.run(
+                    ["ip", "-n", ns, "-d", "-j", "link", "show"], capture_output=True,
+                    text=True, check=True).stdout):
+                if link.get("link_type") == "ether" and link.get("linkinfo", {}).get(
+                        "info_kind") == "veth" and dev in (None, link["ifname"]):
+                    assert link["gso_max_segs"] == nscluster.GSO_SEGS, link
+        classes = subprocess.run(["tc", "-n", c.plan.hosts[0], "class", "show", "dev", "eth0"],
+                                 capture_output=True, text=True, check=True).stdout
+        assert f"class htb 1:{nscluster.ACK_CLASS} parent 1:1 leaf {nscluster.ACK_CLASS}: prio 0" \
+            in classes, classes
+        rates = _transfer(c, [(0, 1), (1, 0)])
+        for rate, _ in rates:
+            assert rate == pytest.approx(_mbit(topo), rel=0.15), \
+                f"{[round(r, 1) for r, _ in rates]} Mbit/s each way"
+    assert _left(c) == []
+
+
+@pytest.mark.cluster
 def test_two_racks_share_their_uplink_fairly(namespaces):
     topo = load(TOPOLOGIES / "two_racks.json")
     uplink = next(i for i, ln in enumerate(topo.links) if ln.key.startswith("links"))
