@@ -20,7 +20,9 @@ from conftest import ROOT, _env, assert_checks, mpirun, torchrun
 pytestmark = pytest.mark.compat
 
 
-@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.wide), 3])
+# torchrun's launch in make test; mpiexec's in make test-wide (make test's time)
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.wide),
+                               pytest.param(3, marks=pytest.mark.wide)])
 def test_contract_matches_gloo_mpiexec(n):
     out = mpirun(n, "contract_check.py", timeout=180).stdout
     assert_checks(out, f"contract_check mpiexec n={n}", n)

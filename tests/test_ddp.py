@@ -274,6 +274,7 @@ def test_join_trains_on_uneven_inputs_like_torch_ddp():
     assert_checks(out, "ddp_join mpiexec n=3", 3)
 
 
+@pytest.mark.wide  # 10 s, kept out of make test's 10 minutes
 def test_static_graph_matches_torch_ddp_and_walks_the_graph_once():
     out = mpirun(3, "ddp_static.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_static mpiexec n=3", 3)
@@ -292,6 +293,7 @@ def test_delayed_allreduce_matches_torch_ddp_and_refuses_a_hook_that_comes_first
     assert_checks(out, "ddp_delayed mpiexec n=2", 2)
 
 
+@pytest.mark.wide  # 9 s, kept out of make test's 10 minutes
 def test_mixed_precision_matches_a_single_process_doing_the_same():
     out = mpirun(3, "ddp_mixed.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_mixed mpiexec n=3", 3)
@@ -311,6 +313,7 @@ def test_import_ddp_leaves_torch_dynamo_unloaded():
     assert out == "[]", f"import ddp loaded {out}"
 
 
+@pytest.mark.wide  # 9 s, kept out of make test's 10 minutes
 def test_torch_compile_device_mesh_init_sync_and_forward_sync_buffers():
     # torch.compile with and without compiled autograd == torch's eager DDP; the
     # constructor arguments of torch 2.13's DDP
@@ -318,6 +321,7 @@ def test_torch_compile_device_mesh_init_sync_and_forward_sync_buffers():
     assert_checks(out, "ddp_args mpiexec n=2", 2)
 
 
+@pytest.mark.wide  # 8 s, kept out of make test's 10 minutes
 def test_mismatched_models_fail_on_every_rank():
     out = mpirun(3, "ddp_mismatch.py", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_mismatch mpiexec n=3", 3)

@@ -27,6 +27,7 @@ def _losses(out: str) -> list[float]:
             if line.startswith("epoch")]
 
 
+@pytest.mark.wide  # 10 s; test_ddp checks each DDP against torch's in make test
 def test_loss_curves_agree_across_ddps_and_backends(tmp_path):
     """Our DDP on ringcomm and torch's DDP on gloo (the two ends: neither the DDP nor
     the backend in common; test_ddp crosses them): the same model, data and seeds

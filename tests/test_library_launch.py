@@ -20,9 +20,9 @@ CASES = {
 }
 
 
-#: the cases make test leaves to make test-wide: 2 ranks under mpiexec (3 ranks and
-#: torchrun's 2 cover it) and 5 oversubscribed ranks (14 s here)
-WIDE = ("mpiexec n=2", "mpiexec n=5 local_size=2")
+#: the cases make test leaves to make test-wide: 2 ranks under mpiexec and torchrun's 2
+#: (mpiexec's 3 covers them) and 5 oversubscribed ranks (14 s here)
+WIDE = ("mpiexec n=2", "mpiexec n=5 local_size=2", "torchrun n=2")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.wide) if c in WIDE else c

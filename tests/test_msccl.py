@@ -433,6 +433,7 @@ def test_the_command_line(tmp_path):
     assert proc.returncode == 1 and "refused: MSCCL XML: gpu 0 tb 0 step 1" in proc.stderr
 
 
+@pytest.mark.wide  # 14 s, kept out of make test's 10 minutes; the XML's schedules run in-process
 def test_under_mpiexec_against_gloo(tmp_path):
     for i, p in enumerate((ring_allreduce_fused(3), allgather_ring(3))):
         (tmp_path / f"hand{i}.xml").write_text(write(p))

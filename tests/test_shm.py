@@ -110,7 +110,7 @@ def test_shared_memory_inside_hosts_mpi_between():
 
 @pytest.mark.parametrize("launcher,sizes", [
     ("mpiexec", "40000,45000"),  # both over shared memory
-    ("torchrun", "40000,45000"),
+    pytest.param("torchrun", "40000,45000", marks=pytest.mark.wide),  # make test's time
     ("mpiexec", "32000,33500"),  # 128000 B over MPI, 134000 B over shared memory
     pytest.param("mpiexec", "33500,32000", marks=pytest.mark.wide),  # the same, turned
     ("mpiexec", "100,200"),  # both over MPI
@@ -127,7 +127,8 @@ def test_mismatched_sizes_fail_at_once(launcher, sizes):
 
 @pytest.mark.parametrize("launcher,sizes,algos", [
     ("mpiexec", "100,200", "shm_direct"),  # one round each, of other calls
-    ("torchrun", "100,300000", "shm_direct"),  # one round against several
+    pytest.param("torchrun", "100,300000", "shm_direct",
+                 marks=pytest.mark.wide),  # one round against several
     ("mpiexec", "40000,40000", "shm_direct,recursive_doubling"),  # against a schedule's
     ("mpiexec", "40000,40000", "recursive_doubling,shm_direct"),  # FIFO message
     ("mpiexec", "1000,1000", "shm_direct,recursive_doubling"),  # against one over MPI
@@ -145,7 +146,8 @@ def test_shm_direct_mismatches_fail_at_once(launcher, sizes, algos):
 
 @pytest.mark.parametrize("launcher,calls,n", [
     ("mpiexec", "broadcast:shm_direct:0,broadcast:shm_direct:1", 1000),  # roots differ
-    ("torchrun", "allgather:shm_direct,reduce_scatter:shm_direct", 1000),  # collectives
+    pytest.param("torchrun", "allgather:shm_direct,reduce_scatter:shm_direct", 1000,
+                 marks=pytest.mark.wide),  # collectives
     ("mpiexec", "broadcast:shm_direct:0,broadcast:tree:0", 40000),  # against a schedule
     pytest.param("mpiexec", "allgather:ring,allgather:shm_direct", 40000,
                  marks=pytest.mark.wide),  # the same with another collective
@@ -225,6 +227,7 @@ def test_a_full_directory_falls_back_to_mpi(launcher):
         os.rmdir(d)
 
 
+@pytest.mark.wide  # 9 s, kept out of make test's 10 minutes
 def test_two_jobs_on_one_host_at_once():
     """Two jobs whose segments would share names if names were per host: both pass."""
     env = {**SMALL}

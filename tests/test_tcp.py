@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from ringcomm.front.create import GroupSetup
+from ringcomm.front.create import TRANSPORTS, GroupSetup
 from ringcomm.transport import tcp
 from ringcomm.transport.base import (TransportAborted, TransportMismatch, TransportPeerFailed,
                                      TransportPeerLost, TransportTimeout)
@@ -32,7 +32,7 @@ def world(monkeypatch):
         options = ringcomm.Options(transport="tcp").resolve()
         # each rank's factory reads every rank's host: on threads, as on processes
         tps = [tps[0][0] for tps in _on_threads(*(
-            lambda r=r: tcp.connect(GroupSetup(store, r, size, timedelta(seconds=timeout_s),
+            lambda r=r: TRANSPORTS["tcp"](GroupSetup(store, r, size, timedelta(seconds=timeout_s),
                                                timeout_s, options, (), True))
             for r in range(size)))]
         made.extend(tps)

@@ -9,7 +9,10 @@ what one must do."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
+import secrets
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -22,7 +25,7 @@ from ringcomm.algorithms import expand_choices
 from ringcomm.front.contract import never_a_split_source, options_from_torch
 from ringcomm.front import watch
 from ringcomm.front.process_group import ProcessGroupRingcomm
-from ringcomm.launch import bootstrap, group_store, hosts
+from ringcomm.launch import bootstrap, group_store, hosts, network
 from ringcomm.settings import Options
 
 __all__ = ["create_group", "connect_group", "register", "register_transport", "GroupSetup",
@@ -291,11 +294,55 @@ def _transports(setup: GroupSetup, MPITransport: type) -> tuple[list, tuple]:
 TRANSPORTS["mpi"] = _mpi_transports
 
 
+def _tcp_address(setup: GroupSetup) -> str:
+    """The address a rank's tcp transport listens on: ``RINGCOMM_IFACE``'s; else,
+    where the group spans hosts, the one toward the others (the ranks meet once in
+    the store, :func:`ringcomm.launch.network.compare_hosts`, which also names it for
+    the gloo and NCCL groups a job makes beside this one); else the one toward
+    ``MASTER_ADDR``; else the host's advertised address."""
+    forced = network.chosen_iface()
+    if forced is not None:
+        return network.interfaces()[forced]
+    if setup.size > 1:
+        path = network.compare_hosts(setup.store, setup.rank, setup.size,
+                                     timedelta(seconds=setup.limit_s),
+                                     set_netmod=not bootstrap.mpi_started())
+        if path.spans_hosts and path.address:
+            return path.address
+    master = os.environ.get("MASTER_ADDR")
+    return (network.source_address(master) if master else None) or network.advertised_address()
+
+
 def _tcp_transports(setup: GroupSetup) -> tuple[list, tuple]:
-    """The ``"tcp"`` transport: sockets, no MPI (:mod:`ringcomm.transport.tcp`)."""
+    """The ``"tcp"`` transport (:mod:`ringcomm.transport.tcp`): sockets, no MPI. One
+    listening socket per channel, published in the group's store with a random
+    token; connections opened when first used."""
     from ringcomm.transport import tcp
 
-    return tcp.connect(setup)
+    address, made = _tcp_address(setup), []
+    limit = timedelta(seconds=setup.limit_s)
+    try:
+        for k in range(setup.options.num_channels):
+            sock, token = tcp.listener(address, setup.size), secrets.token_bytes(16)
+            setup.store.set(f"tcp/{k}/{setup.rank}", json.dumps(
+                {"address": address, "port": sock.getsockname()[1], "token": token.hex()}))
+
+            def peers(peer: int, k: int = k) -> tuple[str, int, bytes]:
+                try:
+                    info = json.loads(group_store.store_wait(setup.store, f"tcp/{k}/{peer}",
+                                                             limit))
+                except (RuntimeError, dist.DistStoreError) as e:
+                    raise RuntimeError(f"ringcomm tcp transport: rank {peer} did not say where "
+                                       f"it listens within {setup.limit_s:g} s ({e})") from None
+                return info["address"], info["port"], bytes.fromhex(info["token"])
+
+            made.append(tcp.TcpTransport(setup.rank, setup.size, sock, token, peers,
+                                         setup.limit_s))
+        return made, setup.hosts()
+    except BaseException:
+        for tp in made:
+            tp.close()
+        raise
 
 
 TRANSPORTS["tcp"] = _tcp_transports

@@ -1,55 +1,38 @@
-"""TCP transport for CPU tensors: a group's messages over sockets, without MPI.
+"""TCP transport for CPU tensors: a group's messages over sockets, without MPI
+(``RINGCOMM_TRANSPORT=tcp``; docs/architecture.md, "The TCP transport").
 
-Chosen with ``RINGCOMM_TRANSPORT=tcp`` or ``Options(transport="tcp")`` on every
-rank. Nothing but torch and the standard library: a torchrun job needs no MPI
-library, and each message is one stream of bytes on its own connection, so a
-full-duplex network carries both directions of an exchange at full rate.
-
-* **Set-up.** The ranks meet once in the group's store to learn whether they span
-  hosts and which interface leads to the others (:func:`ringcomm.launch.network.compare_hosts`,
-  which also names it for the gloo and NCCL groups a job makes beside this one).
-  Each channel of each rank listens on one port of that interface's address
-  (``RINGCOMM_IFACE``'s when set; toward ``MASTER_ADDR`` on one host) and
-  publishes ``address, port, token`` in the store. Nothing else happens until a
-  message moves.
-* **Connections.** A rank opens a connection to a peer the first time it sends to
-  it and sends the peer's token and its own rank first; the peer accepts it in its
-  next wait and refuses a token not its own (another group, another job). A
-  connection carries one direction: rank a's messages to b travel on the one a
-  opened, b's to a on the one b opened. A ring holds two connections a rank, not
-  p - 1.
-* **Messages.** A 16-byte header (stream, tag, length) and the payload, written
-  straight from the tensor's memory and read straight into the receive's buffer
-  when that receive is posted (else into a buffer of its own, copied when the
-  receive is started). Messages between a pair with one tag match in the order
-  they were started, as TCP keeps them. Users' messages (``dist.send``) travel on
-  the same connections as stream 1, never matched with a schedule's.
-* **Progress.** Every wait moves every pending message, sent or received, so a
-  large send never waits for its receiver to be in the same call. A wait blocks in
-  ``epoll`` (at most :data:`POLL_S` at a time, so an interrupt ends it within
+* **Set-up** (the factory, ``ringcomm.front.create``): each channel of each rank
+  listens on one port and publishes ``address, port, token`` in the group's store.
+* **Connections** open on a pair's first message, from the sender, which sends the
+  receiver's token and its own rank first; another token is refused. Each
+  direction of a pair has its own connection: a full-duplex network carries both
+  directions of an exchange at full rate, and a ring holds two connections a rank.
+* **Messages**: a 16-byte header (stream, tag, length) and the payload, written
+  straight from the tensor's memory and read straight into the posted receive's
+  buffer (else into one of its own, copied when the receive starts). TCP keeps a
+  pair's order, so messages with one tag match in the order they were started.
+  Users' messages (``dist.send``) are stream 1, never matched with a schedule's.
+* **Progress**: every wait moves every pending message, sent or received, and
+  blocks in ``epoll`` at most :data:`POLL_S` at a time (an interrupt ends it within
   milliseconds), never spinning a core another rank needs.
-* **Failures.** A receive whose sender's connection closed fails at once, naming
-  the rank; a receive that got another size than its buffer's fails naming both;
-  a peer whose first unreceived message has another tag for
+* **Failures**: a receive whose sender's connection closed fails at once, naming
+  the rank (:class:`TransportPeerLost`); another size than its buffer's names
+  both; a peer whose first unreceived message has another tag for
   :data:`ringcomm.transport.base.MISMATCH_S` runs another call.
 
-Ranks on one host talk over loopback (no shared memory: that needs MPI's
-windows), and the transport has no collectives of its own: ``native`` and
-``shm_direct`` are refused by name.
+Ranks on one host talk over loopback (shared memory needs MPI's windows); no
+collectives of its own: ``native`` and ``shm_direct`` are refused by name.
 """
 from __future__ import annotations
 
 import collections
 import ctypes
-import json
-import os
-import secrets
+import itertools
 import selectors
 import socket
 import struct
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
@@ -153,7 +136,7 @@ class TcpTransport(Transport):
         self._in: dict[int, _In] = {}
         self._posted: dict[tuple, collections.deque] = {}
         self._early: dict[tuple, collections.deque] = {}
-        self._seq = 0
+        self._seq = itertools.count()  # arrival order of early messages
         # peer -> (how, when) its connection to this rank, or this rank's to it, ended
         self._closed_in: dict[int, tuple[str, float]] = {}
         self._closed: dict[int, tuple[str, float]] = {}
@@ -286,10 +269,7 @@ class TcpTransport(Transport):
             return ((stream, peer, tag), q[0]) if q else None
         heads = [(q[0].seq, key) for key, q in self._early.items()
                  if q and key[0] == stream and key[2] == tag]
-        if not heads:
-            return None
-        key = min(heads)[1]
-        return key, self._early[key][0]
+        return (min(heads)[1], self._early[min(heads)[1]][0]) if heads else None
 
     def _unpost(self, h: Handle) -> None:
         if h.kind == "recv":
@@ -317,14 +297,10 @@ class TcpTransport(Transport):
         if h is not None:
             self._deliver(h, data)
             return
-        msg = _Early(len(data), self._next_seq())
+        msg = _Early(len(data), next(self._seq))
         msg.data[:] = data
         msg.got = len(data)
         self._early.setdefault((stream, peer, tag), collections.deque()).append(msg)
-
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
 
     @staticmethod
     def _deliver(h: Handle, data) -> None:
@@ -472,7 +448,7 @@ class TcpTransport(Transport):
         elif h is not None:  # the wrong size: read it aside, then fail the receive
             conn.into, conn.target = h, memoryview(bytearray(length))
         else:
-            msg = _Early(length, self._next_seq())
+            msg = _Early(length, next(self._seq))
             self._early.setdefault((stream, conn.peer, tag), collections.deque()).append(msg)
             conn.into, conn.target = msg, memoryview(msg.data)
 
@@ -604,63 +580,19 @@ class TcpTransport(Transport):
             self._listener.close()
 
 
-# -- the factory ----------------------------------------------------------------------
-def listen_address() -> str:
-    """The address this rank listens on: ``RINGCOMM_IFACE``'s, else the one that
-    carries traffic toward ``MASTER_ADDR``, else the host's advertised address."""
-    from ringcomm.launch import network
+def listener(address: str, backlog: int) -> socket.socket:
+    """A non-blocking socket listening on a free port of ``address``.
 
-    forced = network.chosen_iface()
-    if forced is not None:
-        return network.interfaces()[forced]
-    master = os.environ.get("MASTER_ADDR")
-    address = network.source_address(master) if master else None
-    return address or network.advertised_address()
-
-
-def connect(setup) -> tuple[list, tuple]:
-    """The ``"tcp"`` transport: one listening socket per channel, published in the
-    group's store; connections opened when first used."""
-    from ringcomm.launch import bootstrap, group_store, network
-
-    address = listen_address()
-    if setup.size > 1:
-        # the ranks meet once: whether they span hosts, and the interface toward the
-        # others (set for the gloo and NCCL groups a job makes beside this one too)
-        path = network.compare_hosts(setup.store, setup.rank, setup.size,
-                                     timedelta(seconds=setup.limit_s),
-                                     set_netmod=not bootstrap.mpi_started())
-        if path.spans_hosts and path.address:
-            address = path.address
-    made: list[TcpTransport] = []
+    Raises:
+        RuntimeError: ``address`` is not this host's (names it).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        for k in range(setup.options.num_channels):
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                listener.bind((address, 0))
-                listener.listen(min(socket.SOMAXCONN, max(setup.size, 16)))
-                listener.setblocking(False)
-            except OSError as e:
-                listener.close()
-                raise RuntimeError(f"ringcomm tcp transport: cannot listen on {address} ({e}); "
-                                   "RINGCOMM_IFACE names the interface to use") from None
-            token = secrets.token_bytes(16)
-            setup.store.set(f"tcp/{k}/{setup.rank}", json.dumps(
-                {"address": address, "port": listener.getsockname()[1], "token": token.hex()}))
-
-            def peers(peer: int, k: int = k) -> tuple[str, int, bytes]:
-                try:
-                    info = json.loads(group_store.store_wait(
-                        setup.store, f"tcp/{k}/{peer}", timedelta(seconds=setup.limit_s)))
-                except Exception as e:  # noqa: BLE001  (the store's timeout, by any name)
-                    raise RuntimeError(f"ringcomm tcp transport: rank {peer} did not say where "
-                                       f"it listens within {setup.limit_s:g} s ({e})") from None
-                return info["address"], info["port"], bytes.fromhex(info["token"])
-
-            made.append(TcpTransport(setup.rank, setup.size, listener, token, peers,
-                                     setup.limit_s))
-        return made, setup.hosts()
-    except BaseException:
-        for tp in made:
-            tp.close()
-        raise
+        sock.bind((address, 0))
+        sock.listen(min(socket.SOMAXCONN, max(backlog, 16)))
+        sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"ringcomm tcp transport: cannot listen on {address} ({e}); "
+                           "RINGCOMM_IFACE names the interface to use") from None
+    return sock
