@@ -246,6 +246,10 @@ LONG_MODULES = {
         "one stand-in, NCCL's API as CuPy exposes it: the library, its communicators, "
         "its streams and a recording variant share the failure rules the docstring "
         "lists, and a split would put each half's state in the other's imports",
+    "ringcomm/transport/tcp.py":
+        "one transport whose connections, message matching and progress are one state "
+        "under one lock (a user's thread and the collectives' both move it), and the "
+        "whole transport docs/architecture.md shows a newcomer",
     "ringcomm/msccl/translate.py":
         "one algorithm, MSCCL's program played in rounds: the layout, the connections, "
         "the rounds and the temporaries are the parts of one pass (_Play) over them",

@@ -238,3 +238,48 @@ def test_a_group_made_with_tcp_runs_collectives_against_the_oracle(monkeypatch):
 
     for t in _on_threads(*(rank(r) for r in range(size))):
         assert torch.allclose(t, oracle(inputs, "SUM"))
+
+
+def test_receives_take_messages_in_the_order_they_were_started(world):
+    """An any-source receive started before one from rank 1 takes rank 1's first
+    message; the later receive takes the second."""
+    a, b = world(2)
+    anyone, from_1 = torch.zeros(2), torch.zeros(2)
+    first = a.p2p_irecv(anyone, None, 4)
+    second = a.p2p_irecv(from_1, 1, 4)
+    for v in (1.0, 2.0):
+        b.p2p_isend(torch.full((2,), v), 0, 4)
+    assert a.p2p_wait(first, time.monotonic() + 10) and a.p2p_wait(second, time.monotonic() + 10)
+    assert anyone.tolist() == [1.0, 1.0] and from_1.tolist() == [2.0, 2.0]
+
+
+def test_users_messages_on_one_thread_while_a_schedules_wait_on_another(world):
+    """Both threads move the same sockets and queues: every message of each still
+    arrives whole and in its place."""
+    a, b = world(2)
+    n, rounds = 1 << 16, 40
+
+    def users(tp, peer):
+        for i in range(rounds):
+            got = torch.zeros(n)
+            h = tp.p2p_irecv(got, peer, 1)
+            tp.p2p_isend(torch.full((n,), float(i + 100 * peer)), peer, 1)
+            assert tp.p2p_wait(h, time.monotonic() + 30)
+            assert torch.equal(got, torch.full((n,), float(i + 100 * (1 - peer))))
+
+    def schedules(tp, peer):
+        for i in range(rounds):
+            got = torch.zeros(n)
+            _exchange(tp, peer, torch.full((n,), float(-i - 100 * peer)), got, tag=i)
+            assert torch.equal(got, torch.full((n,), float(-i - 100 * (1 - peer))))
+
+    _on_threads(lambda: users(a, 1), lambda: users(b, 0),
+                lambda: schedules(a, 1), lambda: schedules(b, 0))
+
+
+def test_a_closed_transport_refuses_its_waits_as_aborted(world):
+    a, _ = world(2)
+    h = a.p2p_irecv(torch.zeros(1), 1, 0)
+    a.close()
+    with pytest.raises(TransportAborted, match="closed"):
+        a.p2p_done(h)

@@ -324,8 +324,12 @@ def _tcp_transports(setup: GroupSetup) -> tuple[list, tuple]:
     try:
         for k in range(setup.options.num_channels):
             sock, token = tcp.listener(address, setup.size), secrets.token_bytes(16)
-            setup.store.set(f"tcp/{k}/{setup.rank}", json.dumps(
-                {"address": address, "port": sock.getsockname()[1], "token": token.hex()}))
+            try:
+                setup.store.set(f"tcp/{k}/{setup.rank}", json.dumps(
+                    {"address": address, "port": sock.getsockname()[1], "token": token.hex()}))
+            except BaseException:
+                sock.close()
+                raise
 
             def peers(peer: int, k: int = k) -> tuple[str, int, bytes]:
                 try:

@@ -46,6 +46,8 @@ _monotonic = time.monotonic
 #: the longest one blocking poll lasts (an interrupt, a deadline or a peer's report
 #: is seen within it)
 POLL_S = 0.005
+#: the most one poll reads from one connection while holding the lock
+READ_BYTES = 4 << 20
 #: how often a long wait looks for signs of a failed or mismatched peer
 PROBE_S = 0.1
 #: how long a receive from a peer that never connected waits after this rank's
@@ -131,6 +133,8 @@ class TcpTransport(Transport):
         self._sel = selectors.DefaultSelector()
         self._sel.register(listener, selectors.EVENT_READ, None)
         self._lock = threading.RLock()
+        self._shut = False  # closed
+        self._connecting = threading.Lock()
         self._out: dict[int, _Out] = {}
         self._hello: dict[socket.socket, bytearray] = {}  # accepted, rank not yet read
         self._in: dict[int, _In] = {}
@@ -152,6 +156,9 @@ class TcpTransport(Transport):
         return Handle((COLLECTIVE, _memory(buf)), buf, peer, "recv", buf.nbytes, tag)
 
     def start(self, batch: Sequence[Handle]) -> None:
+        for h in batch:  # connecting blocks: before the lock, so waits elsewhere go on
+            if h.kind == "send" and h.peer not in self._out and h.peer != self.rank:
+                self._connect(h.peer)
         with self._lock:
             for h in batch:
                 self._start(h)
@@ -166,7 +173,11 @@ class TcpTransport(Transport):
             self._arrived(stream, self.rank, h.tag, h.req[1], copy=True)
             h.status = h.nbytes
         else:
-            self._conn(h.peer).queue.append(h)
+            out = self._out.get(h.peer)
+            if out is None:
+                why = self._closed.get(h.peer)
+                raise TransportPeerLost(f"rank {h.peer}: {why[0] if why else _CLOSED}")
+            out.queue.append(h)
 
     def wait(self, batch: Sequence[Handle]) -> None:
         self._waiting = batch
@@ -191,14 +202,16 @@ class TcpTransport(Transport):
             for h in handles:
                 if h.status is not None:
                     continue
-                if keep is not None:
-                    h.buf = keep  # a message being read may still land in the caller's memory
+                if keep is not None:  # a message being read may still land in either
+                    h.buf = (h.buf, keep)
                 self._unpost(h)
 
     # -- users' messages (dist.send / dist.recv) ----------------------------------------
     def p2p_isend(self, buf: torch.Tensor, peer: int, tag: int) -> Handle:
         self._check_tag(tag)
         h = Handle((USER, _memory(buf)), buf, peer, "send", 0, tag)
+        if peer not in self._out and peer != self.rank:
+            self._connect(peer)
         with self._lock:
             self._user.add(h)
             self._start(h)
@@ -252,10 +265,13 @@ class TcpTransport(Transport):
         waits in line for one."""
         early = self._first_early(stream, h.peer, h.tag)
         if early is None:
-            self._posted.setdefault((stream, h.peer, h.tag), collections.deque()).append(h)
+            self._posted.setdefault((stream, h.peer, h.tag), collections.deque()).append(
+                (next(self._seq), h))
             return
         key, msg = early
         self._early[key].popleft()
+        if not self._early[key]:
+            del self._early[key]
         if h.peer == _ANY:
             h.peer = key[1]
         if msg.got == len(msg.data):
@@ -273,23 +289,35 @@ class TcpTransport(Transport):
 
     def _unpost(self, h: Handle) -> None:
         if h.kind == "recv":
-            q = self._posted.get((h.req[0], h.peer, h.tag))
-            if q and h in q:
-                q.remove(h)
+            key = (h.req[0], h.peer, h.tag)
+            q = self._posted.get(key)
+            for i, (_, posted) in enumerate(q or ()):
+                if posted is h:
+                    del q[i]
+                    break
+            if key in self._posted and not q:
+                del self._posted[key]
         else:
             out = self._out.get(h.peer)
             # a message partly written stays: the stream must stay whole
             if out is not None and h in out.queue and not (out.queue[0] is h and out.pos):
                 out.queue.remove(h)
+                if not out.queue:
+                    self._poll_writes(h.peer, out, False)
 
     def _taker(self, stream: int, peer: int, tag: int) -> Handle | None:
-        for key in ((stream, peer, tag), (stream, _ANY, tag)):
-            q = self._posted.get(key)
-            if q:
-                h = q.popleft()
-                h.peer = peer
-                return h
-        return None
+        """The receive a message takes: the first started of those it matches."""
+        heads = [(q[0][0], key) for key in ((stream, peer, tag), (stream, _ANY, tag))
+                 if (q := self._posted.get(key))]
+        if not heads:
+            return None
+        key = min(heads)[1]
+        q = self._posted[key]
+        h = q.popleft()[1]
+        if not q:
+            del self._posted[key]
+        h.peer = peer
+        return h
 
     def _arrived(self, stream: int, peer: int, tag: int, data, copy: bool = False) -> None:
         """A whole message that needs no reading (a send to this rank itself)."""
@@ -309,44 +337,54 @@ class TcpTransport(Transport):
         h.status = len(data)
 
     # -- connections ---------------------------------------------------------------------
-    def _conn(self, peer: int) -> _Out:
-        out = self._out.get(peer)
-        if out is not None:
-            return out
+    def _connect(self, peer: int) -> None:
+        """Open this rank's connection to ``peer``: outside the progress lock (it
+        blocks), one thread at a time (the peer takes one connection from a rank)."""
+        with self._connecting:
+            if peer not in self._out:
+                self._connect_now(peer)
+
+    def _connect_now(self, peer: int) -> None:
         if peer in self._closed:
             raise TransportPeerLost(f"rank {peer}: {self._closed[peer][0]}")
         if not 0 <= peer < self.size:
             raise ValueError(f"ringcomm tcp transport: no rank {peer} in a group of {self.size}")
         address, port, token = self._peers(peer)
         limit = min(self._connect_s, max(self._deadline - _monotonic(), 0.001))
+        sock = None
         try:
             sock = socket.create_connection((address, port), timeout=limit)
             sock.sendall(_HELLO.pack(token, self.rank))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
         except OSError as e:
+            if sock is not None:
+                sock.close()
             raise RuntimeError(
                 f"ringcomm tcp transport: rank {self.rank} cannot connect to rank {peer} at "
                 f"{address}:{port} ({e}); RINGCOMM_IFACE names the interface every rank "
                 "listens on") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setblocking(False)
-        out = self._out[peer] = _Out(sock)
-        # the peer never writes here: readable means it closed
-        self._sel.register(sock, selectors.EVENT_READ, ("out", peer))
-        return out
+        with self._lock:
+            if self._shut:
+                sock.close()
+                raise TransportAborted(self._stop or "the tcp transport was closed")
+            self._out[peer] = _Out(sock)
+            # the peer never writes here: readable means it closed
+            self._sel.register(sock, selectors.EVENT_READ, ("out", peer))
 
     def _accept(self) -> None:
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
+            except OSError:  # none waiting; or the connection was aborted, fds ran out
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._hello[sock] = bytearray()
+            self._hello[sock] = (bytearray(), _monotonic())
             self._sel.register(sock, selectors.EVENT_READ, ("hello", sock))
 
     def _read_hello(self, sock: socket.socket) -> None:
-        got = self._hello[sock]
+        got = self._hello[sock][0]
         try:
             chunk = sock.recv(_HELLO.size - len(got))
         except (BlockingIOError, InterruptedError):
@@ -394,9 +432,9 @@ class TcpTransport(Transport):
                 n = sock.sendmsg(parts)
             except (BlockingIOError, InterruptedError):
                 n = 0
-            except OSError as e:
+            except OSError as e:  # the waits that need this peer report it (_gone)
                 self._lost(peer, f"its connection failed ({e})", False)
-                raise TransportPeerLost(f"rank {peer}: its connection failed ({e})") from None
+                return
             out.pos += n
             if out.pos < hn + h.nbytes:
                 self._poll_writes(peer, out, True)
@@ -413,8 +451,8 @@ class TcpTransport(Transport):
                              ("out", peer))
 
     def _read(self, conn: _In) -> None:
-        sock = conn.sock
-        while True:
+        sock, budget = conn.sock, READ_BYTES
+        while budget > 0:  # what is left is read at the next poll (epoll still says so)
             try:
                 if conn.target is None:
                     n = sock.recv_into(memoryview(conn.header)[conn.hgot:])
@@ -428,6 +466,7 @@ class TcpTransport(Transport):
             if n == 0:
                 self._lost(conn.peer, _CLOSED, True)
                 return
+            budget -= n
             if conn.target is None:
                 conn.hgot += n
                 if conn.hgot < _HEADER.size:
@@ -464,7 +503,12 @@ class TcpTransport(Transport):
 
     def _progress(self, timeout: float) -> None:
         """Move what can move now, having waited up to ``timeout`` for anything to."""
-        events = self._sel.select(timeout)
+        if self._shut:
+            raise TransportAborted(self._stop or "the tcp transport was closed")
+        try:
+            events = self._sel.select(timeout)
+        except (ValueError, OSError):  # closed by another thread meanwhile
+            raise TransportAborted(self._stop or "the tcp transport was closed") from None
         with self._lock:
             for key, mask in events:
                 what = key.data
@@ -502,6 +546,8 @@ class TcpTransport(Transport):
     def _until(self, done, deadline: float, handles: Sequence[Handle]) -> bool:
         """Progress until ``done()`` (True) or ``deadline`` (False); raises once
         interrupted, or once a peer ``handles`` need is gone or in another call."""
+        if self._stop is not None:
+            raise TransportAborted(self._stop)
         self._progress(0.0)
         if done():
             return True
@@ -520,22 +566,24 @@ class TcpTransport(Transport):
                 return True
 
     def _check_peers(self, handles: Sequence[Handle], probe: bool) -> None:
-        for h in handles:
-            if h.status is not None:
-                continue
-            how = self._gone(h)
-            if how is not None:
-                # how it left, if it or a rank it failed said so
-                said = (self.peer_failure((h.peer,), gone=True)
-                        if self.peer_failure is not None else None)
-                if said is not None:
-                    raise TransportPeerFailed(said)
-                raise TransportPeerLost(f"rank {h.peer}: {how}, while rank {self.rank} "
-                                        "waited for it")
-            if not probe:
-                continue
-            if h.kind == "recv" and h.req[0] == COLLECTIVE and h.peer != _ANY:
-                found = self._first_tag_from(h.peer)
+        pending = [h for h in handles if h.status is None]
+        with self._lock:  # another thread's progress changes what is looked at
+            gone = [(h, how) for h in pending if (how := self._gone(h)) is not None]
+            firsts = {h.peer: self._first_tag_from(h.peer) for h in pending if probe
+                      and h.kind == "recv" and h.req[0] == COLLECTIVE and h.peer != _ANY}
+        for h, how in gone[:1]:
+            # how it left, if it or a rank it failed said so
+            said = (self.peer_failure((h.peer,), gone=True)
+                    if self.peer_failure is not None else None)
+            if said is not None:
+                raise TransportPeerFailed(said)
+            raise TransportPeerLost(f"rank {h.peer}: {how}, while rank {self.rank} waited "
+                                    "for it")
+        if not probe:
+            return
+        for h in pending:
+            if h.peer in firsts and h.kind == "recv":
+                found = firsts[h.peer]
                 if found is None or found == h.tag:
                     self._signs.gone(h)
                 elif self._signs.lasted(h, found, _monotonic()):
@@ -556,9 +604,9 @@ class TcpTransport(Transport):
         closed = self._closed_in.get(h.peer)
         if closed is not None:
             return closed[0]
-        closed = self._closed.get(h.peer)
-        if (closed is None or h.peer in self._in or self._hello
-                or _monotonic() - closed[1] < LOST_GRACE_S):
+        closed, now = self._closed.get(h.peer), _monotonic()
+        if (closed is None or h.peer in self._in or now - closed[1] < LOST_GRACE_S
+                or any(now - t < LOST_GRACE_S for _, t in self._hello.values())):
             return None
         return closed[0]
 
@@ -571,6 +619,7 @@ class TcpTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
+            self._shut = True
             for conn in [*self._in.values(), *self._out.values()]:
                 conn.sock.close()
             for sock in self._hello:
