@@ -87,7 +87,7 @@ def test_three_ranks_all_learn_how_the_last_left(how, code):
 def test_ranks_that_all_end_normally_exit_zero_in_any_order(delays):
     proc = mpirun(2, "leave_check.py", "normal", delays, timeout=60)
     assert _ended(proc.stdout) == [0, 1], proc.stdout
-    assert "TransportPeerFailed" not in proc.stdout + proc.stderr
+    assert "TransportPeer" not in proc.stdout + proc.stderr  # Failed or Lost
     assert "Traceback" not in proc.stderr
 
 
