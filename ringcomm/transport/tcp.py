@@ -170,7 +170,7 @@ class TcpTransport(Transport):
         if h.kind == "recv":
             self._post(h, stream)
         elif h.peer == self.rank:
-            self._arrived(stream, self.rank, h.tag, h.req[1], copy=True)
+            self._arrived(stream, self.rank, h.tag, h.req[1])
             h.status = h.nbytes
         else:
             out = self._out.get(h.peer)
@@ -319,7 +319,7 @@ class TcpTransport(Transport):
         h.peer = peer
         return h
 
-    def _arrived(self, stream: int, peer: int, tag: int, data, copy: bool = False) -> None:
+    def _arrived(self, stream: int, peer: int, tag: int, data) -> None:
         """A whole message that needs no reading (a send to this rank itself)."""
         h = self._taker(stream, peer, tag)
         if h is not None:
