@@ -645,3 +645,29 @@ def test_bench_layers_after_a_pause_times_each_call_alone_beside_torchs_dispatch
     assert "from_last_start_us" not in dispatch and dispatch["time_us"] > 0
     others = [r for r in doc["rows"] if r is not dispatch]
     assert others and all(r["time_us"] > 0 and "from_last_start_us" in r for r in others)
+
+
+def test_bench_barrier_times_every_barrier_in_both_runs(tmp_path):
+    """scripts/bench_barrier.py, as the committed barrier_2ranks.json was made: a run
+    per --late value, a row per ringcomm algorithm asked for and for MPI and gloo,
+    every statistic a number (no timing asserted: the release of a barrier whose
+    ranks arrive together is its whole time, so it is positive); the committed file
+    has the same rows; a negative --late is refused naming the flag."""
+    out = tmp_path / "barrier.json"
+    mpirun(2, str(ROOT / "scripts" / "bench_barrier.py"), "--calls", "20", "--rounds", "1",
+           "--late", "0,20", "--json", str(out), timeout=300)
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "ringcomm.bench_barrier/2" and doc["world_size"] == 2
+    assert sorted(doc["runs"]) == ["0", "20"]
+    names = ["ringcomm auto", "ringcomm dissemination", "mpi", "gloo"]
+    for run in doc["runs"].values():
+        assert list(run) == names
+        for stats in run.values():
+            assert set(stats) == {"exit_skew_us", "release_us", "next_call_us"}
+            assert all(s["median"] >= 0 and s["p90"] >= s["median"] for s in stats.values())
+            assert stats["release_us"]["median"] > 0
+    committed = json.loads((ROOT / "docs" / "data" / "barrier_2ranks.json").read_text())
+    assert all(list(run) == names for run in committed["runs"].values())
+    bad = _run([sys.executable, str(ROOT / "scripts" / "bench_barrier.py"), "--late", "-5"],
+               120, None)
+    assert bad.returncode == 2 and "--late" in bad.stderr, bad.stderr

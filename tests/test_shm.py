@@ -148,6 +148,8 @@ def test_shm_direct_mismatches_fail_at_once(launcher, sizes, algos):
     ("mpiexec", "broadcast:shm_direct:0,broadcast:shm_direct:1", 1000),  # roots differ
     pytest.param("torchrun", "allgather:shm_direct,reduce_scatter:shm_direct", 1000,
                  marks=pytest.mark.wide),  # collectives
+    ("mpiexec", "barrier:shm_direct,broadcast:shm_direct:0", 1000),  # a barrier's round
+    ("mpiexec", "barrier:shm_direct,barrier:dissemination", 1000),  # against its schedule
     ("mpiexec", "broadcast:shm_direct:0,broadcast:tree:0", 40000),  # against a schedule
     pytest.param("mpiexec", "allgather:ring,allgather:shm_direct", 40000,
                  marks=pytest.mark.wide),  # the same with another collective

@@ -267,6 +267,8 @@ def test_one_rank_runs_any_transport_collective_as_a_copy():
         pg.allreduce([t]).wait()
         out = [torch.full((5,), -1.0)]
         pg.allgather([out], [torch.arange(5.0)]).wait()
+        pg.set_algorithm("barrier", "shm_direct")
+        pg.barrier(dist.BarrierOptions()).wait()
         return t, out[0]
 
     [(t, gathered)] = _groups(1, LocalFabric.transport, body)

@@ -95,7 +95,7 @@ NATIVE = register_transport_collective(
 #: into its segment once and reads the peers' parts from theirs
 #: (:mod:`ringcomm.transport.shm.direct`); only where every rank shares one host
 SHM_DIRECT = register_transport_collective(
-    "shm_direct", ("allreduce", "broadcast", "allgather", "reduce_scatter"),
+    "shm_direct", ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier"),
     "the shared-memory transport with every rank of the group on one host")
 
 #: builders that ship with ringcomm's own algorithms (proved by the test suite)

@@ -125,6 +125,13 @@ MEASURED = Path(__file__).with_name("measured_2ranks.json")
 MODELLED: dict[str, dict[str, list]] = {k: dict(v) for k, v in DEFAULT_TUNING.items()}
 for _coll, _rows in json.loads(MEASURED.read_text()).items():
     DEFAULT_TUNING[_coll].update(_rows)
+#: A barrier carries no data: where every rank of the group shares one host, the
+#: shared-memory transport's own round (each rank writes one word and reads its
+#: peers') releases the ranks sooner and closer together than a schedule's
+#: messages, at every world size (``scripts/bench_barrier.py``,
+#: docs/data/barrier_2ranks.json). Where it cannot run (several hosts, no shared
+#: memory, a device's lane) auto takes the modelled row: dissemination.
+DEFAULT_TUNING["barrier"] = {"default": [[None, "shm_direct"]]}
 
 _KEY = re.compile(r"default|hosts|\d+|>=\d+")
 

@@ -185,6 +185,13 @@ def apart(x: torch.Tensor, outs: Sequence[torch.Tensor], own: int | None) -> tor
     return x
 
 
+def timeout_of(g: Group, timeout: Any) -> float:
+    """The seconds a call with torch's ``opts.timeout`` gets: the group's own where
+    torch left it unset (negative) or zero, or it is missing."""
+    return (g.timeout_s if timeout is None or timeout.days < 0 or not timeout
+            else timeout.total_seconds())
+
+
 def lookup(g: Group, key: Any, make) -> Call:
     call = g.calls.get(key)
     if call is None:

@@ -10,14 +10,18 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-from ringcomm import algorithms
+from ringcomm import algorithms, trace
 from ringcomm.front.arguments import options
 from ringcomm.front.cross_rank_checks import dtype_code
 from ringcomm.front.lanes import Lane
 from ringcomm.front.calls import (Call, Group, apart, as_bytes, flat_bytes, flat_view, lookup,
-                                  nbytes_of, write_back)
+                                  nbytes_of, timeout_of, write_back)
 
 _uint8 = torch.uint8
+_BarrierOptions = dist.BarrierOptions
+_ASYNC_OP = hasattr(_BarrierOptions(), "asyncOp")
+#: a barrier's arguments on a group of one channel: no other channel to fence
+_NO_FENCES: tuple = ([],)
 
 
 # -- data movement ----------------------------------------------------------------
@@ -362,3 +366,24 @@ def barrier(g: Group, opts: Any = None) -> tuple:
     key = ("barrier", lane.key, lane.channel, g.planner.algos["barrier"], algorithms.generation)
     call = lookup(g, key, lambda: _Barrier(g, lane))
     return call, ([other.engine.fence() for other in g.lanes.siblings(lane)],)
+
+
+def barrier_prepared(g: Group, opts: Any) -> Any:
+    """The ProcessGroup's ``barrier`` when it runs on the group's CPU lane (no
+    device named) and is prepared, on a group of one channel with no flight
+    recorder or trace: the Work, with nothing between the key and the engine; None
+    otherwise (the generic path, :func:`barrier`, runs it)."""
+    lanes = g.lanes
+    if (type(opts) is _BarrierOptions and lanes.channels == 1 and g.flight is None
+            and lanes.cpus and not opts.device_ids and not trace.active()):
+        dev = opts.device
+        if dev is None or (dev.type == "cpu" and lanes.nccl_type != "cpu"):
+            lane = lanes.cpus[0]  # Lanes.for_barrier's choice for these options
+            call = g.calls.get(("barrier", lane.key, 0, g.planner.algos["barrier"],
+                                algorithms.generation))
+            if call is not None:
+                g.seq += 1
+                return lane.engine.submit(call, _NO_FENCES,
+                                          opts.asyncOp if _ASYNC_OP else True,
+                                          timeout_of(g, opts.timeout))
+    return None

@@ -447,9 +447,7 @@ def _method(torch_name: str, build: Callable[..., tuple]) -> Callable[..., dist.
             self.calls.clear()
             raise
         opts = args[-1] if args else kwargs.get("opts")  # torch's options come last
-        timeout = getattr(opts, "timeout", None)
-        timeout_s = (self.timeout_s if timeout is None or timeout.days < 0 or not timeout
-                     else timeout.total_seconds())
+        timeout_s = calls.timeout_of(self, getattr(opts, "timeout", None))
         fr = self.flight
         if fr is not None:
             entry = fr.record(self.fr_tag, self.seq, self.p2p_seq,
@@ -492,4 +490,19 @@ _allreduce.__doc__ = reductions.allreduce.__doc__
 _allreduce.__name__ = "allreduce"
 _allreduce.__qualname__ = "ProcessGroupRingcomm.allreduce"
 ProcessGroupRingcomm.allreduce = _allreduce
+
+
+def _barrier(self: ProcessGroupRingcomm, opts: Any = None) -> dist.Work:
+    # the short path for the barrier on a CPU lane: a training loop calls it between
+    # phases, and every step of a generic call before it is a step one rank takes
+    # alone after the others left (scripts/bench_barrier.py)
+    work = data_movement.barrier_prepared(self, opts)
+    return work if work is not None else _generic_barrier(self, opts)
+
+
+_generic_barrier = ProcessGroupRingcomm.barrier
+_barrier.__doc__ = data_movement.barrier.__doc__
+_barrier.__name__ = "barrier"
+_barrier.__qualname__ = "ProcessGroupRingcomm.barrier"
+ProcessGroupRingcomm.barrier = _barrier
 forward_collectives([*METHODS, "send", "recv", "recv_anysource"])

@@ -387,13 +387,14 @@ class Transport(Link):
 
 
 #: the collectives a transport's own collective on a group of one rank runs as a copy
-ALONE = ("allreduce", "broadcast", "allgather", "reduce_scatter")
+ALONE = ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier")
 
 
 class _Alone:
     """The program of a transport's own collective on a group of one rank: allreduce and
-    broadcast leave the tensor as it is; allgather and reduce_scatter copy the one
-    chunk from input to output (unless they are the same memory)."""
+    broadcast leave the tensor as it is, a barrier has no one to wait for; allgather
+    and reduce_scatter copy the one chunk from input to output (unless they are the
+    same memory)."""
 
     def __init__(self, collective: str):
         self.collective = collective

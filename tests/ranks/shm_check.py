@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import time
 from datetime import timedelta
 
@@ -202,12 +201,32 @@ def direct_others(c: Checker, rank: int, size: int, window: int) -> None:
         dist.reduce_scatter(shifted, [base[j * n:(j + 1) * n] for j in range(size)], group=g)
         c.check(torch.equal(shifted, want),
                 f"reduce_scatter shm_direct, output overlapping the inputs, {dtype} n={n}")
+    direct_barrier(c, rank, size)
     # uneven allgather chunks: rank i gives i + 1 elements, in several rounds
     big = window // 4 + 3
     outs = [torch.empty(big * (i + 1)) for i in range(size)]
     dist.all_gather(outs, of(rank, big * (rank + 1)), group=g)
     c.check(all(torch.equal(o, of(r, big * (r + 1))) for r, o in enumerate(outs)),
             "allgather shm_direct of uneven chunks")
+
+
+def direct_barrier(c: Checker, rank: int, size: int) -> None:
+    """shm_direct's barrier is auto's on one host: one round of the window, and no
+    rank leaves before the last one arrived (that one sleeps first, then says it came
+    in the store; the others read every rank's word once they left)."""
+    g = dist.new_group()
+    c.check(_rounds(dist.barrier, group=g) == 1, "auto's barrier on one host: not one round")
+    store = dist.distributed_c10d._get_default_store()
+    if rank == size - 1:
+        time.sleep(0.3)
+    store.set(f"direct-barrier/{rank}", "1")
+    store.get(f"direct-barrier/{rank}")  # (a get waits for the set on this connection)
+    t0 = time.monotonic()
+    dist.barrier(group=g)
+    waited = time.monotonic() - t0
+    c.check(store.check([f"direct-barrier/{r}" for r in range(size)]),
+            "shm_direct barrier returned before every rank arrived")
+    c.check(rank == size - 1 or waited > 0.2, f"rank {rank} waited only {waited:.3f} s")
 
 
 def must_fail(c: Checker, what: str, x: torch.Tensor, call=None) -> str:
@@ -230,6 +249,8 @@ def _call(spec: str, n: int):
     coll, algo, *root = spec.split(":")
     ringcomm.set_algorithm(coll, algo)
     p = dist.get_world_size()
+    if coll == "barrier":
+        return dist.barrier
     if coll == "broadcast":
         t = torch.ones(n)
         return lambda: dist.broadcast(t, int(root[0]) if root else 0)

@@ -1,7 +1,7 @@
 """``shm_direct``: the shared-memory transport's own collectives (allreduce,
-broadcast, allgather, reduce_scatter), for groups whose ranks all share one host
-(DeepSpeed's small-message allreduce, in ringcomm's terms, and the same round for
-the others).
+broadcast, allgather, reduce_scatter, barrier), for groups whose ranks all share one
+host (DeepSpeed's small-message allreduce, in ringcomm's terms, and the same round for
+the others; a barrier is a round that carries no data).
 
 Each rank's segment holds a *window* of two buffers of ``RINGCOMM_SHM_DIRECT_BYTES``
 and, beside each, a line of three words: the round it holds, and the signature and
@@ -53,7 +53,7 @@ _copy = ops.serial_copy
 #: looks at the peers' lines before the transport's wait takes over
 _SPINS = 1000
 #: the collectives shm_direct serves
-COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter")
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier")
 
 
 def direct_program(tp: Any, collective: str, layout: tuple, dtype: torch.dtype, op: Any,
@@ -61,7 +61,8 @@ def direct_program(tp: Any, collective: str, layout: tuple, dtype: torch.dtype, 
     """The program (``run(bufs)``, ``close()``) of one ``collective`` call shape over
     ``tp``'s window; buffers and ``layout`` as :data:`ringcomm.schedule.BUFFERS` says."""
     kind = {"allreduce": DirectAllreduce, "broadcast": DirectBroadcast,
-            "allgather": DirectAllgather, "reduce_scatter": DirectReduceScatter}[collective]
+            "allgather": DirectAllgather, "reduce_scatter": DirectReduceScatter,
+            "barrier": DirectBarrier}[collective]
     return kind(tp, layout, dtype, op, root, signature, epoch, names)
 
 
@@ -411,3 +412,22 @@ class DirectReduceScatter(_Direct):
         _copy(part, ins[i][0] if me == 0 and mine is not None else raw[0])
         for r in range(1, self.p):
             self.reduce(target, mine if r == me and mine is not None else src[r])
+
+
+class DirectBarrier(_Direct):
+    """barrier: one round that carries no data. Each rank publishes the round and
+    leaves once every peer published it: one write and p-1 reads of shared memory
+    where a dissemination schedule sends ceil(log2 p) messages in turn, so the ranks
+    leave within a look at the lines of each other (``scripts/bench_barrier.py``)."""
+
+    def __init__(self, tp, layout, dtype, op, root, signature, epoch, names=None):
+        super().__init__(tp, dtype, 0, 1, signature, epoch, names)
+
+    def _views(self, bufs):
+        return None
+
+    def _put(self, views, i, buf):
+        pass
+
+    def _take(self, views, i, buf):
+        pass
