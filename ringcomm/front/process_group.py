@@ -197,6 +197,17 @@ class ProcessGroupRingcomm(TorchContract, dist.ProcessGroup):
         """The algorithm a ``collective`` of ``nbytes`` per rank runs on this group."""
         return self.planner.choose(collective, nbytes)
 
+    def reduces_in_place(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether ``allreduce_coalesced`` of ``tensors`` (a SUM) reduces them where they
+        lie, with no packed buffer between (shm_direct's rounds read and write each
+        tensor itself): the algorithm auto or the set choice runs for their size takes
+        several tensors, and they are contiguous and apart. Prepares the call (no
+        message is sent); a caller with tensors of the same sizes elsewhere gets the
+        same answer for them while they are contiguous and apart."""
+        opts = dist.AllreduceCoalescedOptions()
+        call, _ = reductions.allreduce_coalesced(self, tensors, opts)
+        return call.in_place(list(tensors))
+
     # -- point-to-point -------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:
         """``dist.send``/``isend``: posted at once (non-blocking), so rings of sends

@@ -132,11 +132,49 @@ def _new_allreduce(g: Group, tensors: list, opts: Any, contiguous: bool) -> _All
     return _Allreduce(g, lane, t, op, contiguous)
 
 
+class _CoalescedPart:
+    """The tensors of one dtype of an allreduce_coalesced: their program, and the
+    buffer they are packed into (made on first use: a call whose tensors are always
+    reduced where they lie never needs one)."""
+
+    __slots__ = ("run", "program", "members", "n", "dtype", "op", "avg", "flat", "offs")
+
+    def __init__(self, prepared: tuple, members: list[int], n: int, dtype: torch.dtype, op,
+                 avg: ops.Averaging):
+        self.program = prepared[1]
+        self.run = self.program.run
+        self.members, self.n, self.dtype, self.op, self.avg = members, n, dtype, op, avg
+        self.flat: torch.Tensor | None = None
+        self.offs: list = []
+
+    def lies(self, ts: list, apart) -> bool:
+        """Whether this part's tensors of ``ts`` are reduced where they lie: the
+        program takes several tensors, the op needs no step before or after, and the
+        tensors are contiguous and ``apart(ts, members)``."""
+        avg = self.avg
+        return (getattr(self.program, "pieces", False) and avg.scale is None
+                and avg.post is None and all(ts[i].is_contiguous() for i in self.members)
+                and apart(ts, self.members))
+
+    def packed(self, ts: list) -> torch.Tensor:
+        """The buffer, made on the first call that packs (``ts``' device)."""
+        if self.flat is None:
+            self.flat = torch.empty(self.n, dtype=self.dtype, device=ts[0].device)
+            off = 0
+            for i in self.members:
+                self.offs.append((i, self.flat[off:off + ts[i].numel()]))
+                off += ts[i].numel()
+        return self.flat
+
+
 class _AllreduceCoalesced(Call):
     """Several tensors reduced as one collective: packed into one buffer per dtype
-    (the call's own), reduced once, unpacked."""
+    (the call's own), reduced once, unpacked; or, where the program takes the
+    elements as several tensors (shm_direct's ``pieces``) and the tensors are
+    contiguous and apart, reduced where they lie, with no packing (a DDP bucket's
+    gradients: :mod:`ddp.reducer`)."""
 
-    __slots__ = ("parts",)
+    __slots__ = ("parts", "_apart")
 
     def __init__(self, g: Group, lane: Lane, ts: list, reduce_op):
         by_dtype: dict[torch.dtype, list[int]] = {}
@@ -148,32 +186,48 @@ class _AllreduceCoalesced(Call):
             n = sum(ts[i].numel() for i in members)
             pr = g.planner.prepare(lane, "allreduce", (n,), dtype, op=op, nbytes=n * dtype.itemsize)
             prepared.append(pr)
-            flat = torch.empty(n, dtype=dtype, device=ts[0].device)
-            offs, off = [], 0
-            for i in members:
-                offs.append((i, flat[off:off + ts[i].numel()]))
-                off += ts[i].numel()
-            parts.append((pr[1].run, flat, offs, op,
-                          ops.Averaging(op, dtype, g.inputs.size, lane.on_stream)))
+            parts.append(_CoalescedPart(pr, members, n, dtype, op,
+                                        ops.Averaging(op, dtype, g.inputs.size, lane.on_stream)))
         super().__init__(g, lane, "allreduce_coalesced", prepared)
         self.parts = parts
-        self.owned = tuple(part[1] for part in parts)
+        self._apart: tuple = ((), False)  # the last addresses looked at, and whether apart
 
     def execute(self, ts: list, tensors: list) -> list:
-        for run, flat, offs, op, avg in self.parts:
+        for part in self.parts:
             if self.detail:
                 self.same_call("allreduce_coalesced",
-                               [flat.numel(), int(op), dtype_code(flat.dtype)])
-            if not flat.numel():
+                               [part.n, int(part.op), dtype_code(part.dtype)])
+            if not part.n:
                 continue
-            for i, view in offs:
+            if part.lies(ts, self._apart_of):
+                part.run([ts[i].view(-1) for i in part.members])
+                continue
+            avg = part.avg
+            flat = part.packed(ts)
+            self.owned = tuple(p.flat for p in self.parts if p.flat is not None)
+            for i, view in part.offs:
                 view.copy_(ts[i].reshape(-1))
             avg.before(flat)
-            run([flat])
+            part.run([flat])
             avg.after(flat)
-            for i, view in offs:
+            for i, view in part.offs:
                 ts[i].copy_(view.view_as(ts[i]))
         return tensors
+
+    def in_place(self, ts: list) -> bool:
+        """Whether every dtype's tensors of ``ts`` are reduced where they lie."""
+        return all(part.lies(ts, self._apart_of) for part in self.parts)
+
+    def _apart_of(self, ts: list, members: list[int]) -> bool:
+        """Whether no two of ``members`` of ``ts`` share memory (a round would read what
+        an earlier one wrote); the answer kept for the last addresses asked about (the
+        call's sizes are fixed)."""
+        key = tuple(ts[i].data_ptr() for i in members)
+        if self._apart[0] != key:
+            spans = sorted((ts[i].data_ptr(), ts[i].data_ptr() + ts[i].nbytes)
+                           for i in members if ts[i].numel())
+            self._apart = (key, all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])))
+        return self._apart[1]
 
 
 def allreduce_coalesced(g: Group, tensors: list[torch.Tensor], opts: Any = None) -> tuple:

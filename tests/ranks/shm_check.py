@@ -202,12 +202,72 @@ def direct_others(c: Checker, rank: int, size: int, window: int) -> None:
         c.check(torch.equal(shifted, want),
                 f"reduce_scatter shm_direct, output overlapping the inputs, {dtype} n={n}")
     direct_barrier(c, rank, size)
+    direct_coalesced(c, rank, size, window)
     # uneven allgather chunks: rank i gives i + 1 elements, in several rounds
     big = window // 4 + 3
     outs = [torch.empty(big * (i + 1)) for i in range(size)]
     dist.all_gather(outs, of(rank, big * (rank + 1)), group=g)
     c.check(all(torch.equal(o, of(r, big * (r + 1))) for r, o in enumerate(outs)),
             "allgather shm_direct of uneven chunks")
+
+
+def direct_coalesced(c: Checker, rank: int, size: int, window: int) -> None:
+    """allreduce_coalesced over shm_direct, against a single-process oracle: tensors
+    contiguous and apart are reduced where they lie (no packed buffer is ever made),
+    their pieces crossing the window's rounds, one of them empty, two dtypes; a list
+    that names one tensor twice, a non-contiguous tensor or AVG packs as before."""
+    g = dist.new_group(pg_options=ringcomm.Options(algorithms={"allreduce": "shm_direct"}))
+    pg = ringcomm.get_group(g)
+    per_round = window // 4
+    sizes = (per_round // 3, 0, per_round + 7, 5, 2 * per_round)
+
+    def inputs(r: int, dtype=torch.float32) -> list[torch.Tensor]:
+        return [((torch.arange(n) * (r + 2) + i) % 97).to(dtype) for i, n in enumerate(sizes)]
+
+    def want(dtype=torch.float32) -> list[torch.Tensor]:
+        every = [inputs(r, dtype) for r in range(size)]
+        return [sum(x[i] for x in every) for i in range(len(sizes))]
+
+    def reduce(ts: list, op=dist.ReduceOp.SUM) -> None:
+        opts = dist.AllreduceCoalescedOptions()
+        opts.reduceOp = op
+        pg.allreduce_coalesced(ts, opts).wait()
+
+    def packed_buffers() -> int:
+        return sum(1 for call in pg.calls.values() if hasattr(call, "parts")
+                   for part in call.parts if part.flat is not None)
+
+    ts = inputs(rank) + inputs(rank, torch.int64)
+    for _ in range(2):  # the second call finds its pieces bound
+        ts = inputs(rank) + inputs(rank, torch.int64)
+        reduce(ts)
+        c.check(all(torch.equal(t, w) for t, w in zip(ts, want() + want(torch.int64))),
+                "allreduce_coalesced shm_direct in place: wrong sums")
+    c.check(packed_buffers() == 0, "allreduce_coalesced shm_direct packed contiguous tensors")
+    x = inputs(rank)[2]
+    twice = [x, x.clone()[:5], x]  # x twice: reduced where it lies, the second would read sums
+    reduce(twice)
+    full = want()[2]
+    c.check(torch.equal(twice[0], full) and torch.equal(twice[1], full[:5]),
+            "allreduce_coalesced shm_direct of one tensor named twice: wrong sums")
+    grid = torch.arange(64.0).view(8, 8) * (rank + 1)
+    apart = [grid.t(), torch.ones(3)]  # non-contiguous: packed
+    reduce(apart)
+    c.check(torch.equal(apart[0], (torch.arange(64.0).view(8, 8) * sum(range(1, size + 1))).t())
+            and torch.equal(apart[1], torch.full((3,), float(size))),
+            "allreduce_coalesced shm_direct of a non-contiguous tensor: wrong sums")
+    avg = inputs(rank)
+    reduce(avg, dist.ReduceOp.AVG)
+    c.check(all(torch.allclose(t, w / size) for t, w in zip(avg, want())),
+            "allreduce_coalesced shm_direct AVG: wrong averages")
+    c.check(packed_buffers() == 3, f"packed buffers: {packed_buffers()}, want 3 (twice, "
+                                   "non-contiguous, AVG)")
+    ring = ringcomm.get_group(dist.new_group(pg_options=ringcomm.Options(
+        algorithms={"allreduce": "ring"})))
+    says = (pg.reduces_in_place(inputs(rank)), pg.reduces_in_place(twice),
+            pg.reduces_in_place(apart), ring.reduces_in_place(inputs(rank)))
+    c.check(says == (True, False, False, False), f"reduces_in_place: {says}, want "
+            "True for shm_direct's apart tensors, False named twice, non-contiguous, or a ring")
 
 
 def direct_barrier(c: Checker, rank: int, size: int) -> None:

@@ -249,7 +249,15 @@ class _Direct:
 
 class DirectAllreduce(_Direct):
     """allreduce, ``layout`` ``(numel,)``: every rank copies its part in and folds
-    every rank's, in rank order."""
+    every rank's, in rank order.
+
+    ``run`` also takes the call's elements as several 1-D tensors, one after the
+    other (``pieces``: an allreduce_coalesced of distinct, non-overlapping tensors):
+    each round copies the pieces' parts straight into the window and folds the
+    peers' straight into them, with no packed buffer between."""
+
+    #: run() takes the elements as several tensors, in order
+    pieces = True
 
     def __init__(self, tp, layout, dtype, op, root, signature, epoch, names=None):
         step = tp.direct.nbytes // dtype.itemsize
@@ -266,15 +274,49 @@ class DirectAllreduce(_Direct):
             else self._fold_later
 
     def _views(self, bufs):
+        if len(bufs) > 1:
+            return None, self._piece_views(bufs)
         parts = [self.caller_part(bufs[0], a, b) for a, b in self.spans]
         return parts, [ops.operand(x, self.dtype) for x in parts]
 
+    def _piece_views(self, bufs) -> list:
+        """Per span, per window buffer: ``(part, raw, target, src)`` for each piece of
+        ``bufs`` the span covers: the piece's bytes and operand, and every rank's
+        window bytes and operands at the piece's place in the span."""
+        out = [[[] for _ in (0, 1)] for _ in self.spans]
+        at = 0
+        for t in bufs:
+            n = t.numel()
+            for i, (a, b) in enumerate(self.spans):
+                lo, hi = max(a, at), min(b, at + n)
+                if lo >= hi:
+                    continue
+                part = self.caller_part(t, lo - at, hi - at)
+                target = ops.operand(part, self.dtype)
+                for buf in (0, 1):
+                    raw = [self.window_part(buf, r, lo - a, hi - lo) for r in range(self.p)]
+                    out[i][buf].append((part, raw, target,
+                                        [ops.operand(v, self.dtype) for v in raw]))
+            at += n
+        return out
+
     def _put(self, views, i, buf):
-        part = views[0][i]
+        parts = views[0]
+        if parts is None:
+            me = self.me
+            for part, raw, _, _ in views[1][i][buf]:
+                _copy(raw[me], part)
+            return
+        part = parts[i]
         if part.size:
             _copy(self.raw[buf][i][self.me], part)
 
     def _take(self, views, i, buf):
+        if views[0] is None:
+            fold = self._fold
+            for part, raw, target, src in views[1][i][buf]:
+                fold(target, part, raw, src)
+            return
         self._fold(views[1][i], views[0][i], self.raw[buf][i], self.sources[buf][i])
 
     def _fold_first(self, target, part, raw, src) -> None:
