@@ -14,7 +14,8 @@ class Iteration:
     reducer (:meth:`ddp.reducer.Reducer.prepare_for_backward`); the bucket layout outlives it."""
 
     __slots__ = ("started", "backward_start", "launched", "ready", "used", "ready_order",
-                 "pending", "futures", "used_future", "unused_from_graph", "saved_slots")
+                 "pending", "futures", "used_future", "unused_from_graph", "saved_slots",
+                 "lying", "coalesced")
 
     def __init__(self, n_params: int, buckets: Sequence[Bucket]):
         self.started = False                     # finalize queued, unused marked
@@ -28,3 +29,5 @@ class Iteration:
         self.used_future: torch.futures.Future | None = None  # the bitmap allreduce
         self.unused_from_graph: list[int] = []
         self.saved_slots: dict[int, torch.Tensor] = {}  # bucket views to restore
+        self.lying = [False] * n_params          # reduced in param.grad, not its slot
+        self.coalesced = [False] * len(buckets)  # reduced as the tensors that hold it

@@ -6,7 +6,9 @@ Life of one synchronized iteration (paper, section 3.2 and Algorithm 1):
    ``find_unused_parameters``, walks the autograd graph from the outputs to find
    parameters that will get no gradient on this rank.
 2. Each parameter's post-accumulate-grad hook copies its gradient into its bucket
-   slot (or makes the slot the gradient, with ``gradient_as_bucket_view``). The
+   slot (or makes the slot the gradient, with ``gradient_as_bucket_view``; or, where
+   the group reduces a bucket's tensors where they lie, divides it in place and
+   leaves it there: see ``Reducer._lies``). The
    first hook of the backward queues the finalize callback and marks the unused
    parameters ready. When a bucket's last gradient arrives, every complete bucket
    from the lowest unlaunched index on is handed to the communication hook
@@ -37,6 +39,7 @@ from torch.autograd import Variable
 from ddp.buckets import (Bucket, complete_order, compute_bucket_assignment, make_buckets,
                          reverse_order)
 from ddp.comm_hooks import CommHook, GradBucket, allreduce_hook, allreduce_sum
+from ddp.comm_hooks.default import allreduce_sum_coalesced
 from ddp.graph import find_tensors, reachable_parameters
 from ddp.iteration import Iteration
 from ringcomm import trace
@@ -186,6 +189,10 @@ class Reducer:
             GradBucket(b.index, b.buffer, b.views, [self.params[i] for i in b.param_indices],
                        b.index == len(self.buckets) - 1, self.process_group)
             for b in self.buckets]
+        #: per bucket: the group sums a bucket's tensors where they lie (ringcomm's
+        #: allreduce_coalesced over shared memory), so with the default hook its
+        #: gradients need not be copied into the bucket and back (see _lies)
+        self._in_place = [self._reduces_in_place(b) for b in self.buckets]
         if self.gradient_as_bucket_view:
             for i, p in enumerate(self.params):
                 if p.grad is not None:
@@ -195,6 +202,28 @@ class Reducer:
 
     def _view(self, i: int) -> torch.Tensor:
         return self.buckets[self._bucket_of[i]].views[self._slot_of[i]]
+
+    def _reduces_in_place(self, b: Bucket) -> bool:
+        """Whether the group sums tensors of ``b``'s slots' sizes where they lie, with
+        no packed buffer between (a ringcomm group that runs shm_direct for them:
+        :meth:`ringcomm.front.process_group.ProcessGroupRingcomm.reduces_in_place`).
+        A bucket's slots stand for its gradients: the same sizes and dtype."""
+        if self.gradient_as_bucket_view or self._device.type != "cpu":
+            return False
+        ask = getattr(self.process_group, "reduces_in_place", None)
+        return bool(ask is not None and ask(list(b.views)))
+
+    def _lies(self, i: int, g: torch.Tensor, view: torch.Tensor) -> bool:
+        """Whether gradient ``g`` of parameter ``i`` is reduced where it lies instead
+        of in its slot ``view``: the default hook (``_prescale``), no mixed precision,
+        a bucket the group reduces in place, and a gradient that can stand in its
+        slot's place (contiguous, the slot's dtype and size, not the slot itself).
+        The division by the world size is then done in ``g`` itself: torch's reducer
+        does it while copying into the slot, and the result is the same."""
+        return (self._prescale is not None and self.mp is None
+                and self._in_place[self._bucket_of[i]] and g.dtype == view.dtype
+                and g.is_contiguous() and g.numel() == view.numel() and g.device == view.device
+                and not _aliases(g, view))
 
     def bucket_assignment(self) -> list[list[int]]:
         """Parameter indices per bucket, in launch order."""
@@ -404,6 +433,9 @@ class Reducer:
             if not _aliases(g, view):
                 view.copy_(g)
                 p.grad = view
+        elif self._lies(i, g, view):
+            g.mul_(self._prescale)
+            self.it.lying[i] = True
         else:
             self._fill(view, g)
 
@@ -464,7 +496,19 @@ class Reducer:
         """Hand bucket ``b`` (``gb``) to the communication hook; the future it gave.
         The default hook is an allreduce of the sum, the division done as the
         gradients came (``_prescale``)."""
-        if self._prescale is not None:
+        if self._prescale is not None and self._in_place[b]:
+            # every rank reduces the bucket's tensors where they lie: a gradient where
+            # it divided in place, its slot where it filled one (a join's shadow bucket
+            # of zeros: its slots)
+            if gb is self._grad_buckets[b]:
+                lying = self.it.lying
+                tensors = [self.params[i].grad if lying[i] else view for i, view in
+                           zip(self.buckets[b].param_indices, self.buckets[b].views)]
+                self.it.coalesced[b] = True
+            else:
+                tensors = gb.gradients()
+            fut = allreduce_sum_coalesced(self.process_group, tensors)
+        elif self._prescale is not None:
             fut = allreduce_sum(self.process_group, gb.buffer())
         else:
             fut = self._comm_hook(self._comm_hook_state, gb)
@@ -505,7 +549,8 @@ class Reducer:
         for b, fut in enumerate(self.it.futures):
             with trace.span(f"wait bucket {b}", "ddp", bucket=b):
                 value = fut.wait()
-            self._store_result(b, value)
+            if not self.it.coalesced[b]:  # (a coalesced bucket's result is where it lay)
+                self._store_result(b, value)
         self._account(t_compute_end, time.perf_counter_ns())
         global_used = None
         if self.it.used_future is not None:
@@ -522,6 +567,9 @@ class Reducer:
             if training and training != self.world_size:
                 for bucket in self.buckets:
                     bucket.buffer.mul_(self.world_size / training)
+                for i, lying in enumerate(self.it.lying):
+                    if lying:
+                        self.params[i].grad.mul_(self.world_size / training)
         return missing, global_used
 
     def _close_iteration(self, missing: list[int], global_used: list | None) -> None:
@@ -566,9 +614,12 @@ class Reducer:
 
     def _grads_from_buckets(self, global_used: list | None) -> None:
         """Reduced buckets -> ``param.grad`` (parameters no rank used keep theirs)."""
+        lying = self.it.lying
         for b in self.buckets:
             for k, i in enumerate(b.param_indices):
                 p, view = self.params[i], b.views[k]
+                if lying[i]:
+                    continue  # reduced in param.grad itself (used here: used somewhere)
                 if global_used is not None and global_used[i] == 0:
                     saved = self.it.saved_slots.get(i)
                     if saved is not None:

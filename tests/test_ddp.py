@@ -327,6 +327,24 @@ def test_mismatched_models_fail_on_every_rank():
     assert_checks(out, "ddp_mismatch mpiexec n=3", 3)
 
 
+def test_buckets_reduced_where_the_gradients_lie():
+    """2 ranks on one host: auto's allreduce is shm_direct, so each bucket's
+    gradients are divided and reduced in place; == torch's DDP bit for bit."""
+    out = mpirun(2, "ddp_in_place.py", timeout=LAUNCH_TIMEOUT).stdout
+    assert_checks(out, "ddp_in_place mpiexec n=2", 2)
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("program", ["ddp_in_place.py", "ddp_join.py", "ddp_features.py"])
+def test_buckets_reduced_where_they_lie_at_3_ranks(program):
+    """shm_direct set for 3 ranks (auto picks it at 2 only): the in-place path under
+    join's shadow buckets, torch's DDP features and its own cases."""
+    out = mpirun(3, program, timeout=LAUNCH_TIMEOUT,
+                 env={"RINGCOMM_ALGO": "allreduce=shm_direct",
+                      "PYTHONWARNINGS": "ignore::FutureWarning"}).stdout
+    assert_checks(out, f"{program} shm_direct mpiexec n=3", 3)
+
+
 @pytest.mark.compat
 def test_under_torchrun():
     out = torchrun(2, "ddp_equivalence.py", "--quick", timeout=LAUNCH_TIMEOUT).stdout

@@ -250,6 +250,12 @@ LONG_MODULES = {
         "one transport whose connections, message matching and progress are one state "
         "under one lock (a user's thread and the collectives' both move it), and the "
         "whole transport docs/architecture.md shows a newcomer",
+    "ddp/reducer.py":
+        "the paper's Algorithm 1 as one state machine over one iteration: a gradient's "
+        "hook fills its slot (or divides it where it lies), launches buckets in order, "
+        "and the end of backward waits and writes back; each step reads what the others "
+        "left, and the parts that stand alone are modules already (buckets, iteration, "
+        "graph, join, delayed, mixed_precision)",
     "ringcomm/msccl/translate.py":
         "one algorithm, MSCCL's program played in rounds: the layout, the connections, "
         "the rounds and the temporaries are the parts of one pass (_Play) over them",

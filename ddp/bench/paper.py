@@ -9,6 +9,8 @@ process group; results of older runs (without the trace parts) render too.
 """
 from __future__ import annotations
 
+import statistics
+
 from typing import Sequence
 
 from ringcomm.bench.analysis import model_report
@@ -194,6 +196,32 @@ def nosync(doc: dict) -> str:
                      f"faster for {sum(x > 1 for x in speedups)} of {len(speedups)} "
                      "(model, configuration) pairs.")
     return "\n\n".join(parts)
+
+
+def median_of_runs(runs: Sequence[tuple[dict, str]], ratios: Sequence[tuple[str, str, float]]
+                   ) -> str:
+    """Several runs of the breakdown side by side: per model, each run's ratio of one
+    configuration's time per iteration to another's (``ratios``: of, versus, goal as
+    an upper bound), then their median, which the verdict reads."""
+    models = _models(runs[0][0], "breakdown")
+    head = "| model | ratio | " + " | ".join(f"run {k + 1}" for k in range(len(runs))) \
+        + " | median | goal |"
+    rows = [head, "|---|---|" + "---:|" * (len(runs) + 2)]
+    for model in models:
+        for of, versus, goal in ratios:
+            values = []
+            for doc, _ in runs:
+                r = doc["breakdown"][model]["rows"]
+                values.append(r[of]["total_ms"] / r[versus]["total_ms"])
+            mid = statistics.median(values)
+            rows.append(f"| {model} | `{of}` / `{versus}` | "
+                        + " | ".join(f"{v:.3f}x" for v in values)
+                        + f" | **{mid:.3f}x** ({'met' if mid <= goal else 'missed'}) "
+                          f"| <= {goal:g} |")
+    rows += ["", "Runs: " + "; ".join(
+        f"{k + 1}: `{source}` ({doc['meta']['started']})" for k, (doc, source) in enumerate(runs))
+        + "."]
+    return "\n".join(rows)
 
 
 def targets(doc: dict, metrics: Sequence[str] = ("iteration_ratio", "overlap_saving")) -> str:

@@ -111,6 +111,16 @@ def allreduce_sum(group: dist.ProcessGroup, buf: torch.Tensor) -> torch.futures.
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def allreduce_sum_coalesced(group: dist.ProcessGroup,
+                            tensors: list[torch.Tensor]) -> torch.futures.Future:
+    """Sum ``tensors`` over ``group`` in place as one collective, asynchronously."""
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = True
+    return group.allreduce_coalesced(tensors, opts).get_future()
+
+
 def _compressed(state: Any, bucket: dist.GradBucket, dtype: torch.dtype) -> torch.futures.Future:
     group = hook_group(state, bucket)
     buf = bucket.buffer()
