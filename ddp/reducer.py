@@ -7,8 +7,8 @@ Life of one synchronized iteration (paper, section 3.2 and Algorithm 1):
    parameters that will get no gradient on this rank.
 2. Each parameter's post-accumulate-grad hook copies its gradient into its bucket
    slot (or makes the slot the gradient, with ``gradient_as_bucket_view``; or, where
-   the group reduces a bucket's tensors where they lie, divides it in place and
-   leaves it there: see ``Reducer._lies``). The
+   the group reduces a bucket's tensors where they lie, leaves it where it is until
+   the bucket goes out: see ``Reducer._lay``). The
    first hook of the backward queues the finalize callback and marks the unused
    parameters ready. When a bucket's last gradient arrives, every complete bucket
    from the lowest unlaunched index on is handed to the communication hook
@@ -51,6 +51,17 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same memory, same layout: ``a`` is (a view equal to) ``b``."""
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype and a.device == b.device)
+
+
+#: how many tensors use a storage (torch's own count; None where this torch lacks it:
+#: then no gradient is reduced where it lies)
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _owns_memory(t: torch.Tensor) -> bool:
+    """Whether no tensor but ``t`` uses its memory (the storage object asked counts one)."""
+    return (_storage_use_count is not None
+            and _storage_use_count(t.untyped_storage()._cdata) <= 2)
 
 
 def _grad_hook(ref: "weakref.ref[Reducer]", index: int, param: torch.Tensor) -> None:
@@ -191,7 +202,7 @@ class Reducer:
             for b in self.buckets]
         #: per bucket: the group sums a bucket's tensors where they lie (ringcomm's
         #: allreduce_coalesced over shared memory), so with the default hook its
-        #: gradients need not be copied into the bucket and back (see _lies)
+        #: gradients need not be copied into the bucket and back (see _lay)
         self._in_place = [self._reduces_in_place(b) for b in self.buckets]
         if self.gradient_as_bucket_view:
             for i, p in enumerate(self.params):
@@ -213,17 +224,40 @@ class Reducer:
         ask = getattr(self.process_group, "reduces_in_place", None)
         return bool(ask is not None and ask(list(b.views)))
 
-    def _lies(self, i: int, g: torch.Tensor, view: torch.Tensor) -> bool:
-        """Whether gradient ``g`` of parameter ``i`` is reduced where it lies instead
-        of in its slot ``view``: the default hook (``_prescale``), no mixed precision,
-        a bucket the group reduces in place, and a gradient that can stand in its
-        slot's place (contiguous, the slot's dtype and size, not the slot itself).
-        The division by the world size is then done in ``g`` itself: torch's reducer
-        does it while copying into the slot, and the result is the same."""
-        return (self._prescale is not None and self.mp is None
-                and self._in_place[self._bucket_of[i]] and g.dtype == view.dtype
-                and g.is_contiguous() and g.numel() == view.numel() and g.device == view.device
-                and not _aliases(g, view))
+    def _laying(self, b: int) -> bool:
+        """Whether bucket ``b`` goes out as the tensors that hold its gradients
+        (:meth:`_lay`): the default hook (``_prescale``), no mixed precision, and a
+        group that reduces such tensors where they lie. The same on every rank."""
+        return self._prescale is not None and self.mp is None and self._in_place[b]
+
+    def _lay(self, b: int) -> list[torch.Tensor]:
+        """The tensors bucket ``b`` is reduced as, at its launch (every gradient of it
+        in): a used parameter's gradient, divided by the world size in place, where
+        it can stand in its slot's place (contiguous, the slot's dtype and size) and
+        no other tensor uses its memory (autograd may hand a parameter a view of a
+        gradient that another branch of the backward still reads); otherwise its
+        slot, filled now (a parameter that got no gradient: filled when it was marked).
+        Dividing once, here, also counts a gradient that arrived twice once."""
+        bucket, it = self.buckets[b], self.it
+        tensors, lying = [], []
+        for i, view in zip(bucket.param_indices, bucket.views):
+            g = self.params[i].grad
+            if it.used[i] and g is not None and g.dtype == view.dtype and g.is_contiguous() \
+                    and g.numel() == view.numel() and g.device == view.device \
+                    and not _aliases(g, view) and _owns_memory(g):
+                it.lying[i] = True
+                lying.append(g)
+                tensors.append(g)
+                continue
+            if it.used[i]:
+                if g is None:  # a hook cleared it; treat as a zero gradient
+                    view.zero_()
+                else:
+                    self._fill(view, g)
+            tensors.append(view)
+        if lying:  # the division torch's reducer makes while copying into the slot
+            torch._foreach_mul_(lying, self._prescale)
+        return tensors
 
     def bucket_assignment(self) -> list[list[int]]:
         """Parameter indices per bucket, in launch order."""
@@ -433,9 +467,8 @@ class Reducer:
             if not _aliases(g, view):
                 view.copy_(g)
                 p.grad = view
-        elif self._lies(i, g, view):
-            g.mul_(self._prescale)
-            self.it.lying[i] = True
+        elif self._laying(self._bucket_of[i]):
+            pass  # left where it is until its bucket goes out (_lay)
         else:
             self._fill(view, g)
 
@@ -496,14 +529,11 @@ class Reducer:
         """Hand bucket ``b`` (``gb``) to the communication hook; the future it gave.
         The default hook is an allreduce of the sum, the division done as the
         gradients came (``_prescale``)."""
-        if self._prescale is not None and self._in_place[b]:
-            # every rank reduces the bucket's tensors where they lie: a gradient where
-            # it divided in place, its slot where it filled one (a join's shadow bucket
-            # of zeros: its slots)
+        if self._laying(b):
+            # every rank reduces the bucket as the tensors that hold it (a join's
+            # shadow bucket of zeros: its slots)
             if gb is self._grad_buckets[b]:
-                lying = self.it.lying
-                tensors = [self.params[i].grad if lying[i] else view for i, view in
-                           zip(self.buckets[b].param_indices, self.buckets[b].views)]
+                tensors = self._lay(b)
                 self.it.coalesced[b] = True
             else:
                 tensors = gb.gradients()

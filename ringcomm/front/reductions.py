@@ -223,11 +223,13 @@ class _AllreduceCoalesced(Call):
         an earlier one wrote); the answer kept for the last addresses asked about (the
         call's sizes are fixed)."""
         key = tuple(ts[i].data_ptr() for i in members)
-        if self._apart[0] != key:
+        cached = self._apart  # one read: another thread may ask about other tensors
+        if cached[0] != key:
             spans = sorted((ts[i].data_ptr(), ts[i].data_ptr() + ts[i].nbytes)
                            for i in members if ts[i].numel())
-            self._apart = (key, all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])))
-        return self._apart[1]
+            cached = self._apart = (key, all(end <= nxt for (_, end), (nxt, _)
+                                             in zip(spans, spans[1:])))
+        return cached[1]
 
 
 def allreduce_coalesced(g: Group, tensors: list[torch.Tensor], opts: Any = None) -> tuple:
