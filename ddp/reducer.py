@@ -528,7 +528,8 @@ class Reducer:
     def _reduce(self, b: int, gb: GradBucket) -> torch.futures.Future:
         """Hand bucket ``b`` (``gb``) to the communication hook; the future it gave.
         The default hook is an allreduce of the sum, the division done as the
-        gradients came (``_prescale``)."""
+        gradients came into their slots (``_prescale``), or, for a bucket reduced
+        where its gradients lie, here (:meth:`_lay`)."""
         if self._laying(b):
             # every rank reduces the bucket as the tensors that hold it (a join's
             # shadow bucket of zeros: its slots)
