@@ -492,3 +492,55 @@ def test_a_merge_that_timed_out_names_whom_the_other_block_reported():
     assert bootstrap._Reports(Broken(), 0).changed(2, 4, 8) is False
     assert pmi.ranks_text([4, 5, 6, 7]) == "ranks 4-7" and pmi.ranks_text([3, 5]) == \
         "ranks 3, 5"
+
+
+class _Call:
+    """A prepared call for the engine: ``execute`` returns its argument or raises."""
+
+    name = "allreduce"
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.runs = fail, 0
+
+    def execute(self, value):
+        self.runs += 1
+        if self.fail:
+            raise RuntimeError("the program failed")
+        return value
+
+
+def _engine():
+    from ringcomm.runtime.engine import Engine
+    from ringcomm.testing.local import LocalFabric
+    return Engine(LocalFabric(1).transport(0), lambda: "a test group")
+
+
+def test_a_synchronous_call_hands_out_its_work_again_only_once_the_caller_let_it_go():
+    eng = _engine()
+    call = _Call()
+    held = eng.submit_sync(call, ("first",), 5.0)
+    second = eng.submit_sync(call, ("second",), 5.0)
+    assert second is not held  # still held by the caller: a new one
+    assert held.wait() and held.get_future().wait() == "first"
+    assert second.get_future().wait() == "second"
+    del second
+    reused = id(eng.submit_sync(call, ("third",), 5.0))  # the caller drops it at once
+    again = eng.submit_sync(call, ("fourth",), 5.0)
+    assert id(again) == reused  # dropped: the same Work, complete again with the new value
+    assert again.is_completed() and again.get_future().wait() == "fourth"
+    assert held.get_future().wait() == "first"  # a held Work never changes
+    assert call.runs == 4
+
+
+def test_a_failed_synchronous_call_gets_a_work_of_its_own_and_breaks_the_lane():
+    eng = _engine()
+    ok = eng.submit_sync(_Call(), ("ok",), 5.0)
+    failed = eng.submit_sync(_Call(fail=True), ("x",), 5.0)
+    assert failed is not ok and failed is not eng._spare
+    with pytest.raises(dist.DistBackendError, match="the program failed") as e:
+        failed.wait()
+    assert isinstance(e.value.__cause__, RuntimeError)
+    assert ok.wait() and ok.get_future().wait() == "ok"  # untouched by the failure
+    later = eng.submit_sync(_Call(), ("later",), 5.0)
+    with pytest.raises(dist.DistBackendError, match="unusable after an earlier failure"):
+        later.wait()

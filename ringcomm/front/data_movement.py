@@ -383,7 +383,7 @@ def barrier_prepared(g: Group, opts: Any) -> Any:
                                 algorithms.generation))
             if call is not None:
                 g.seq += 1
-                return lane.engine.submit(call, _NO_FENCES,
-                                          opts.asyncOp if _ASYNC_OP else True,
-                                          timeout_of(g, opts.timeout))
+                if _ASYNC_OP and not opts.asyncOp:
+                    return lane.engine.submit_sync(call, _NO_FENCES, timeout_of(g, opts.timeout))
+                return lane.engine.submit(call, _NO_FENCES, True, timeout_of(g, opts.timeout))
     return None

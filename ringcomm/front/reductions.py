@@ -108,8 +108,9 @@ def allreduce_prepared(g: Group, tensors: Any, opts: Any) -> Any:
                              else timeout.total_seconds())
                 fr = g.flight
                 if fr is None:
-                    return call.lane.engine.submit(
-                        call, (t, tensors), opts.asyncOp if _ASYNC_OP else True, timeout_s)
+                    if _ASYNC_OP and not opts.asyncOp:
+                        return call.lane.engine.submit_sync(call, (t, tensors), timeout_s)
+                    return call.lane.engine.submit(call, (t, tensors), True, timeout_s)
                 # Recorder.record and .issued written out: each call costs this path
                 # about 0.1 us (scripts/bench_layers.py's last row)
                 i = fr.next_id()
@@ -117,8 +118,9 @@ def allreduce_prepared(g: Group, tensors: Any, opts: Any) -> Any:
                          call.fr or flight_meta(g, call, "allreduce", (tensors,)), _time_ns(),
                          timeout_s, None]
                 fr.ring[i % fr.capacity] = entry
-                work = call.lane.engine.submit(
-                    call, (t, tensors), opts.asyncOp if _ASYNC_OP else True, timeout_s)
+                work = (call.lane.engine.submit_sync(call, (t, tensors), timeout_s)
+                        if _ASYNC_OP and not opts.asyncOp else
+                        call.lane.engine.submit(call, (t, tensors), True, timeout_s))
                 entry[-1] = (True if work.__class__ is Done and work._exc is None
                              else fr.held(work))
                 return work

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -39,6 +40,7 @@ log = logging.getLogger("ringcomm")
 #: a future callback that runs this long while collectives wait behind it loses the lane
 HANDOFF_S = 0.05
 _current = threading.current_thread
+_refcount = sys.getrefcount
 
 
 class Engine:
@@ -63,6 +65,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._threads = 0
         self._last: Work | None = None
+        #: the completed Work submit_sync hands out again once its caller dropped it
+        self._spare: Done | None = None
         #: when the progress thread entered the callbacks of a finished collective
         self._callbacks_since: float | None = None
         #: collectives running inline inside those callbacks (the lane is busy, not stuck)
@@ -145,6 +149,45 @@ class Engine:
             self._cv.notify_all()
             return work
 
+    def submit_sync(self, call: Any, args: Sequence, timeout_s: float) -> Work:
+        """``submit`` of a synchronous call (the short paths' form): run on the
+        caller's thread when the lane is idle, else as ``submit`` does.
+
+        A training loop's synchronous calls each make a Work that ``dist.all_reduce``
+        waits on and drops; here a call that succeeds returns the lane's spare Work
+        instead, made complete again, once nothing outside the lane still holds it
+        (its reference count says so): no Work is made per call. After a pause
+        every step of a call costs several times its back-to-back time, so each
+        step saved counts (docs/benchmarks.md, "After a pause")."""
+        thread = self._thread
+        if ((thread is not None and _current() is thread) or self._queue
+                or self._stopped or self._error is not None or not self._own.acquire(False)):
+            return self.submit(call, args, False, timeout_s)
+        try:
+            tp = self.tp
+            tp.begin(timeout_s)
+            try:
+                value = call.execute(*args)
+            except BaseException as e:  # noqa: BLE001 - the error is the Work's
+                tp.end()
+                work = self._last = Done(call.name, None, self._failed(call, e, timeout_s))
+                return work
+            tp.end()
+            work = self._spare
+            # held here (_spare, maybe _last), by this frame and by getrefcount's
+            # argument: nothing else, so its last caller let it go
+            if work is not None and _refcount(work) == 3 + (self._last is work):
+                work._op, work._value, work._public = call.name, value, None
+            else:
+                work = self._spare = Done(call.name, value, None)
+            self._last = work
+            return work
+        finally:
+            self._own.release()
+            if self._queue:  # another thread queued work meanwhile
+                with self._cv:
+                    self._cv.notify_all()
+
     def _run_inline(self, call: Any, args: Sequence, timeout_s: float) -> Any:
         """Run one collective on this thread; a Work made complete."""
         if self._stopped:
@@ -169,16 +212,23 @@ class Engine:
             value = call.execute(*args)
         except BaseException as e:  # noqa: BLE001 - every failure must reach the Work
             tp.end()
-            err = self._wrap(call.name, e, timeout_s)
-            self._error = err
-            # the Work raises it where the caller waits: printed once, by the caller's
-            # traceback (here only in RINGCOMM_DEBUG's log)
-            log.info("%s", err)
-            if self.on_failure is not None:
-                self.on_failure(err)
-            raise err from e
+            raise self._failed(call, e, timeout_s)
         tp.end()
         return value
+
+    def _failed(self, call: Any, e: BaseException, timeout_s: float) -> BaseException:
+        """A collective failed with ``e``: break the lane (and the group, through
+        ``on_failure``) and return the error its Work raises."""
+        err = self._wrap(call.name, e, timeout_s)
+        if err is not e:
+            err.__cause__ = e
+        self._error = err
+        # the Work raises it where the caller waits: printed once, by the caller's
+        # traceback (here only in RINGCOMM_DEBUG's log)
+        log.info("%s", err)
+        if self.on_failure is not None:
+            self.on_failure(err)
+        return err
 
     # -- the progress thread ---------------------------------------------------------
     def _spawn(self) -> None:

@@ -181,7 +181,8 @@ class _Direct:
         return ops.memory(t.data_ptr() + a * isz, (b - a) * isz)
 
     def _bind(self, bufs: Sequence[torch.Tensor]):
-        key = tuple(t.data_ptr() for t in bufs)
+        # one buffer (a single tensor's call) keys by its address alone: no generator
+        key = bufs[0].data_ptr() if len(bufs) == 1 else tuple(t.data_ptr() for t in bufs)
         bound = self._bound
         if bound is None or bound[0] != key:
             bound = self._bound = (key, self._views(bufs))
@@ -269,15 +270,21 @@ class DirectAllreduce(_Direct):
                      for a, b in self.spans] for buf in (0, 1)]
         self.sources = [[[ops.operand(v, dtype) for v in per_span] for per_span in per_buf]
                         for per_buf in self.raw]
+        # per buffer, per span: this rank's part of its window as a memoryview. A copy
+        # between memoryviews is a memcpy through the buffer protocol: after a pause it
+        # costs 2 us against numpy's copyto's 5 (the code each runs: docs/benchmarks.md,
+        # "After a pause")
+        self.mine = [[memoryview(per_span[self.me]) for per_span in per_buf]
+                     for per_buf in self.raw]
         # every rank folds in rank order, (((b0 op b1) op b2) ...): the same bits everywhere
         self._fold = (self._fold_first, self._fold_second)[self.me] if self.me < 2 \
             else self._fold_later
 
     def _views(self, bufs):
         if len(bufs) > 1:
-            return None, self._piece_views(bufs)
+            return None, self._piece_views(bufs), None
         parts = [self.caller_part(bufs[0], a, b) for a, b in self.spans]
-        return parts, [ops.operand(x, self.dtype) for x in parts]
+        return parts, [ops.operand(x, self.dtype) for x in parts], [memoryview(x) for x in parts]
 
     def _piece_views(self, bufs) -> list:
         """Per span, per window buffer: ``(part, raw, target, src)`` for each piece of
@@ -307,9 +314,9 @@ class DirectAllreduce(_Direct):
             for part, raw, _, _ in views[1][i][buf]:
                 _copy(raw[me], part)
             return
-        part = parts[i]
-        if part.size:
-            _copy(self.raw[buf][i][self.me], part)
+        part = views[2][i]
+        if part.nbytes:
+            self.mine[buf][i][:] = part
 
     def _take(self, views, i, buf):
         if views[0] is None:
