@@ -671,3 +671,25 @@ def test_bench_barrier_times_every_barrier_in_both_runs(tmp_path):
     bad = _run([sys.executable, str(ROOT / "scripts" / "bench_barrier.py"), "--late", "-5"],
                120, None)
     assert bad.returncode == 2 and "--late" in bad.stderr, bad.stderr
+
+
+def test_bench_steps_times_every_step_back_to_back_and_after_the_pause(tmp_path):
+    """scripts/bench_steps.py, as the committed steps_pause.json was made (fewer calls):
+    every step timed both ways, each a positive number (no timing asserted between
+    them); the committed file names the same steps; bad sizes and counts are refused
+    naming the flag."""
+    out = tmp_path / "steps.json"
+    script = str(ROOT / "scripts" / "bench_steps.py")
+    cmd = [sys.executable, script, "--calls", "20", "--rounds", "1", "--json", str(out)]
+    _checked(_run(cmd, 120, None), cmd, True)
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "ringcomm.bench_steps/1" and doc["bytes"] == 4096
+    assert doc["gap_us"] == 100.0 and doc["calls"] == 20 and doc["rounds"] == 1
+    for r in doc["rows"]:
+        assert set(r) == {"group", "name", "back_to_back_us", "after_sleep_us"}
+        assert r["back_to_back_us"] > 0 and r["after_sleep_us"] > 0, r
+    committed = json.loads((ROOT / "docs" / "data" / "steps_pause.json").read_text())
+    assert [r["name"] for r in committed["rows"]] == [r["name"] for r in doc["rows"]]
+    for flag, value in (("--calls", "0"), ("--bytes", "6"), ("--rounds", "-1")):
+        bad = _run([sys.executable, script, flag, value], 120, None)
+        assert bad.returncode == 2 and flag in bad.stderr, bad.stderr

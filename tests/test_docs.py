@@ -53,7 +53,7 @@ def test_stale_benchmarks_doc_is_detected(tmp_path, run_doc_numbers):
     # every generated block of docs/benchmarks.md, each with a made-up number in it
     names = ("example", "shipped-targets", "run", "tables", "targets", "model", "layers",
              "concurrent", "cuda-path", "one-host", "one-host-others", "layers-shm",
-             "auto-at-scale", "pause", "pause-targets", "layers-pause", "barrier")
+             "auto-at-scale", "pause", "pause-targets", "layers-pause", "barrier", "steps")
     doc = tmp_path / "benchmarks.md"
     doc.write_text("".join(f"x\n<!-- generated:{n} begin -->\n| 4 KiB | 1 us |\n"
                            f"<!-- generated:{n} end -->\n" for n in names))
@@ -77,6 +77,7 @@ def test_stale_benchmarks_doc_is_detected(tmp_path, run_doc_numbers):
     assert "| after a 100 us sleep | added |" in text                # the layers after it
     assert "| 16,384 | rd | rd |" in text                             # auto at scale
     assert "| ringcomm auto, arriving together |" in text            # the barrier
+    assert "| the lane's spare Work made complete again |" in text   # the single steps
     assert readme.read_text() == (ROOT / "README.md").read_text()  # current: not rewritten
     assert run_doc_numbers(*cmd, "--check")[0] == 0
     # a block that is missing is named
