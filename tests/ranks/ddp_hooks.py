@@ -85,6 +85,9 @@ def torch_batched_fixed():
 def subgroups(backend: str | None):
     """Ranks {0, 1} and {2, ...}: post-local SGD's subgroups, of two sizes."""
     world = dist.get_world_size()
+    if world < 3:  # torch's new_group of no ranks fails in ProcessGroup's constructor
+        raise SystemExit(f"ddp_hooks.py needs at least 3 ranks (subgroups {{0, 1}} and "
+                         f"{{2, ...}}), got {world}")
     mine, _ = dist.new_subgroups_by_enumeration([[0, 1], list(range(2, world))],
                                                 backend=backend)
     return mine
