@@ -162,37 +162,19 @@ def _quiet(ufunc, src_first: bool = False):
                     ufunc(dst, src, out=dst)
         return reduce_quiet
     var, quiet = _ERR_STATE, _QUIET
-    if ufunc in _KEYWORD_OUT:
-        return _quiet_keyword(ufunc, var, quiet, src_first)
-    # the output passed by position: numpy parses no keywords then, which after a
-    # pause saves 1.7 us of a 4 KiB add's 4.4 (docs/benchmarks.md, "After a pause")
-    if src_first:
-        def reduce_quiet(dst: np.ndarray, src: np.ndarray) -> None:
-            token = var.set(quiet)
-            try:
-                ufunc(src, dst, dst)
-            finally:
-                var.reset(token)
-        return reduce_quiet
+    # the output passed by position where numpy takes it so: no keywords to parse,
+    # which after a pause saves about a microsecond of a 4 KiB add's five
+    # (scripts/bench_steps.py, docs/data/steps_pause.json)
+    by_position = ufunc not in _KEYWORD_OUT
 
     def reduce_quiet(dst: np.ndarray, src: np.ndarray) -> None:
+        a, b = (src, dst) if src_first else (dst, src)
         token = var.set(quiet)
         try:
-            ufunc(dst, src, dst)
-        finally:
-            var.reset(token)
-    return reduce_quiet
-
-
-def _quiet_keyword(ufunc, var, quiet, src_first: bool):
-    """:func:`_quiet`'s function for the ufuncs of :data:`_KEYWORD_OUT`."""
-    def reduce_quiet(dst: np.ndarray, src: np.ndarray) -> None:
-        token = var.set(quiet)
-        try:
-            if src_first:
-                ufunc(src, dst, out=dst)
+            if by_position:
+                ufunc(a, b, dst)
             else:
-                ufunc(dst, src, out=dst)
+                ufunc(a, b, out=dst)
         finally:
             var.reset(token)
     return reduce_quiet

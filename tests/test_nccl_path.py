@@ -297,3 +297,30 @@ def test_gather_into_one_tensor_as_torch_2_15_calls_it(size):
 
     want = torch.stack([torch.arange(4.0) + 10 * r for r in range(size)])
     assert torch.equal(nccl_groups(size, body)[size - 1], want)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_synchronous_calls_through_torchs_functions_on_the_device_lane(size):
+    """dist.all_reduce and dist.barrier as a training loop calls them, synchronous and
+    again and again: from the second call of a shape the group's short path takes
+    them, which hands the device lane's engine a synchronous call as it hands the
+    CPU lane's (the stand-in world: torch's functions over FakeNccl). Sums against
+    the oracle; an asynchronous call between them too."""
+    from ringcomm.testing import nccl_world
+
+    def body(rank: int):
+        t = torch.full((8,), float(rank + 1))
+        got = []
+        for step in range(4):
+            t.fill_(float(rank + 1 + step))
+            dist.all_reduce(t)
+            got.append(t.clone())
+            dist.barrier()
+        w = torch.ones(3) * rank
+        dist.all_reduce(w, async_op=True).wait()
+        return got, w
+
+    total = sum(range(1, size + 1))
+    for got, w in nccl_world(size, body):
+        assert [g.tolist() for g in got] == [[float(total + size * s)] * 8 for s in range(4)]
+        assert w.tolist() == [float(sum(range(size)))] * 3

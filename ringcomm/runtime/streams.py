@@ -266,6 +266,12 @@ class StreamEngine:
             event = s.record()
         return lambda: s.wait_on_current(event)
 
+    def submit_sync(self, call: Any, args: Sequence, timeout_s: float) -> StreamWork:
+        """A synchronous call, as the short paths hand it to every lane's engine
+        (:meth:`ringcomm.runtime.engine.Engine.submit_sync`): on a stream it is
+        enqueued as any other, and the caller's wait is the stream's."""
+        return self.submit(call, args, False, timeout_s)
+
     def submit(self, call: Any, args: Sequence, async_op: bool = True,
                timeout_s: float = 0.0) -> StreamWork:
         """Enqueue ``call.execute(*args)`` (it issues the whole collective) and return

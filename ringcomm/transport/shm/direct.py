@@ -279,9 +279,9 @@ class DirectAllreduce(_Direct):
         self.sources = [[[ops.operand(v, dtype) for v in per_span] for per_span in per_buf]
                         for per_buf in self.raw]
         # per buffer, per span: this rank's part of its window as a memoryview. A copy
-        # between memoryviews is a memcpy through the buffer protocol: after a pause it
-        # costs 2 us against numpy's copyto's 5 (the code each runs: docs/benchmarks.md,
-        # "After a pause")
+        # between memoryviews is a memcpy through the buffer protocol: after a pause a
+        # 4 KiB one costs half what numpy's copyto does, for the code each runs
+        # (scripts/bench_steps.py, docs/data/steps_pause.json)
         self.mine = [[memoryview(per_span[self.me]) for per_span in per_buf]
                      for per_buf in self.raw]
         # every rank folds in rank order, (((b0 op b1) op b2) ...): the same bits everywhere
