@@ -204,7 +204,8 @@ _work_init = dist.Work.__init__
 
 class Done(BaseWork):
     """A Work complete when made: a synchronous call that ran on the caller's thread.
-    Its future is made only if asked for."""
+    Its future is made only if asked for. The lane hands one out again for a later
+    call once its caller let it go (``Engine.submit_sync``)."""
 
     __slots__ = ("_op", "_value", "_exc", "_public")
 
