@@ -65,8 +65,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._threads = 0
         self._last: Work | None = None
-        #: the completed Work submit_sync hands out again once its caller dropped it
+        #: the completed Work submit_sync hands out again once its caller dropped it,
+        #: and its reference count when nothing but the engine held it
         self._spare: Done | None = None
+        self._spare_refs = 0
         #: when the progress thread entered the callbacks of a finished collective
         self._callbacks_since: float | None = None
         #: collectives running inline inside those callbacks (the lane is busy, not stuck)
@@ -174,12 +176,14 @@ class Engine:
                 return work
             tp.end()
             work = self._spare
-            # held here (_spare, maybe _last), by this frame and by getrefcount's
-            # argument: nothing else, so its last caller let it go
-            if work is not None and _refcount(work) == 3 + (self._last is work):
+            # counted as when it was made (this frame, _spare), plus _last: nothing
+            # else holds it, so its last caller let it go. The count is measured, not
+            # assumed: interpreters differ in the references a call's argument takes
+            if work is not None and _refcount(work) == self._spare_refs + (self._last is work):
                 work._op, work._value, work._public = call.name, value, None
             else:
                 work = self._spare = Done(call.name, value, None)
+                self._spare_refs = _refcount(work)
             self._last = work
             return work
         finally:
