@@ -17,7 +17,6 @@ from ringcomm.front.arguments import options
 from ringcomm.front.cross_rank_checks import dtype_code
 from ringcomm.front.lanes import Lane
 from ringcomm.runtime.work import Done
-from ringcomm.transport.shm.direct import BINDINGS
 from ringcomm.front.calls import (Call, Group, apart, flat_view, flight_meta, lookup,
                                   nbytes_of)
 
@@ -193,8 +192,7 @@ class _AllreduceCoalesced(Call):
                                         ops.Averaging(op, dtype, g.inputs.size, lane.on_stream)))
         super().__init__(g, lane, "allreduce_coalesced", prepared)
         self.parts = parts
-        #: whether the tensors are apart, by the addresses of recent calls' tensors
-        self._apart: dict = {}
+        self._apart: tuple = ((), False)  # the last addresses looked at, and whether apart
 
     def execute(self, ts: list, tensors: list) -> list:
         for part in self.parts:
@@ -224,20 +222,16 @@ class _AllreduceCoalesced(Call):
 
     def _apart_of(self, ts: list, members: list[int]) -> bool:
         """Whether no two of ``members`` of ``ts`` share memory (a round would read what
-        an earlier one wrote); the answer kept for the addresses of recent calls (the
-        call's sizes are fixed; a bucket of ddp/ shares the call with those of its
-        shape), as the program keeps its views (``BINDINGS``)."""
+        an earlier one wrote); the answer kept for the last addresses asked about (the
+        call's sizes are fixed)."""
         key = tuple(ts[i].data_ptr() for i in members)
-        known = self._apart  # one read: another thread may ask about other tensors
-        apart = known.get(key)
-        if apart is None:
+        cached = self._apart  # one read: another thread may ask about other tensors
+        if cached[0] != key:
             spans = sorted((ts[i].data_ptr(), ts[i].data_ptr() + ts[i].nbytes)
                            for i in members if ts[i].numel())
-            apart = all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
-            if len(known) >= BINDINGS:
-                known.clear()
-            known[key] = apart
-        return apart
+            cached = self._apart = (key, all(end <= nxt for (_, end), (nxt, _)
+                                             in zip(spans, spans[1:])))
+        return cached[1]
 
 
 def allreduce_coalesced(g: Group, tensors: list[torch.Tensor], opts: Any = None) -> tuple:

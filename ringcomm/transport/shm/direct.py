@@ -52,11 +52,6 @@ _monotonic = time.monotonic
 _copy = ops.serial_copy
 #: looks at the peers' lines before the transport's wait takes over
 _SPINS = 1000
-#: how many calls' buffers a program keeps its views of (calls of one shape on other
-#: tensors each time: ddp/'s buckets of equal shapes share one prepared call, and
-#: building a bucket's views again costs it more than its round); all are dropped
-#: when it is full
-BINDINGS = 16
 #: the collectives shm_direct serves
 COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier")
 
@@ -169,8 +164,7 @@ class _Direct:
         # at least one round: a call of no elements still meets its peers (a size
         # mismatch with it shows)
         self.spans = [(a, min(a + step, longest)) for a in range(0, max(longest, 1), step)]
-        #: the views of the buffers of recent calls, by their addresses
-        self._bound: dict = {}
+        self._bound: tuple | None = None  # (addresses, views) of the last buffers
         self.peer_words = [w for r, w in enumerate(self.window.words) if r != tp.rank]
         self.own_words = self.window.words[tp.rank]
 
@@ -189,12 +183,10 @@ class _Direct:
     def _bind(self, bufs: Sequence[torch.Tensor]):
         # one buffer (a single tensor's call) keys by its address alone: no generator
         key = bufs[0].data_ptr() if len(bufs) == 1 else tuple(t.data_ptr() for t in bufs)
-        views = self._bound.get(key)
-        if views is None:
-            if len(self._bound) >= BINDINGS:
-                self._bound.clear()
-            views = self._bound[key] = self._views(bufs)
-        return views
+        bound = self._bound
+        if bound is None or bound[0] != key:
+            bound = self._bound = (key, self._views(bufs))
+        return bound[1]
 
     def _views(self, bufs: Sequence[torch.Tensor]):
         raise NotImplementedError
@@ -253,7 +245,7 @@ class _Direct:
         return self._names(sig, 32) if self._names is not None else None
 
     def close(self) -> None:
-        self._bound = {}
+        self._bound = None
 
 
 class DirectAllreduce(_Direct):
