@@ -411,26 +411,30 @@ def test_register_msccl_names_and_refusals():
         msccl.to_xml("allgather", "ring", 3, chunks=4)
 
 
-def test_the_command_line(tmp_path):
+def test_the_command_line(tmp_path, capsys):
+    """``python -m ringcomm.msccl``: export as a user runs it (its own process, once),
+    then check the file and a broken one through the same main() in this process
+    (each process more is 2-3 s of torch's import in make test)."""
+    from ringcomm.msccl.__main__ import main
+
     out = tmp_path / "r4.xml"
     cmd = [sys.executable, "-m", "ringcomm.msccl", "export", "ring", "allreduce", "4"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(None), capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     out.write_text(proc.stdout)
-    proc = subprocess.run([sys.executable, "-m", "ringcomm.msccl", "check", str(out)],
-                          cwd=ROOT, env=_env(None), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    capsys.readouterr()
+    assert main(["check", str(out)]) == 0
+    said = capsys.readouterr().out
     for words in ("ring_allreduce_4: allreduce on 4 ranks, 4 chunks per loop",
                   "proven: every rank's result is right", "rounds of messages: 6",
                   "busiest link: "):
-        assert words in proc.stdout, (words, proc.stdout)
+        assert words in said, (words, said)
     bad = tmp_path / "bad.xml"
     bad.write_text(RING2.replace('cnt="1" depid="-1" deps="-1" hasdep="0"/>\n      <step s="2"',
                                  'cnt="2" depid="-1" deps="-1" hasdep="0"/>\n      <step s="2"', 1))
-    proc = subprocess.run([sys.executable, "-m", "ringcomm.msccl", "check", str(bad)],
-                          cwd=ROOT, env=_env(None), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and "refused: MSCCL XML: gpu 0 tb 0 step 1" in proc.stderr
+    assert main(["check", str(bad)]) == 1
+    assert "refused: MSCCL XML: gpu 0 tb 0 step 1" in capsys.readouterr().err
 
 
 @pytest.mark.wide  # 14 s, kept out of make test's 10 minutes; the XML's schedules run in-process

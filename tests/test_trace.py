@@ -199,13 +199,16 @@ def test_merge_aligns_clocks_across_hosts_only():
     assert forced["otherData"]["clock_shift_us"]["1"] == -150.0
 
 
-def test_merge_refuses_what_it_cannot_merge(tmp_path):
+def test_merge_refuses_what_it_cannot_merge(tmp_path, capsys):
+    from ringcomm.trace.merging import main
+
     with pytest.raises(ValueError, match="not a ringcomm trace"):
         trace.merge([{"traceEvents": []}])
     with pytest.raises(ValueError, match="document 0 and document 1 are both traces of rank 0"):
         trace.merge([_doc(0, "a", 1.0), _doc(0, "a", 2.0)])
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
+    # the command as a user runs it, in its own process once; then its main() here
     proc = subprocess.run([sys.executable, "-m", "ringcomm.trace", "merge",
                            str(tmp_path / "o.json"), str(bad)],
                           capture_output=True, text=True, timeout=60)
@@ -214,16 +217,17 @@ def test_merge_refuses_what_it_cannot_merge(tmp_path):
     good, other = tmp_path / "r0.json", tmp_path / "other.json"
     good.write_text(json.dumps(_doc(0, "a", 1.0)))
     other.write_text(json.dumps({"traceEvents": []}))
-    proc = subprocess.run([sys.executable, "-m", "ringcomm.trace", "merge",
-                           str(tmp_path / "o.json"), str(good), str(other)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and f"{other} is not a ringcomm trace" in proc.stderr, proc.stderr
+    capsys.readouterr()
+    assert main(["merge", str(tmp_path / "o.json"), str(good), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"{other} is not a ringcomm trace" in err, err
     # the output name forgotten: the first input would be overwritten
     before = good.read_text()
-    proc = subprocess.run([sys.executable, "-m", "ringcomm.trace", "merge", str(good),
-                           str(good)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "is also an input" in proc.stderr, proc.stderr
+    assert main(["merge", str(good), str(good)]) == 2
+    err = capsys.readouterr().err
+    assert "is also an input" in err, err
     assert good.read_text() == before
+    assert not (tmp_path / "o.json").exists()
 
 
 def test_one_iteration_is_drawn(merged, tmp_path):
