@@ -660,8 +660,23 @@ def _layers_pause(runs: dict) -> str:
                 "time per call: " + "; ".join(f"after the {label} {_us(r['from_last_start_us'])}"
                                               f" ({_us(r['time_us'])})" for label, r in late)
                 + ".", ""]
+    out += [_dispatch_floor(runs["shm_direct", "100"][0]), ""]
     sources = ", ".join(f"`{src}` ({doc['started']})" for (doc, src) in runs.values())
     return "\n".join([*out, f"(From {sources}.)"])
+
+
+def _dispatch_floor(doc: dict) -> str:
+    """What any backend reached through ``dist.all_reduce`` into a Python process group
+    starts from after the pause, if its round were DeepSpeed's native op itself:
+    torch's dispatch alone plus that op, against the op."""
+    rows = {r["layer"]: r["time_us"] for r in doc["rows"]}
+    dispatch = next(v for k, v in rows.items() if k.startswith("torch's dispatch alone"))
+    op = next(v for k, v in rows.items() if k.startswith("DeepSpeed's shared-memory"))
+    return (f"After the sleep, torch's dispatch alone plus DeepSpeed's op come to "
+            f"{_us(dispatch)} + {_us(op)} = {_us(dispatch + op)}, "
+            f"{(dispatch + op) / op:.2f}x DeepSpeed's op ({format_size(doc['bytes'])}): what a "
+            "backend behind `dist.all_reduce` in a Python process group would take with "
+            "DeepSpeed's native round in place of its own and no code of its own between.")
 
 
 def _one_host_others(doc: dict, source: str) -> str:
