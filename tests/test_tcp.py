@@ -5,6 +5,7 @@ connection, an interrupt, the deadline. Whole worlds on it run in
 tests/test_transport_contract.py."""
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -283,3 +284,90 @@ def test_a_closed_transport_refuses_its_waits_as_aborted(world):
     a.close()
     with pytest.raises(TransportAborted, match="closed"):
         a.p2p_done(h)
+
+
+# -- open files: a group of p ranks may hold 2 (p - 1) connections a rank -------------
+resource = pytest.importorskip("resource")
+
+
+@pytest.fixture
+def files_limit():
+    """``set(soft)`` lowers this process's soft limit on open files for the test; the
+    limit is restored after (the hard one is never touched)."""
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def set_soft(soft: int) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, before[1]))
+
+    yield set_soft
+    resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+def _lowest_free_fd() -> int:
+    """The number the next file opened gets (the limit is on numbers: every number
+    below a soft limit of this one is taken)."""
+    fd = os.dup(0)
+    os.close(fd)
+    return fd
+
+
+def test_set_up_raises_the_soft_limit_to_fit_every_connection(files_limit, monkeypatch):
+    monkeypatch.setattr(tcp, "_wanted", [0, None])
+    files_limit(tcp.open_files() + 8)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    start = tcp.open_files()
+    tcp.make_room(600, 2)  # 2 channels: a listener and 2 x 599 connections each
+    want = start + 2 * (2 * 599 + 1) + tcp.SPARE_FILES
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert soft == (want if hard == resource.RLIM_INFINITY else min(want, hard)), (soft, want)
+    # a second group counts the first's connections too; a smaller limit is never set
+    tcp.make_room(2, 1)
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= soft
+
+
+def test_set_up_warns_naming_a_hard_limit_too_low(monkeypatch, caplog):
+    set_to = []
+
+    class Limits:  # a process whose hard limit is 128 open files, 64 of them allowed now
+        RLIMIT_NOFILE, RLIM_INFINITY = resource.RLIMIT_NOFILE, resource.RLIM_INFINITY
+
+        @staticmethod
+        def getrlimit(which):
+            return (64, 128)
+
+        @staticmethod
+        def setrlimit(which, limits):
+            set_to.append(limits)
+
+    monkeypatch.setattr(tcp, "resource", Limits)
+    monkeypatch.setattr(tcp, "_wanted", [0, 30])
+    with caplog.at_level("WARNING", logger="ringcomm"):
+        tcp.make_room(100, 1)
+    assert set_to == [(128, 128)]
+    said = caplog.text
+    assert "a group of 100 ranks may hold 198 connections" in said, said
+    assert "may open only 128 files (hard limit, ulimit -Hn)" in said, said
+
+
+def test_a_connection_past_the_open_file_limit_is_named(world, files_limit):
+    """No file left to connect with: the send fails at once, naming the limit."""
+    a, _ = world(2)
+    files_limit(_lowest_free_fd())
+    with pytest.raises(RuntimeError, match=r"rank 0 cannot connect to rank 1 .*out of open "
+                                           r"files.*may open \d+ files \(ulimit -n\).*2 connections"):
+        a.start([a.send_init(torch.ones(4), 1, 5)])
+
+
+def test_a_connection_that_cannot_be_accepted_is_named_not_waited_out(world, files_limit):
+    """One file left: the sender's connection takes it, and the receiver, which cannot
+    accept, fails at once naming the limit instead of spinning to its deadline."""
+    a, b = world(2, timeout_s=30)
+    files_limit(_lowest_free_fd() + 1)  # one number left: the sender's connection's
+    a.start([a.send_init(torch.ones(4), 1, 5)])
+    got = b.recv_init(torch.zeros(4), 0, 5)
+    b.start([got])
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 cannot accept a connection: out of open "
+                                           r"files.*\(ulimit -n\)"):
+        b.wait([got])
+    assert time.monotonic() - began < 5

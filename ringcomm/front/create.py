@@ -321,6 +321,7 @@ def _tcp_transports(setup: GroupSetup) -> tuple[list, tuple]:
 
     address, made = _tcp_address(setup), []
     limit = timedelta(seconds=setup.limit_s)
+    tcp.make_room(setup.size, setup.options.num_channels)
     try:
         for k in range(setup.options.num_channels):
             sock, token = tcp.listener(address, setup.size), secrets.token_bytes(16)

@@ -19,6 +19,12 @@
   the rank (:class:`TransportPeerLost`); another size than its buffer's names
   both; a peer whose first unreceived message has another tag for
   :data:`ringcomm.transport.base.MISMATCH_S` runs another call.
+* **Open files**: once every pair has talked (an all-to-all), a rank holds
+  2 (p - 1) connections per channel, past the common default of 1024 open files
+  from about 512 ranks. Set-up raises the process's soft limit toward its hard
+  limit to fit (:func:`make_room`) and warns where the hard limit is lower; a
+  connection that still does not fit, made or accepted, fails naming the limit
+  (:func:`out_of_files`) instead of leaving its peer to wait out the deadline.
 
 Ranks on one host talk over loopback (shared memory needs MPI's windows); no
 collectives of its own: ``native`` and ``shm_direct`` are refused by name.
@@ -27,13 +33,21 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import itertools
+import logging
+import os
 import selectors
 import socket
 import struct
 import threading
 import time
 from typing import Any, Sequence
+
+try:
+    import resource
+except ImportError:  # not a POSIX system: no limit to raise or name
+    resource = None  # type: ignore[assignment]
 
 import torch
 
@@ -42,6 +56,7 @@ from ringcomm.transport.base import (Handle, Signs, Transport, TransportAborted,
                                      TransportTimeout)
 
 _monotonic = time.monotonic
+log = logging.getLogger("ringcomm")
 
 #: the longest one blocking poll lasts (an interrupt, a deadline or a peer's report
 #: is seen within it)
@@ -62,6 +77,69 @@ _HELLO = struct.Struct("<16sI")
 #: streams: a schedule's messages, users' messages
 COLLECTIVE, USER = 0, 1
 _ANY = -1
+#: open files kept free beside the connections a group may hold (the store's, torch's,
+#: the job's own files)
+SPARE_FILES = 64
+#: what every tcp group made so far may hold at most (open files), and the count of
+#: open files when the first was made
+_wanted = [0, None]
+_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+def open_files() -> int | None:
+    """This process's open files (None where ``/proc/self/fd`` cannot say, or no file
+    is left to read it with)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+def make_room(size: int, channels: int) -> None:
+    """Raise this process's soft limit on open files (``RLIMIT_NOFILE``) so that a
+    group of ``size`` ranks on ``channels`` channels fits beside the tcp groups made
+    before it: each channel listens on one socket and, once every pair has talked,
+    holds a connection each way to every peer. The limit is raised as far as the
+    hard limit allows, never lowered; where the hard limit is too low a warning
+    names both numbers (a ring needs two connections a rank, so the group is still
+    made; an all-to-all would fail, naming the limit)."""
+    if resource is None:
+        return
+    if _wanted[1] is None:
+        _wanted[1] = open_files() or 0
+    _wanted[0] += channels * (2 * (size - 1) + 1)
+    want = _wanted[1] + _wanted[0] + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if new > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            log.info("ringcomm tcp transport: raised the limit on open files from %d to %d "
+                     "(a group of %d ranks)", soft, new, size)
+        if new < want:
+            log.warning("ringcomm tcp transport: a group of %d ranks may hold %d connections "
+                        "a rank (every pair, both ways, %d channel(s)), with %d files open "
+                        "already, and this process may open only %d files (hard limit, "
+                        "ulimit -Hn): a collective that talks to every rank (all-to-all) "
+                        "will fail; raise the hard limit for the job", size,
+                        2 * (size - 1) * channels, channels, _wanted[1], hard)
+
+
+def out_of_files(e: OSError, size: int) -> str | None:
+    """What to say when a connection failed for want of a file (None: it failed for
+    another reason)."""
+    if e.errno not in _OUT_OF_FILES:
+        return None
+    if e.errno == errno.ENFILE:
+        whose = "the system's limit on open files (fs.file-max) is reached"
+    else:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else "?"
+        n = open_files()
+        whose = (f"this process may open {soft} files (ulimit -n)"
+                 + ("" if n is None else f" and has {n} open"))
+    return (f"out of open files ({e.strerror}): {whose}; a group of {size} ranks holds up "
+            f"to {2 * (size - 1)} connections a rank and channel once every pair has talked "
+            "(all-to-all): raise the limit before starting the job")
 
 
 def _memory(buf: torch.Tensor) -> memoryview:
@@ -360,10 +438,11 @@ class TcpTransport(Transport):
         except OSError as e:
             if sock is not None:
                 sock.close()
-            raise RuntimeError(
-                f"ringcomm tcp transport: rank {self.rank} cannot connect to rank {peer} at "
-                f"{address}:{port} ({e}); RINGCOMM_IFACE names the interface every rank "
-                "listens on") from None
+            files = out_of_files(e, self.size)
+            why = (f"({files})" if files else
+                   f"({e}); RINGCOMM_IFACE names the interface every rank listens on")
+            raise RuntimeError(f"ringcomm tcp transport: rank {self.rank} cannot connect to "
+                               f"rank {peer} at {address}:{port} {why}") from None
         with self._lock:
             if self._shut:
                 sock.close()
@@ -376,7 +455,14 @@ class TcpTransport(Transport):
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:  # none waiting; or the connection was aborted, fds ran out
+            except OSError as e:  # none waiting, or the connection was aborted
+                files = out_of_files(e, self.size)
+                if files:
+                    # the peer's connection stays queued, its messages unread, and the
+                    # listener readable: failing here names why, where waiting would
+                    # spin until the deadline
+                    raise RuntimeError(f"ringcomm tcp transport: rank {self.rank} cannot "
+                                       f"accept a connection: {files}") from None
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
