@@ -6,8 +6,8 @@ as soon as data is final, in schedule order.
 from __future__ import annotations
 
 import bisect
-from itertools import chain
-from typing import NamedTuple
+from itertools import chain, islice
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -341,14 +341,7 @@ def _sole_reader(u: Unpacked, i: int, j: int, v: int, mine: tuple) -> int | None
     li = next((k for k, (_, d, s) in enumerate(local) if touches(d) or touches(s)), None)
     if li is None or local[li][2] != v or touches(local[li][1]):
         return None
-    # what follows, in program order: the rest of step i's local work, then each later
-    # step's sends, receives and local work
-    later = [("local", op) for op in local[li + 1:]]
-    for sends, recvs, work in u.steps[i + 1:]:
-        later += [("send", w) for _, w in sends]
-        later += [("recv", w) for _, w in recvs]
-        later += [("local", op) for op in work]
-    for kind, x in later:
+    for kind, x in _after(u, i, local[li + 1:]):
         if kind == "send":
             if touches(x):
                 return None
@@ -364,6 +357,23 @@ def _sole_reader(u: Unpacked, i: int, j: int, v: int, mine: tuple) -> int | None
             if touches(d):
                 return li
     return li
+
+
+def _after(u: Unpacked, i: int, rest: Sequence) -> Iterator[tuple[str, Any]]:
+    """What follows step ``i``'s local operation whose later ones are ``rest``, in
+    program order: those, then each later step's sends, receives and local work.
+    Made as it is read: the reader stops at the first operation that decides (in a
+    ring, the next step's), so a plan's held receives cost about one step each, not
+    the rest of the plan each (quadratic in the ranks)."""
+    for op in rest:
+        yield "local", op
+    for sends, recvs, work in islice(u.steps, i + 1, None):
+        for _, w in sends:
+            yield "send", w
+        for _, w in recvs:
+            yield "recv", w
+        for op in work:
+            yield "local", op
 
 
 def _prefix_upto(ready: list[int], nsteps: int) -> list[int]:
