@@ -104,6 +104,9 @@ class Context:
             host's first rank (``hosts[r]`` is rank r's host); empty when every rank
             is on one host. From the launcher (MPI's shared-memory split, torchrun's
             nodes) or ``RINGCOMM_LOCAL_SIZE``.
+        itemsize: bytes of one element of the call's dtype (4 where a caller does not
+            say): for a builder that chooses by message size in bytes, as measured
+            tables are (a schedule's steps are in elements whatever the dtype).
     """
     collective: str
     size: int
@@ -112,6 +115,7 @@ class Context:
     root: int = 0
     seg: int = 1 << 30
     hosts: tuple = ()
+    itemsize: int = 4
 
     def host_of(self, rank: int) -> int:
         """The host number of ``rank`` (0 when every rank is on one host)."""

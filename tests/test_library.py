@@ -326,9 +326,26 @@ def test_hierarchical_make_composes_any_registered_allreduce():
         hierarchical.make(inter=3)
     # the default: recursive doubling across hosts for small buffers, ring for large
     small = hierarchical.allreduce(Context("allreduce", 4, 0, (8,), hosts=(0, 0, 1, 1)))
-    big = hierarchical.allreduce(Context("allreduce", 4, 0, (hierarchical.SMALL_ELEMENTS + 1,),
+    big = hierarchical.allreduce(Context("allreduce", 4, 0, (hierarchical.SMALL_BYTES // 4 + 1,),
                                          hosts=(0, 0, 1, 1)))
     assert len(small.steps) < len(big.steps)
+    # by the message's bytes: as many bfloat16 elements are half the bytes, and where
+    # float32 takes the ring they still take recursive doubling
+    n = hierarchical.SMALL_BYTES // 2
+    assert hierarchical.leaders_algorithm(2, n, itemsize=4) == "ring"
+    assert hierarchical.leaders_algorithm(2, n, itemsize=2) == "recursive_doubling"
+    half = [hierarchical.allreduce(Context("allreduce", 4, 0, (n,), hosts=(0, 0, 1, 1),
+                                           itemsize=k)) for k in (2, 4)]
+    assert len(half[0].steps) < len(half[1].steps)
+    # the planner gives builders the call's element size, and keeps the plans apart
+    from ringcomm.front.planner import Planner
+
+    planner = Planner(0, 4, ringcomm.Options().resolve(), hosts=(0, 0, 1, 1))
+    build = REGISTRY["allreduce"]["hierarchical"]
+    plans = [planner.plan("allreduce", "hierarchical", build, (n,), 0, dt)
+             for dt in (torch.bfloat16, torch.float32)]
+    assert [pl.ctx.itemsize for pl in plans] == [2, 4]
+    assert plans[0].nsteps < plans[1].nsteps
     # on more hosts the leaders run what auto's modelled rows give for that many ranks:
     # not a ring of 256 leaders (510 steps) for 64 KiB
     from ringcomm.algorithms import select

@@ -204,13 +204,15 @@ class Planner:
         """The compiled schedule for this call shape, from the cache or built (and, for
         an algorithm that did not ship with ringcomm, checked) now."""
         seg = max(1, self.segment_bytes // dtype.itemsize)
-        key = (collective, name, build, layout, root, seg, algorithms.generation)
+        key = (collective, name, build, layout, root, seg, dtype.itemsize,
+               algorithms.generation)
         with self._lock:
             plan = self._plans.get(key)
             if plan is not None:
                 self._plans.move_to_end(key)
                 return plan
-        ctx = Context(collective, self.size, self.rank, layout, root, seg, self.hosts)
+        ctx = Context(collective, self.size, self.rank, layout, root, seg, self.hosts,
+                      dtype.itemsize)
         if (collective, name) not in algorithms.TRUSTED:
             schedule = check_user_schedule(build, ctx, name)
         else:

@@ -16,8 +16,9 @@ builder across them. Steps: ``2 ceil(log2 L)`` binomial steps per segment-pipeli
 within hosts of up to L ranks, plus the inter-host algorithm's steps on H hosts.
 
 The registered ``"hierarchical"`` uses :func:`by_size` across hosts: on two hosts
-recursive doubling up to :data:`SMALL_ELEMENTS` elements and the ring above, on more
-what ``auto``'s modelled rows pick for that many ranks. Another
+recursive doubling up to :data:`SMALL_BYTES` and the ring above, on more what
+``auto``'s modelled rows pick for that many ranks (by the message's bytes, its
+dtype's, ``ctx.itemsize``). Another
 combination is one line::
 
     from ringcomm.library import hierarchical
@@ -31,19 +32,19 @@ from ringcomm.algorithms import REGISTRY, select
 from ringcomm.schedule import Builder, Context, Schedule
 
 
-def _small_elements() -> int:
-    """The float32 elements of the largest message the built-in 2-rank allreduce
-    tuning (``select.py``, from the committed measurements) gives to recursive
-    doubling: the leaders' exchange is a 2-rank exchange per step, over MPI."""
+def _small_bytes() -> int:
+    """The largest message the built-in 2-rank allreduce tuning (``select.py``, from
+    the committed measurements) gives to recursive doubling: the leaders' exchange is
+    a 2-rank exchange per step, over MPI."""
     rows = select.DEFAULT_TUNING["allreduce"].get("2", [])
     # where it gives recursive doubling no row (on one host, shm_direct took the whole
     # table), the last crossover measured over MPI: 1 MiB
     return max((upto for upto, algo in rows if algo == "recursive_doubling" and upto),
-               default=1 << 20) // 4
+               default=1 << 20)
 
 
-#: across hosts, recursive doubling up to this many elements and the ring above
-SMALL_ELEMENTS = _small_elements()
+#: across two hosts, recursive doubling up to this many bytes and the ring above
+SMALL_BYTES = _small_bytes()
 
 Build = Callable[[Context], Schedule]
 
@@ -63,23 +64,23 @@ def _lookup(collective: str, inter: "str | Build") -> Build:
     return build
 
 
-def leaders_algorithm(hosts: int, elements: int) -> str:
+def leaders_algorithm(hosts: int, elements: int, itemsize: int = 4) -> str:
     """The allreduce :func:`by_size` runs among ``hosts`` leaders on ``elements``
-    elements: on 2 hosts recursive doubling up to :data:`SMALL_ELEMENTS`, the ring
-    above (as measured across hosts); on more, what auto's modelled rows give for
-    that many ranks (``select.MODELLED``, float32 bytes: recursive doubling, tree,
-    Rabenseifner, double tree or ring by size), since a ring among 256 leaders would
-    take 510 steps for 64 KiB. Like :data:`SMALL_ELEMENTS`, it counts 4 bytes an
-    element (float32): the builder does not know the dtype."""
+    elements of ``itemsize`` bytes: on 2 hosts recursive doubling up to
+    :data:`SMALL_BYTES`, the ring above (as measured across hosts); on more, what
+    auto's modelled rows give for that many ranks and bytes (``select.MODELLED``:
+    recursive doubling, tree, Rabenseifner, double tree or ring by size), since a
+    ring among 256 leaders would take 510 steps for 64 KiB."""
+    nbytes = elements * itemsize
     if hosts <= 2:
-        return "recursive_doubling" if elements <= SMALL_ELEMENTS else "ring"
-    return select.choose(select.MODELLED, "allreduce", 4 * elements, hosts, bands=False)
+        return "recursive_doubling" if nbytes <= SMALL_BYTES else "ring"
+    return select.choose(select.MODELLED, "allreduce", nbytes, hosts, bands=False)
 
 
 def by_size(ctx: Context) -> Schedule:
-    """Allreduce among the leaders, by their number and the size
+    """Allreduce among the leaders, by their number and the call's bytes
     (:func:`leaders_algorithm`)."""
-    return _lookup("allreduce", leaders_algorithm(ctx.size, ctx.layout[0]))(ctx)
+    return _lookup("allreduce", leaders_algorithm(ctx.size, ctx.layout[0], ctx.itemsize))(ctx)
 
 
 def make(inter: "str | Build" = "ring", *, intra_reduce: "str | Build" = "tree",
@@ -111,14 +112,16 @@ def make(inter: "str | Build" = "ring", *, intra_reduce: "str | Build" = "tree",
         i = mine.index(ctx.rank)
         local = len(mine)
         if local > 1:
-            sub = Context("reduce", local, i, (n,), root=0, seg=ctx.seg)
+            sub = Context("reduce", local, i, (n,), root=0, seg=ctx.seg, itemsize=ctx.itemsize)
             b.include(_lookup("reduce", intra_reduce)(sub), ranks=mine, buffers=[0])
         if i == 0 and len(hosts) > 1:
             leaders = [h[0] for h in hosts]
-            sub = Context("allreduce", len(hosts), leaders.index(ctx.rank), (n,), seg=ctx.seg)
+            sub = Context("allreduce", len(hosts), leaders.index(ctx.rank), (n,), seg=ctx.seg,
+                          itemsize=ctx.itemsize)
             b.include(_lookup("allreduce", inter)(sub), ranks=leaders, buffers=[0])
         if local > 1:
-            sub = Context("broadcast", local, i, (n,), root=0, seg=ctx.seg)
+            sub = Context("broadcast", local, i, (n,), root=0, seg=ctx.seg,
+                          itemsize=ctx.itemsize)
             b.include(_lookup("broadcast", intra_broadcast)(sub), ranks=mine, buffers=[0])
         return b.build()
 
