@@ -332,6 +332,26 @@ def test_world_rounds_against_events(path):
             assert ro.seconds == pytest.approx(ev.seconds, rel=0.06), (algo, n)
 
 
+def test_builders_are_told_the_simulated_element_size():
+    """As the planner tells them on a real call: the hierarchical allreduce picks its
+    leaders' algorithm by bytes, so a bfloat16 call of the crossover's bytes runs
+    recursive doubling across two hosts (fewer messages than the ring a float32 call
+    of as many elements takes)."""
+    from ringcomm.library import hierarchical
+    from ringcomm.sim.cell import program_for
+    from ringcomm.sim.layouts import layout_for
+
+    topo = parse(cluster(hosts={"count": 2, "ranks_per_host": 2}))
+    build = REGISTRY["allreduce"]["hierarchical"]
+    n = hierarchical.SMALL_BYTES // 2  # elements: bfloat16 at the crossover
+    messages = {k: len(program_for(build, "allreduce", topo, layout_for("allreduce", 4, n),
+                                   0, 1 << 30, mode="full", itemsize=k)[0].world.m_rank)
+                for k in (2, 4)}
+    assert messages[2] < messages[4], messages
+    timed = simulate("allreduce", "hierarchical", build, topo, hierarchical.SMALL_BYTES, esize=2)
+    assert timed.seconds is not None, timed.refused
+
+
 def test_a_wrong_algorithm_is_refused_not_timed():
     def lossy(ctx):  # every rank keeps its own data: no reduction at all
         return Builder(ctx).build()

@@ -67,11 +67,11 @@ def local_layout(collective: str, layout: tuple, rank: int, root: int) -> tuple:
 
 
 def schedules(build: BuildFn, collective: str, size: int, layout: tuple, root: int = 0,
-              seg: int = 1 << 30, hosts: tuple = ()) -> list[Schedule]:
-    """Every rank's schedule for a global ``layout`` (``hosts``: see
+              seg: int = 1 << 30, hosts: tuple = (), *, itemsize: int = 4) -> list[Schedule]:
+    """Every rank's schedule for a global ``layout`` (``hosts``, ``itemsize``: see
     :class:`ringcomm.schedule.Context`)."""
     return [_built(build, Context(collective, size, r, local_layout(collective, layout, r, root),
-                                  root, seg, tuple(hosts))) for r in range(size)]
+                                  root, seg, tuple(hosts), itemsize)) for r in range(size)]
 
 
 def _built(build: BuildFn, ctx: Context) -> Schedule:
@@ -127,20 +127,21 @@ def _paused_gc():
 
 
 def compiled_rank(build: BuildFn, collective: str, size: int, rank: int, layout: tuple,
-                  root: int = 0, seg: int = 1 << 30, hosts: tuple = ()
+                  root: int = 0, seg: int = 1 << 30, hosts: tuple = (), *, itemsize: int = 4
                   ) -> tuple[Schedule, tuple[list, list]]:
     """``rank``'s schedule for a global ``layout``, checked for bounds
     (:func:`validate`), and its compiled ``(regions, steps)``
     (:func:`ringcomm.execution.plan.compile_steps`)."""
     s = _built(build, Context(collective, size, rank, local_layout(collective, layout, rank, root),
-                              root, seg, tuple(hosts)))
+                              root, seg, tuple(hosts), itemsize))
     validate(s)
     return s, compile_steps(s, [*buffer_lengths(s.ctx), *s.scratch])
 
 
 def world_of(build: BuildFn, collective: str, size: int, layout: tuple, root: int = 0,
              seg: int = 1 << 30, hosts: tuple = (),
-             on_built: Callable[[Schedule], None] | None = None) -> tuple[World, list]:
+             on_built: Callable[[Schedule], None] | None = None, *, itemsize: int = 4
+             ) -> tuple[World, list]:
     """Every rank's compiled steps in one :class:`~ringcomm.execution.world.World`, not
     yet run, and per rank its buffer lengths ``(caller buffers, scratch)``. Each rank's
     schedule is built, checked for bounds and compiled in turn, then dropped.
@@ -153,7 +154,8 @@ def world_of(build: BuildFn, collective: str, size: int, layout: tuple, root: in
 
     def compiled():
         for r in range(size):
-            s, steps = compiled_rank(build, collective, size, r, layout, root, seg, hosts)
+            s, steps = compiled_rank(build, collective, size, r, layout, root, seg, hosts,
+                                     itemsize=itemsize)
             if on_built is not None:
                 on_built(s)
             shapes.append(([n or 0 for n in buffer_lengths(s.ctx)], list(s.scratch)))

@@ -118,12 +118,13 @@ def prove(build: Callable, collective: str, topo: Topology) -> int:
 
 
 def program_for(build: Callable, collective: str, topo: Topology, layout: tuple, root: int,
-                seg: int, mode: str = "auto", order: str = "nccl"):
+                seg: int, mode: str = "auto", order: str = "nccl", itemsize: int = 4):
     """The program to time, and how it was had (see the module docstring).
 
     ``mode``: ``"auto"``, ``"full"`` (every rank's schedule) or ``"rotated"``.
     ``order``: ``"nccl"`` (a step's messages one group: what runs on GPUs) or
     ``"mpi"`` (ringcomm's point-to-point executor, on CPUs: every rank's schedule).
+    ``itemsize``: the element's bytes, as the planner tells builders.
 
     Raises:
         ScheduleError: a schedule is refused (bounds, peers, matching).
@@ -133,9 +134,10 @@ def program_for(build: Callable, collective: str, topo: Topology, layout: tuple,
     p = topo.size
     hosts = topo.host_numbers()
     if order == "mpi":
-        return mpi_program(build, collective, topo, layout, root, seg), \
+        return mpi_program(build, collective, topo, layout, root, seg, itemsize), \
             "every rank's, in MPI's order"
-    _, steps0 = checker.compiled_rank(build, collective, p, 0, layout, root, seg, hosts)
+    _, steps0 = checker.compiled_rank(build, collective, p, 0, layout, root, seg, hosts,
+                                      itemsize=itemsize)
     base = skeleton(0, p, steps0)
     estimate = len(base.kind) * p
     why = ""
@@ -144,7 +146,7 @@ def program_for(build: Callable, collective: str, topo: Topology, layout: tuple,
             picks = sample_ranks(p)
             for r in picks:
                 _, steps = checker.compiled_rank(build, collective, p, r, layout, root, seg,
-                                                 hosts)
+                                                 hosts, itemsize=itemsize)
                 same_rotation(base, skeleton(r, p, steps), r)
             return RotatedProgram(p, base), f"rank 0's rotated, {len(picks)} ranks sampled"
         except NotRotation as e:
@@ -154,16 +156,18 @@ def program_for(build: Callable, collective: str, topo: Topology, layout: tuple,
     if estimate > FULL_LIMIT:
         raise OutOfTime(f"every rank's schedule would be about {estimate:,} messages, over "
                         f"the {FULL_LIMIT:,} the simulator builds{why}")
-    world, _ = checker.world_of(build, collective, p, layout, root, seg, hosts)
+    world, _ = checker.world_of(build, collective, p, layout, root, seg, hosts,
+                                itemsize=itemsize)
     prog = FullProgram(world)
     prog.rounds()  # the structure at the full size: matching, sizes, no deadlock
     return prog, "every rank's"
 
 
 def mpi_program(build: Callable, collective: str, topo: Topology, layout: tuple, root: int,
-                seg: int) -> MpiProgram:
+                seg: int, itemsize: int = 4) -> MpiProgram:
     """Every rank's schedule in the point-to-point executor's order
-    (:class:`~ringcomm.sim.program.MpiProgram`), its structure checked at the full size.
+    (:class:`~ringcomm.sim.program.MpiProgram`), its structure checked at the full size
+    (``itemsize``: the element's bytes, as builders are told them).
 
     Raises:
         ScheduleError: a schedule is refused.
@@ -171,7 +175,7 @@ def mpi_program(build: Callable, collective: str, topo: Topology, layout: tuple,
     """
     p = topo.size
     _, steps0 = checker.compiled_rank(build, collective, p, 0, layout, root, seg,
-                                      topo.host_numbers())
+                                      topo.host_numbers(), itemsize=itemsize)
     estimate = sum(len(a) + len(b) for a, b, _ in steps0[1]) * p
     if estimate > FULL_LIMIT:
         raise OutOfTime(f"every rank's schedule would be about {estimate:,} messages, over "
@@ -183,7 +187,7 @@ def mpi_program(build: Callable, collective: str, topo: Topology, layout: tuple,
         regions, steps = compile_steps(s, lengths)
         deps.append(dependencies(regions, steps, lengths))
     world, _ = checker.world_of(build, collective, p, layout, root, seg, topo.host_numbers(),
-                                on_built=keep)
+                                on_built=keep, itemsize=itemsize)
     world.run()  # the structure at the full size: matching, sizes, no deadlock
     return MpiProgram(world, deps)
 
@@ -211,7 +215,7 @@ def simulate(collective: str, algorithm: str, build: Callable, topo: Topology, n
         layout = layout_for(collective, topo.size, max(int(nbytes) // esize, 0))
         seg = max(1, segment_bytes // esize)
         prog, out.source = program_for(build, collective, topo, layout, root, seg, mode,
-                                       order)
+                                       order, esize)
         net = network(topo)
         if order == "mpi" and engine == "rounds":
             raise NotRotation("the MPI order has no rounds: time it by events")
