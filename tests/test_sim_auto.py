@@ -68,6 +68,24 @@ def test_measured_rows_win_over_the_simulator(tmp_path, caplog):
         "allreduce", 16 << 20) == "tree"
 
 
+def test_a_transport_collective_the_table_picks_is_not_simulated_away(tmp_path, caplog):
+    """The simulator times schedules only: where a table that is not measured at this
+    size picks shm_direct (a user's default row) it stays; where the transport cannot
+    take it (ranks on several hosts), the fallback is the fastest simulated schedule."""
+    table = tmp_path / "tuning.json"
+    table.write_text(json.dumps({"allreduce": {"default": [[None, "shm_direct"]]}}))
+    planner = _planner(8, TOPO / "two_racks.json", tuning_file=str(table))
+    with caplog.at_level(logging.INFO, logger="ringcomm"):
+        assert planner.choose("allreduce", 1 << 20) == "shm_direct"
+    assert "(modelled table)" in caplog.text and "simulated allreduce" not in caplog.text
+    assert planner.instead_of_own("allreduce", 1 << 20) == _fastest(
+        "allreduce", TOPO / "two_racks.json", band(1 << 20))
+    # without a topology: the modelled table's schedule
+    plain = Planner(0, 8, Options().resolve())
+    assert plain.instead_of_own("allreduce", 1 << 20) == select.choose(
+        select.MODELLED, "allreduce", 1 << 20, 8)
+
+
 def test_a_file_for_other_ranks_leaves_auto_to_its_tables(caplog):
     with caplog.at_level(logging.INFO, logger="ringcomm"):
         planner = _planner(4, TOPO / "two_racks.json")

@@ -17,7 +17,8 @@ from typing import Any, Callable
 import torch
 
 from ringcomm import algorithms
-from ringcomm.algorithms import NATIVE, REGISTRY, TransportCollective, expand_choices
+from ringcomm.algorithms import (NATIVE, REGISTRY, TransportCollective, expand_choices,
+                                 is_schedule)
 from ringcomm.algorithms import names as algorithm_names
 from ringcomm.algorithms import select
 from ringcomm.front.lanes import Lane
@@ -96,8 +97,11 @@ class Planner:
             source = "measured table"
         else:
             source = "modelled table"
-            picked = self._sim and self._sim.choose(collective, nbytes, self._candidates(
-                collective))
+            # the simulator times schedules only: a transport's own collective the table
+            # picks (shm_direct on one host) stays; where the transport cannot take the
+            # call, prepare asks again (instead_of_own)
+            picked = (self._sim and is_schedule(REGISTRY[collective].get(name))
+                      and self._sim.choose(collective, nbytes, self._candidates(collective)))
             if picked:
                 name, source = picked[0], f"simulated on {self._sim.path}"
         if log.isEnabledFor(logging.INFO):
@@ -107,6 +111,17 @@ class Planner:
                 log.info("ringcomm auto: %s of %d B on %d ranks -> %s (%s)",
                          collective, nbytes, self.size, name, source)
         return name
+
+    def instead_of_own(self, collective: str, nbytes: int) -> str:
+        """auto's choice where the transport cannot take the call with the collective
+        of its own that the table picked (a dtype or op MPI lacks, ranks on several
+        hosts): the simulator's fastest schedule (``Options.topology``), else the
+        modelled table's."""
+        picked = self._sim and self._sim.choose(collective, nbytes,
+                                                self._candidates(collective))
+        if picked:
+            return picked[0]
+        return select.choose(select.MODELLED, collective, nbytes, self.size, self.hosts)
 
     def _candidates(self, collective: str) -> dict[str, Callable]:
         """The schedule algorithms the simulator may pick among for ``collective``: every
@@ -138,8 +153,7 @@ class Planner:
                 try:
                     lane.tp.check_own(own.name, collective, dtype, op)
                 except ValueError:
-                    name = select.choose(select.MODELLED, collective, nbytes, self.size,
-                                         self.hosts)
+                    name = self.instead_of_own(collective, nbytes)
         build = REGISTRY[collective].get(name)
         if build is None:
             raise ValueError(f"ringcomm {collective}: algorithm {name!r} is not registered "
