@@ -3,6 +3,7 @@ file, options, registration and launcher detection."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -309,6 +310,39 @@ def test_fresh_store_names_the_ranks_that_never_came():
     # rank 1 alone, with rank 0's token left from the call above but no rank 0
     with pytest.raises(dist.DistBackendError, match="rank 0 did not answer rank 1 within 0.3 s"):
         group_store.fresh_store(store, 1, 2, timedelta(seconds=0.3))
+
+
+def test_store_host_layout_agrees_and_names_who_never_came():
+    """Every rank reads the same host numbers from rank 0's one list (RINGCOMM_LOCAL_SIZE
+    blocks as hosts); with ranks missing, every rank that came names them."""
+    from ringcomm.launch import hosts
+
+    def layout(store, ranks, size, timeout_s=10.0):
+        out = {}
+
+        def one(r):
+            try:
+                out[r] = hosts.store_host_layout(store, r, size, r, local_size=2,
+                                                 timeout=timedelta(seconds=timeout_s))
+            except dist.DistBackendError as e:
+                out[r] = e
+        threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s + 5)
+        return out
+
+    got = layout(dist.HashStore(), range(5), 5)
+    assert got == {r: (0, 0, 1, 1, 2) for r in range(5)}, got
+    # one host: no layout
+    assert layout(dist.HashStore(), range(2), 2) == {0: (), 1: ()}
+    got = layout(dist.HashStore(), [0, 1, 2], 5, timeout_s=0.3)
+    for r in (0, 1, 2):
+        assert isinstance(got[r], dist.DistBackendError), got
+        assert "ranks 3, 4 of 5 did not record their hosts within 0.3 s" in str(got[r]), got[r]
+    got = layout(dist.HashStore(), [1], 2, timeout_s=0.3)
+    assert "rank 0 of 2 did not record its host within 0.3 s" in str(got[1]), got
 
 
 def test_mpi_wait_loop_tests_in_order_and_honours_deadline_and_stop():

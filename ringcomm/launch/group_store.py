@@ -1,5 +1,6 @@
 """A group's own namespace in a store that earlier processes may have written to
-(:func:`fresh_store`), and a bounded read of one key (:func:`store_wait`)."""
+(:func:`fresh_store`), a bounded read of one key (:func:`store_wait`), and of many
+(:func:`get_all`)."""
 from __future__ import annotations
 
 import time
@@ -11,6 +12,20 @@ def store_wait(store, key: str, timeout: timedelta) -> bytes:
     """The value of ``key`` once it is set, waiting at most ``timeout``."""
     store.wait([key], timeout)
     return store.get(key)
+
+
+def get_all(store, keys: list[str]) -> list[bytes]:
+    """The values of ``keys``, all set already: one request where the store has
+    ``multi_get`` (torch's TCPStore), else one each."""
+    try:
+        return store.multi_get(keys)
+    except (AttributeError, NotImplementedError, RuntimeError):  # a store without it
+        return [store.get(k) for k in keys]
+
+
+def unset(store, keys: list[str]) -> list[str]:
+    """Those of ``keys`` not set (after a wait for them all ran out: one look each)."""
+    return [k for k in keys if not store.check([k])]
 
 
 def fresh_store(store, rank: int, size: int, timeout: timedelta):

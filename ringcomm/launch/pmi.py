@@ -46,6 +46,8 @@ import time
 import uuid
 from datetime import timedelta
 
+from ringcomm.launch.group_store import get_all
+
 log = logging.getLogger("ringcomm")
 
 #: what this server tells the library about its limits (MPICH's own process manager
@@ -334,11 +336,7 @@ def _started(life: _Life, server: Server, limit_s: float) -> None:
 def _machines(store, size: int, timeout: timedelta) -> list[str]:
     keys = [f"ringcomm/net/{r}" for r in range(size)]
     store.wait(keys, timeout)
-    try:
-        values = store.multi_get(keys)
-    except (AttributeError, NotImplementedError, RuntimeError):  # a store without it
-        values = [store.get(k) for k in keys]
-    return [json.loads(v)["machine"] for v in values]
+    return [json.loads(v)["machine"] for v in get_all(store, keys)]
 
 
 def shared_job(store, rank: int, size: int, timeout: timedelta) -> tuple[str, str | None]:
