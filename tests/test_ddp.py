@@ -346,6 +346,7 @@ def test_buckets_reduced_where_they_lie_at_3_ranks(program):
 
 
 @pytest.mark.compat
+@pytest.mark.wide  # 7.5 s of make test's 10 minutes; DDP under torchrun: test_examples
 def test_under_torchrun():
     out = torchrun(2, "ddp_equivalence.py", "--quick", timeout=LAUNCH_TIMEOUT).stdout
     assert_checks(out, "ddp_equivalence --quick torchrun n=2", 2)

@@ -105,6 +105,7 @@ def test_a_bad_topology_is_refused_naming_it(tmp_path):
         _planner(2, tmp_path / "no-such.json")
 
 
+@pytest.mark.wide  # 7 s of make test's 10 minutes; the planner's choices: the tests above
 def test_under_mpiexec_the_variable_picks_by_simulation(tmp_path):
     script = tmp_path / "sim_auto.py"
     script.write_text(
